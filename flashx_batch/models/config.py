@@ -1,0 +1,181 @@
+"""`ModelConfig.from_hf`: the single place that reads Hugging Face `config.json` quirks.
+
+Called by the loader when an engine starts. Everything downstream (layers, weight loading, KV
+arena sizing) reads this frozen dataclass, never the raw dict, so a new family is one entry in
+`ARCHITECTURES` plus whatever flag it needs here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flashx_batch.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class FamilyFlags:
+    """What distinguishes one decoder family from another (mini-sglang style: flags, not classes)."""
+
+    qkv_bias_default: bool = False  # bias on q/k/v when config.json does not say `attention_bias`
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sandwich_norm: bool = False  # Glm4: extra norms after attention and after the MLP
+    interleaved_rope: bool = False  # GLM: rotate (x0,x1),(x2,x3)… pairs instead of halves
+    default_partial_rotary: float = 1.0  # GLM rotates only half of each head by default
+    fused_gate_up_in_checkpoint: bool = False  # GLM ships `gate_up_proj` already fused
+
+
+ARCHITECTURES: dict[str, FamilyFlags] = {
+    "LlamaForCausalLM": FamilyFlags(),
+    "MistralForCausalLM": FamilyFlags(),
+    "Qwen2ForCausalLM": FamilyFlags(qkv_bias_default=True),
+    "Qwen3ForCausalLM": FamilyFlags(qk_norm=True),
+    "GlmForCausalLM": FamilyFlags(
+        qkv_bias_default=True, interleaved_rope=True, default_partial_rotary=0.5,
+        fused_gate_up_in_checkpoint=True,
+    ),
+    "Glm4ForCausalLM": FamilyFlags(
+        qkv_bias_default=True, interleaved_rope=True, default_partial_rotary=0.5,
+        fused_gate_up_in_checkpoint=True, sandwich_norm=True,
+    ),
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+    interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    flags: FamilyFlags
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: RopeConfig
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: missing. A model directory needs the Hugging Face config.json.")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path}: not valid JSON ({exc}).") from exc
+        return cls.from_hf(raw, source=str(path))
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"{source}: architecture {archs or '(none given)'} is not supported; "
+                f"supported: {', '.join(sorted(ARCHITECTURES))}."
+            )
+        flags = ARCHITECTURES[arch]
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        head_dim = raw.get("head_dim") or hidden // heads
+        bias = raw.get("attention_bias")
+        return cls(
+            architecture=arch,
+            flags=flags,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2's modeling code hard-wires q/k/v bias; its config.json does not say so.
+            attention_bias=flags.qkv_bias_default if arch == "Qwen2ForCausalLM" or bias is None else bool(bias),
+            rope=_read_rope(raw, flags, source),
+            sliding_window=_read_sliding_window(raw, arch),
+            eos_token_ids=_as_ids(raw.get("eos_token_id")),
+            bos_token_id=raw.get("bos_token_id"),
+            pad_token_id=raw.get("pad_token_id"),
+        )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _read_rope(raw: dict[str, Any], flags: FamilyFlags, source: str) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    return RopeConfig(
+        theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+        partial_rotary_factor=float(flags.default_partial_rotary if partial is None else partial),
+        interleaved=flags.interleaved_rope,
+    )
+
+
+def _read_sliding_window(raw: dict[str, Any], arch: str) -> int | None:
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
+        layer_types = raw.get("layer_types") or []
+        if not raw.get("use_sliding_window") and "sliding_attention" not in layer_types:
+            return None
+    return int(window)

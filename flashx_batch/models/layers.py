@@ -1,0 +1,109 @@
+"""Tensor building blocks shared by every decoder family: RMSNorm, rotary tables, MLP.
+
+Numerics deliberately follow `transformers` op for op (norm in float32, RoPE tables computed from
+float32 positions) so that float32 greedy decoding is token-identical to it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashx_batch.models.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
+    """Inverse frequencies for `rotary_dim` channels, with `linear` / `llama3` scaling applied."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryTable:
+    """cos / sin for every position up to `max_positions`, built once at load, indexed per step."""
+
+    def __init__(self, rope: RopeConfig, rotary_dim: int, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        inv_freq = rope_inv_freq(rope, rotary_dim)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rotary_dim]
+        cos, sin = emb.cos(), emb.sin()
+        if rope.interleaved:
+            # GLM pairs adjacent channels: channel 2i and 2i+1 share frequency i.
+            half = rotary_dim // 2
+            cos = cos[:, :half].repeat_interleave(2, dim=-1)
+            sin = sin[:, :half].repeat_interleave(2, dim=-1)
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
+        self.rotary_dim = rotary_dim
+        self.interleaved = rope.interleaved
+        self.max_positions = max_positions
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, 1, rotary_dim] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [B, T, H, D]; rotates the first `cos.shape[-1]` channels, passes the rest through."""
+    rotary_dim = cos.shape[-1]
+    rotate = _rotate_pairs if interleaved else _rotate_half
+    if rotary_dim == x.shape[-1]:
+        return (x * cos) + (rotate(x) * sin)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat(((x_rot * cos) + (rotate(x_rot) * sin), x_pass), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with the gate and up projections fused into one matmul at load time."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype, device=device),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype, device=device),
+                                 requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)

@@ -1,0 +1,134 @@
+"""The KV arena: one allocation at engine start, divided into fixed segments.
+
+Two owners, as in nano-vllm:
+- `SegmentAllocator` is integer bookkeeping only (free list, reference counts, per-row segment
+  tables). Reference counts exist so that prefix reuse can point several rows at one read-only
+  segment; a row's table may also hold fewer slots than tokens once KV merging lands.
+- `KVArena` owns the tensor `[layers, 2, slots, kv_heads, head_dim]`, where slot = segment *
+  segment_size + offset. Nothing here allocates per decode step.
+
+Static batching uses *stripes*: batch position i owns segments [i*S, (i+1)*S), so a whole batch's
+cache is a strided view `[B, cap, kv_heads, head_dim]` with no gather. Rows whose tables are not
+stripes (shared prefixes, merged rows) will need a gather of their slots; the slot arithmetic
+(segment * segment_size + offset) is already the addressing scheme, so that is a read path to add,
+not a re-layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ArenaFullError(RuntimeError):
+    """More segments were requested than the arena has free (a scheduler bug, not a user error)."""
+
+
+@dataclass
+class SegmentTable:
+    """The segments one row owns, in position order, and how many tokens it holds."""
+
+    segments: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class SegmentAllocator:
+    """Free list + reference counts over `num_segments` segments of `segment_size` slots."""
+
+    def __init__(self, num_segments: int, segment_size: int) -> None:
+        self.num_segments = num_segments
+        self.segment_size = segment_size
+        self.refcount = [0] * num_segments
+        self._free = set(range(num_segments))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def segments_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.segment_size)
+
+    def take(self, segment_ids: list[int]) -> list[int]:
+        """Claim exactly these segments (static stripes); each must be free."""
+        busy = [s for s in segment_ids if s not in self._free]
+        if busy:
+            raise ArenaFullError(f"segments {busy[:8]} are already in use")
+        for s in segment_ids:
+            self._free.discard(s)
+            self.refcount[s] = 1
+        return list(segment_ids)
+
+    def allocate(self, count: int) -> list[int]:
+        """Claim any `count` free segments, lowest ids first (keeps stripes contiguous when possible)."""
+        if count > len(self._free):
+            raise ArenaFullError(f"need {count} segments, {len(self._free)} free of {self.num_segments}")
+        chosen = sorted(self._free)[:count]
+        return self.take(chosen)
+
+    def share(self, segment_id: int) -> None:
+        """Another row now reads this segment (prefix reuse)."""
+        if self.refcount[segment_id] <= 0:
+            raise ValueError(f"segment {segment_id} is not allocated")
+        self.refcount[segment_id] += 1
+
+    def release(self, segment_ids: list[int]) -> None:
+        for s in segment_ids:
+            if self.refcount[s] <= 0:
+                raise ValueError(f"segment {s} released more often than taken")
+            self.refcount[s] -= 1
+            if self.refcount[s] == 0:
+                self._free.add(s)
+
+    def is_whole(self) -> bool:
+        """True when every segment is free again: the check tests run after each batch."""
+        return len(self._free) == self.num_segments and not any(self.refcount)
+
+
+class KVArena:
+    """Device storage for keys and values of every layer, allocated once."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int,
+                 row_capacity: int, segment_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        if row_capacity % segment_size:
+            raise ValueError("row_capacity must be a multiple of segment_size")
+        self.segment_size = segment_size
+        self.max_rows = max_rows
+        self.row_capacity = row_capacity
+        self.segments_per_row = row_capacity // segment_size
+        self.num_segments = max_rows * self.segments_per_row
+        self.num_slots = self.num_segments * segment_size
+        self.storage = torch.zeros(num_layers, 2, self.num_slots, num_kv_heads, head_dim, dtype=dtype,
+                                   device=device)
+        self.allocator = SegmentAllocator(self.num_segments, segment_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def bytes_per_token(self) -> int:
+        return self.nbytes // self.num_slots
+
+    def stripe_segments(self, row: int) -> list[int]:
+        start = row * self.segments_per_row
+        return list(range(start, start + self.segments_per_row))
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[slots, kv_heads, head_dim] views of one layer's keys and values."""
+        return self.storage[layer, 0], self.storage[layer, 1]
+
+    def stripes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[max_rows, cap, kv_heads, head_dim] views: batch position i is stripe i."""
+        k, v = self.flat(layer)
+        shape = (self.max_rows, self.row_capacity, *k.shape[1:])
+        return k.view(shape), v.view(shape)
+
+    def move_stripe(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` slots of stripe `src` into stripe `dst`, all layers at once.
+
+        Used when a row finishes: the last active row moves into its place so the active rows
+        stay a dense prefix of the stripes and finished rows cost no more compute.
+        """
+        view = self.storage.view(self.storage.shape[0], 2, self.max_rows, self.row_capacity,
+                                 *self.storage.shape[3:])
+        view[:, :, dst, :length] = view[:, :, src, :length]

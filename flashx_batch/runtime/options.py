@@ -1,0 +1,58 @@
+"""`EngineOptions`: every knob fixed when an engine starts (the `runtime.*` config group maps here)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashx_batch.errors import ConfigError
+
+CACHE_POLICIES = ("static",)
+LONG_INPUT_POLICIES = ("error", "truncate")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def bundled_model_dir() -> Path:
+    """The demo model committed inside the package (see its README.md model card)."""
+    return Path(__file__).resolve().parent.parent / "assets" / "models" / "legal-tiny"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    backend: str = "auto"
+    dtype: str = "auto"
+    max_batch_size: int = 8
+    max_input_len: int = 512
+    max_output_len: int = 128
+    cache_policy: str = "static"
+    segment_size: int = 128
+    long_input: str = "error"
+    num_threads: int | None = None  # CPU only; None = every core this process may run on
+    sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}"),
+            (self.max_input_len >= 1, f"max_input_len must be >= 1, got {self.max_input_len}"),
+            (self.max_output_len >= 1, f"max_output_len must be >= 1, got {self.max_output_len}"),
+            (self.segment_size >= 1, f"segment_size must be >= 1, got {self.segment_size}"),
+            (self.cache_policy in CACHE_POLICIES,
+             f"cache_policy={self.cache_policy!r} is not one of {', '.join(CACHE_POLICIES)}"),
+            (self.long_input in LONG_INPUT_POLICIES,
+             f"long_input={self.long_input!r} is not one of {', '.join(LONG_INPUT_POLICIES)}"),
+            (self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}"),
+            (self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"runtime.{message}.")
+
+    @property
+    def row_capacity(self) -> int:
+        """Token slots a row may hold, rounded up to whole segments."""
+        tokens = self.max_input_len + self.max_output_len
+        return -(-tokens // self.segment_size) * self.segment_size
+
+    def cpu_threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))

@@ -1,0 +1,124 @@
+"""Sampling parameters and the on-device sampler.
+
+Randomness is *stateless*: the Gumbel noise for (row seed, generation step, token id) comes from an
+integer hash computed on the device. A row's samples therefore depend only on its own seed and
+logits — not on which other rows share its batch, their order, or how many batches ran before —
+and no per-row `torch.Generator` loop runs on the host. Gumbel-max with exact noise samples from
+the softmax it perturbs, which the frequency test checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashx_batch.errors import ConfigError
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (DESIGN.md `sampling.*`). temperature 0 = greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise ConfigError(f"sampling.temperature must be >= 0, got {self.temperature}.")
+        if self.top_k < 0:
+            raise ConfigError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p}.")
+        if any(not s for s in self.stop):
+            raise ConfigError("sampling.stop must not contain an empty string.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B] seeds, [B] steps -> [B, vocab] float32 uniforms in (0, 1), a pure function of its inputs."""
+    row = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ 0x9E3779B9))
+    row = _mix32(row ^ (steps & _M32))[:, None]
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)[None, :]
+    bits = _mix32(_mix32(row ^ tokens) ^ 0x6D2B79F5)
+    return ((bits >> 8).float() + 0.5) * (2.0**-24)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling knobs as device tensors, built once per batch, compacted with the batch."""
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, vocab size when off
+    top_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    any_filter: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingBatch:
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seeds=torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
+            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
+            all_greedy=all(p.greedy for p in params),
+            any_filter=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in params),
+        )
+
+    def select(self, rows: torch.Tensor) -> SamplingBatch:
+        return SamplingBatch(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seeds[rows],
+                             self.greedy[rows], self.all_greedy, self.any_filter)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, steps: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32, steps [B] (tokens generated so far per row) -> token ids [B]."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_tokens
+    vocab = logits.shape[-1]
+    scaled = logits / batch.temperature.clamp_min(1e-6)[:, None]
+    gumbel = -torch.log(-torch.log(uniform_noise(batch.seeds, steps, vocab)))
+    if batch.any_filter:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= batch.top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = drop | (mass_before >= batch.top_p[:, None])
+        drop[:, 0] = False  # the most likely token always survives
+        perturbed = sorted_logits.masked_fill(drop, float("-inf")) + gumbel.gather(1, order)
+        sampled = order.gather(1, perturbed.argmax(dim=-1, keepdim=True)).squeeze(1)
+    else:
+        sampled = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(batch.greedy, greedy_tokens, sampled)

@@ -1,0 +1,55 @@
+"""Per-row stop bookkeeping: EOS, stop token ids, stop strings, max_new_tokens.
+
+Runs on the host once per decode step with the B sampled ids the engine already fetched. Stop
+strings need text, so only rows that have stop strings pay for detokenising, and only the tail
+that could contain a new match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flashx_batch.runtime.sampling import SamplingParams
+
+
+@dataclass
+class RowState:
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_at: int | None = None  # character offset where a stop string begins
+
+    @classmethod
+    def start(cls, params: SamplingParams, eos_ids: tuple[int, ...]) -> RowState:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids.update(eos_ids)
+        return cls(params=params, stop_ids=frozenset(ids))
+
+    def append(self, token: int, decode: Callable[[list[int]], str]) -> bool:
+        """Record one generated token; returns True when the row has just finished."""
+        self.token_ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.params.stop and self._hit_stop_string(decode):
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def _hit_stop_string(self, decode: Callable[[list[int]], str]) -> bool:
+        text = decode(self.token_ids)
+        longest = max(len(s) for s in self.params.stop)
+        # A match must end in the text the newest token added; look a stop-length back from there.
+        window_start = max(0, len(decode(self.token_ids[:-1])) - longest + 1) if len(self.token_ids) > 1 else 0
+        hits = [i for s in self.params.stop if (i := text.find(s, window_start)) >= 0]
+        if hits:
+            self.stop_text_at = min(hits)
+            return True
+        return False
+
+    def final_text(self, decode: Callable[[list[int]], str]) -> str:
+        text = decode(self.token_ids)
+        return text if self.stop_text_at is None else text[: self.stop_text_at]

@@ -1,0 +1,44 @@
+"""Tiny random-weight models built with `transformers`' own classes, saved to a directory.
+
+Tests compare our engine against these models; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "glm", "glm4"]
+
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
+    """Save a random `arch` model to `out_dir`; returns the transformers model (float32, eval)."""
+    import transformers as tf
+
+    classes = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=32)),
+        "glm": (tf.GlmConfig, tf.GlmForCausalLM, dict(head_dim=16)),
+        "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, dict(head_dim=16)),
+    }
+    config_cls, model_cls, extra = classes[arch]
+    config = config_cls(**{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    # Random init leaves logits nearly flat; widen them so greedy choices are not coin flips on ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(out_dir)
+    return model
