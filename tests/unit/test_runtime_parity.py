@@ -33,6 +33,7 @@ def test_greedy_tokens_and_prefill_logits_match_transformers(arch, tiny_models):
     prompts = _prompts(1, (5, 17, 9, 30, 12))  # 5 rows > max_batch_size: two batches
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
+        assert len(set(out.token_ids)) >= 8  # a varied continuation, not one token repeated
         assert out.token_ids == _hf_greedy(hf, prompt, NEW_TOKENS)
         assert out.finish_reason == "length" and out.num_input_tokens == len(prompt)
     for prompt, logits in zip(prompts, engine.score(prompts)):
@@ -59,3 +60,14 @@ def test_row_output_is_independent_of_batch_and_position(arch, tiny_models):
     assert outs[1].token_ids == alone
     assert [len(o.token_ids) for o in outs] == [3, 24, 1, 9]
     assert engine.runner.arena.allocator.is_whole()
+
+
+def test_dtype_auto_is_float32_on_cpu_and_bfloat16_tracks_it(tiny_models):
+    model_dir, _ = tiny_models["qwen3"]
+    full = _engine(model_dir, dtype="auto")
+    half = _engine(model_dir, dtype="bfloat16")
+    assert full.dtype == torch.float32 and half.dtype == torch.bfloat16
+    prompt = _prompts(3, (20,))
+    a, b = full.score(prompt)[0], half.score(prompt)[0]
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item() + 0.05
