@@ -19,20 +19,28 @@ from flashx_batch.runtime.kv import KVArena
 
 @dataclass
 class ForwardContext:
-    """Per-call metadata shared by all layers.
+    """Per-call metadata shared by all layers. Three modes:
 
-    prefill: rows are right-padded to T; row i writes stripe i, positions 0..T-1. Causal attention
+    prefill: rows right-padded to T; row i writes stripe i, positions 0..T-1. Causal attention
       means a real token never sees the padding that follows it.
-    decode: one token per row at `positions[i]`; keys 0..kv_len-1 are read, `attn_mask` hides the
-      slots beyond each row's own length.
+    decode: one token per row; row i writes stripe slot `write_slots[i]` and reads slots
+      0..kv_len-1; `attn_mask` (bool, or float carrying merged slots' log-count bias) hides the rest.
+    extend: one row, a chunk of C tokens appended after `cached` slots of a flat region starting at
+      slot `start` (segment-sparse prefill, rolling merge, teacher-forced scoring). `extend_mask`
+      [1, 1, C, cached + C] is None for a plain causal chunk with nothing cached.
     """
 
-    is_prefill: bool
+    mode: str
     cos: torch.Tensor  # [B, T, 1, rotary_dim]
     sin: torch.Tensor
-    positions: torch.Tensor  # decode: [B]; prefill: unused
+    write_slots: torch.Tensor | None = None  # decode: [B]
     kv_len: int = 0
-    attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, kv_len] bool
+    attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, kv_len]
+    start: int = 0  # extend
+    cached: int = 0
+    extend_mask: torch.Tensor | None = None
+    observe: int = 0  # extend: score keys by the attention of the last `observe` queries
+    scores: torch.Tensor | None = None  # filled when observe > 0: [cached + C], summed over layers
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -63,26 +71,72 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, ctx.cos, ctx.sin, self.interleaved)
         k = apply_rotary(k, ctx.cos, ctx.sin, self.interleaved)
-        k_cache, v_cache = arena.stripes(self.layer)  # [max_rows, cap, Hkv, D]
-        if ctx.is_prefill:
-            k_cache[:batch, :seq] = k
-            v_cache[:batch, :seq] = v
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, scale=self.scale, enable_gqa=True,
-            )
+        if ctx.mode == "prefill":
+            out = self._prefill(q, k, v, arena)
+        elif ctx.mode == "decode":
+            out = self._decode(q, k, v, ctx, arena)
         else:
-            rows = torch.arange(batch, device=x.device)
-            k_cache[rows, ctx.positions] = k[:, 0]
-            v_cache[rows, ctx.positions] = v[:, 0]
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k_cache[:batch, : ctx.kv_len].transpose(1, 2),
-                v_cache[:batch, : ctx.kv_len].transpose(1, 2),
-                attn_mask=ctx.attn_mask, scale=self.scale, enable_gqa=True,
-            )
+            out = self._extend(q, k, v, ctx, arena)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return F.linear(out, self.o_proj)
+
+
+    def _prefill(self, q, k, v, arena: KVArena) -> torch.Tensor:
+        batch, seq = q.shape[:2]
+        k_cache, v_cache = arena.stripes(self.layer)  # [max_rows, cap, Hkv, D]
+        k_cache[:batch, :seq] = k
+        v_cache[:batch, :seq] = v
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale, enable_gqa=True
+        )
+
+    def _decode(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+        batch = q.shape[0]
+        k_cache, v_cache = arena.stripes(self.layer)
+        rows = torch.arange(batch, device=q.device)
+        k_cache[rows, ctx.write_slots] = k[:, 0]
+        v_cache[rows, ctx.write_slots] = v[:, 0]
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k_cache[:batch, : ctx.kv_len].transpose(1, 2),
+            v_cache[:batch, : ctx.kv_len].transpose(1, 2),
+            attn_mask=ctx.attn_mask, scale=self.scale, enable_gqa=True,
+        )
+
+    def _extend(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+        seq = q.shape[1]
+        k_flat, v_flat = arena.flat(self.layer)  # [slots, Hkv, D]
+        begin, end = ctx.start + ctx.cached, ctx.start + ctx.cached + seq
+        k_flat[begin:end] = k[0]
+        v_flat[begin:end] = v[0]
+        keys = k_flat[ctx.start : end][None].transpose(1, 2)  # [1, Hkv, cached + C, D]
+        values = v_flat[ctx.start : end][None].transpose(1, 2)
+        queries = q.transpose(1, 2)  # [1, H, C, D]
+        if ctx.observe:
+            self._observe(queries, keys, ctx)
+        if ctx.extend_mask is None and ctx.cached == 0:
+            return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
+                                                  enable_gqa=True)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.extend_mask, scale=self.scale,
+                                              enable_gqa=True)
+
+    def _observe(self, queries: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext) -> None:
+        """SnapKV-style importance: attention the last `observe` queries pay each key, pooled.
+
+        SDPA does not return its weights, so the window's scores are recomputed here (W x L, small).
+        """
+        window = min(ctx.observe, queries.shape[2])
+        q_win = queries[:, :, -window:].float()  # [1, H, W, D]
+        k_all = keys.float().repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [1, H, L, D]
+        logits = (q_win @ k_all.transpose(-1, -2)) * self.scale  # [1, H, W, L]
+        if ctx.extend_mask is not None:
+            logits = logits + ctx.extend_mask[:, :, -window:].float()
+        else:
+            total = k_all.shape[2]
+            q_pos = torch.arange(total - window, total, device=queries.device)[:, None]
+            logits = logits.masked_fill(torch.arange(total, device=queries.device)[None, :] > q_pos, float("-inf"))
+        weights = logits.softmax(dim=-1).mean(dim=(0, 1, 2))  # [L]
+        ctx.scores = weights if ctx.scores is None else ctx.scores + weights
 
 
 class DecoderLayer(nn.Module):
@@ -120,6 +174,9 @@ class DecoderModel(nn.Module):
         self.rotary: RotaryTable | None = None
 
     def build_rotary(self, max_positions: int) -> None:
+        """(Re)build the RoPE table; the engine grows it when a rolling merge runs past a row's slots."""
+        if self.rotary is not None and self.rotary.max_positions >= max_positions:
+            return
         cfg = self.config
         self.rotary = RotaryTable(cfg.rope, cfg.rotary_dim, max_positions, self.embed.dtype, self.embed.device)
 

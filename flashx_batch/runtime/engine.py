@@ -21,6 +21,8 @@ from flashx_batch.errors import ConfigError, PromptTooLongError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
 from flashx_batch.runtime.kv import KVArena
+from flashx_batch.runtime.kv_merge import (MergeSettings, apply_plan, choose_groups, compressed_length,
+                                           plan_groups, plan_oldest)
 from flashx_batch.runtime.model_runner import ModelRunner
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.sampling import SamplingBatch, SamplingParams, sample
@@ -59,6 +61,7 @@ class GenerateStats:
     decode_steps: int = 0
     kv_bytes_peak: int = 0  # bytes of the segments held at the fullest moment
     kv_bytes_arena: int = 0
+    kv_bytes_static_peak: int = 0  # what a static cache would have held for the same rows
     batch_sizes: list[int] = field(default_factory=list)
 
     @property
@@ -80,7 +83,8 @@ class GenerateStats:
             "output_tokens": self.output_tokens, "padding_efficiency": self.padding_efficiency,
             "prefill_s": self.prefill_s, "decode_s": self.decode_s, "wall_s": self.wall_s,
             "output_tok_per_s": self.output_tok_per_s, "kv_bytes_peak": self.kv_bytes_peak,
-            "kv_bytes_arena": self.kv_bytes_arena, "decode_steps": self.decode_steps,
+            "kv_bytes_arena": self.kv_bytes_arena,
+            "kv_bytes_static_peak": self.kv_bytes_static_peak, "max_batch_size": max(self.batch_sizes, default=0), "decode_steps": self.decode_steps,
         }
 
 
@@ -107,14 +111,33 @@ class Engine:
         self._check_context(self.config, options)
         started = time.perf_counter()
         model = load_model(self.model_dir, self.dtype, self.device, options.row_capacity)
-        arena = KVArena(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                        options.max_batch_size, options.row_capacity, options.segment_size, self.dtype, self.device)
+        self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window)
+        arena = self._build_arena()
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
         self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = tuple(dict.fromkeys(self.config.eos_token_ids + _read_generation_eos(self.model_dir)))
         self.last_stats = GenerateStats()
         log.info("engine ready: %s %s on %s (%s), arena %.1f MiB, %.2fs", self.config.architecture,
                  self.model_dir.name, self.device, self.dtype, arena.nbytes / 2**20, time.perf_counter() - started)
+
+    def _build_arena(self) -> KVArena:
+        """Static: `max_batch_size` stripes of max_input_len + max_output_len. Segment-sparse: the
+        same bytes cut into shorter stripes (a merged prompt needs fewer slots), so more rows fit;
+        a few spare segments hold the last row's prompt before it is merged down."""
+        o, cfg = self.options, self.config
+        rows, capacity, extra = o.max_batch_size, o.row_capacity, 0
+        if o.cache_policy == "segment_sparse":
+            seg = o.segment_size
+            capacity = -(-(compressed_length(o.max_input_len, self.merge) + o.max_output_len) // seg) * seg
+            extra = -(-max(0, o.max_input_len - capacity) // seg)
+            rows = max(1, (o.max_batch_size * o.row_capacity - extra * seg) // capacity)
+        return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, rows, capacity, o.segment_size,
+                       self.dtype, self.device, extra_segments=extra)
+
+    @property
+    def admitted_batch_size(self) -> int:
+        """Rows per static batch this engine runs (more than max_batch_size under segment_sparse)."""
+        return self.runner.arena.max_rows
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, **options) -> Engine:
@@ -162,7 +185,7 @@ class Engine:
             order.sort(key=lambda i: -len(token_lists[i]))
         stats = GenerateStats(kv_bytes_arena=self.runner.arena.nbytes)
         results: dict[int, RequestOutput] = {}
-        size = self.options.max_batch_size
+        size = self.admitted_batch_size
         for start in range(0, len(order), size):
             batch = order[start : start + size]
             rows = self._run_batch([token_lists[i] for i in batch], [params[i] for i in batch], stats)
@@ -200,7 +223,7 @@ class Engine:
         for i, ids in enumerate(token_lists):
             if not ids:
                 raise ConfigError(f"prompt {i} is empty after tokenization; an empty prompt has nothing to continue.")
-            if len(ids) > limit:
+            if len(ids) > limit and self.options.long_input != "rolling_merge":
                 if self.options.long_input == "error":
                     raise PromptTooLongError(i, len(ids), limit)
                 ids = ids[-limit:]  # truncate keeps the tail: the instruction usually comes last
@@ -216,38 +239,46 @@ class Engine:
         runner, arena, sync = self.runner, self.runner.arena, self.backend.synchronize
         allocator = arena.allocator
         rows = [RowState.start(p, self.eos_token_ids) for p in params]
-        held = [allocator.take(arena.stripe_segments(i)[: allocator.segments_for(len(ids) + p.max_new_tokens)])
-                for i, (ids, p) in enumerate(zip(prompts, params))]
-        stats.kv_bytes_peak = max(stats.kv_bytes_peak, sum(map(len, held)) * arena.segment_size * arena.bytes_per_token())
         decode_text = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
+        held: list[list[int]] = []
         try:
             started = time.perf_counter()
-            logits = runner.prefill(prompts)
+            logits, slots = self._prefill(prompts, stats)
+            # segments held per row: its (possibly merged) prompt plus room for every new token
+            held = [allocator.take(arena.stripe_segments(i)[: allocator.segments_for(n + p.max_new_tokens)])
+                    for i, (n, p) in enumerate(zip(slots, params))]
+            token_bytes = arena.segment_size * arena.bytes_per_token()
+            stats.kv_bytes_peak = max(stats.kv_bytes_peak, sum(map(len, held)) * token_bytes)
+            static_need = sum(allocator.segments_for(len(t) + p.max_new_tokens) for t, p in zip(prompts, params))
+            stats.kv_bytes_static_peak = max(stats.kv_bytes_static_peak, static_need * token_bytes)
             sampling = SamplingBatch.build(params, logits.shape[-1], self.device)
             steps = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
             tokens = sample(logits, sampling, steps)
             sync()
             stats.prefill_s += time.perf_counter() - started
-            stats.computed_slots += len(prompts) * max(map(len, prompts))
             started = time.perf_counter()
             # active[j] = index into `rows` of the row in batch position (= stripe) j
             active = list(range(len(prompts)))
-            lengths = [len(p) for p in prompts]  # tokens in the cache per batch position
-            positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
+            positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+            merged = slots != [len(p) for p in prompts]  # RoPE positions and cache slots part ways
+            write_slots = torch.tensor(slots, dtype=torch.long, device=self.device) if merged else None
             while True:
                 finished = [j for j, tok in enumerate(tokens.tolist()) if rows[active[j]].append(tok, decode_text)]
                 if finished:
-                    keep = self._compact(active, lengths, held, finished)
+                    keep = self._compact(active, slots, held, finished)
                     if not active:
                         break
                     keep_t = torch.tensor(keep, device=self.device)
                     tokens, positions, steps = tokens[keep_t], positions[keep_t], steps[keep_t]
+                    write_slots = write_slots[keep_t] if merged else None
                     sampling = sampling.select(keep_t)
-                logits = runner.decode(tokens, positions, max(lengths) + 1)
+                logits = runner.decode(tokens, positions, max(slots) + 1, write_slots)
                 steps += 1
                 tokens = sample(logits, sampling, steps)
                 positions += 1
-                lengths = [n + 1 for n in lengths]
+                if merged:
+                    write_slots += 1
+                slots = [n + 1 for n in slots]
                 stats.decode_steps += 1
                 stats.computed_slots += len(active)
             sync()
@@ -261,6 +292,62 @@ class Engine:
         stats.input_tokens += sum(map(len, prompts))
         stats.output_tokens += sum(len(r.token_ids) for r in rows)
         return rows
+
+    def _prefill(self, prompts: list[list[int]], stats: GenerateStats) -> tuple[torch.Tensor, list[int]]:
+        """Fill stripes 0..B-1 with the prompts' KV -> (last-token logits [B, V], cache slots per row).
+
+        Plain static rows share one right-padded batched prefill. Segment-sparse rows and rows longer
+        than max_input_len (rolling merge) are prefilled one at a time into their own region, then
+        merged down, so a row never needs more than its stripe once its prefill is done.
+        """
+        arena, limit = self.runner.arena, self.options.max_input_len
+        arena.bias.zero_()
+        sparse = self.options.cache_policy == "segment_sparse"
+        if not sparse and all(len(p) <= limit for p in prompts):
+            stats.computed_slots += len(prompts) * max(map(len, prompts))
+            return self.runner.prefill(prompts), [len(p) for p in prompts]
+        budget = compressed_length(limit, self.merge) if sparse else limit
+        last_logits, slots = [], []
+        for i, prompt in enumerate(prompts):
+            start = i * arena.row_capacity
+            if len(prompt) > limit:
+                logits, used = self._rolling_prefill(prompt, start, budget)
+            else:
+                observe = self.merge.window if sparse else 0
+                logits, scores = self.runner.extend(prompt, start, 0, 0, observe=observe)
+                used = len(prompt)
+                if sparse:
+                    plan = plan_groups(used, choose_groups(scores, used, self.merge, "segment_sparse"))
+                    used = apply_plan(arena, start, used, start, plan)
+            stats.computed_slots += len(prompt)
+            last_logits.append(logits[-1])
+            slots.append(used)
+        return torch.stack(last_logits), slots
+
+    def _rolling_prefill(self, prompt: list[int], start: int, budget: int) -> tuple[torch.Tensor, int]:
+        """long_input=rolling_merge: prefill segment by segment; before a segment would overflow
+        `budget` slots, fold the oldest slots 4:1 (again and again for the oldest history)."""
+        chunk = min(self.options.segment_size, budget - self.merge.sinks - self.merge.window)
+        if chunk < 1:
+            raise ConfigError(f"max_input_len={self.options.max_input_len} leaves no room to roll a long prompt "
+                              f"past {self.merge.sinks} sink and {self.merge.window} window tokens; raise it.")
+        # positions run on past the slots: the RoPE table must cover the true token count
+        self.runner.model.build_rotary(len(prompt) + self.options.max_output_len)
+        counts: list[int] = []
+        logits = None
+        for begin in range(0, len(prompt), chunk):
+            piece = prompt[begin : begin + chunk]
+            overflow = len(counts) + len(piece) - budget
+            if overflow > 0:
+                plan = plan_oldest(counts, overflow, self.merge)
+                if plan.num_slots + len(piece) > budget:
+                    raise ConfigError(f"rolling merge cannot fit a {len(prompt)}-token prompt into {budget} slots; "
+                                      "raise max_input_len or shorten the prompt.")
+                apply_plan(self.runner.arena, start, len(counts), start, plan)
+                counts = plan.counts
+            logits, _ = self.runner.extend(piece, start, len(counts), begin)
+            counts += [1] * len(piece)
+        return logits, len(counts)
 
     def _compact(self, active: list[int], lengths: list[int], held: list[list[int]],
                  finished: list[int]) -> list[int]:

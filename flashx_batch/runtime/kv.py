@@ -89,22 +89,31 @@ class KVArena:
     """Device storage for keys and values of every layer, allocated once."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int,
-                 row_capacity: int, segment_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 row_capacity: int, segment_size: int, dtype: torch.dtype, device: torch.device,
+                 extra_segments: int = 0) -> None:
+        """`extra_segments` after the last stripe give a segment-sparse prefill room to hold the
+        last row's uncompressed prompt before it is merged down into its stripe."""
         if row_capacity % segment_size:
             raise ValueError("row_capacity must be a multiple of segment_size")
         self.segment_size = segment_size
         self.max_rows = max_rows
         self.row_capacity = row_capacity
         self.segments_per_row = row_capacity // segment_size
-        self.num_segments = max_rows * self.segments_per_row
+        self.num_segments = max_rows * self.segments_per_row + extra_segments
         self.num_slots = self.num_segments * segment_size
         self.storage = torch.zeros(num_layers, 2, self.num_slots, num_kv_heads, head_dim, dtype=dtype,
                                    device=device)
+        # log(tokens a slot stands for): 0 for an ordinary slot, log 4 for a 4:1 merged one.
+        self.bias = torch.zeros(self.num_slots, dtype=torch.float32, device=device)
         self.allocator = SegmentAllocator(self.num_segments, segment_size)
 
     @property
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
+
+    @property
+    def striped_slots(self) -> int:
+        return self.max_rows * self.row_capacity
 
     def bytes_per_token(self) -> int:
         return self.nbytes // self.num_slots
@@ -121,7 +130,11 @@ class KVArena:
         """[max_rows, cap, kv_heads, head_dim] views: batch position i is stripe i."""
         k, v = self.flat(layer)
         shape = (self.max_rows, self.row_capacity, *k.shape[1:])
-        return k.view(shape), v.view(shape)
+        return k[: self.striped_slots].view(shape), v[: self.striped_slots].view(shape)
+
+    def stripe_bias(self) -> torch.Tensor:
+        """[max_rows, cap] log-count bias per slot, same striping as `stripes`."""
+        return self.bias[: self.striped_slots].view(self.max_rows, self.row_capacity)
 
     def move_stripe(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` slots of stripe `src` into stripe `dst`, all layers at once.
@@ -129,6 +142,8 @@ class KVArena:
         Used when a row finishes: the last active row moves into its place so the active rows
         stay a dense prefix of the stripes and finished rows cost no more compute.
         """
-        view = self.storage.view(self.storage.shape[0], 2, self.max_rows, self.row_capacity,
-                                 *self.storage.shape[3:])
+        view = self.storage[:, :, : self.striped_slots].view(
+            self.storage.shape[0], 2, self.max_rows, self.row_capacity, *self.storage.shape[3:])
         view[:, :, dst, :length] = view[:, :, src, :length]
+        bias = self.stripe_bias()
+        bias[dst, :length] = bias[src, :length]

@@ -29,7 +29,7 @@ class ModelRunner:
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         positions = self._slot_range[:width][None, :]  # [1, T], broadcast over rows
         cos, sin = self.model.rotary.lookup(positions)
-        return ids.to(self.device), lengths, ForwardContext(True, cos, sin, positions)
+        return ids.to(self.device), lengths, ForwardContext("prefill", cos, sin)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
@@ -47,13 +47,48 @@ class ModelRunner:
         return [self.model.logits(hidden[i, : len(p)]) for i, p in enumerate(prompts)]
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """One step: tokens [B] at positions [B] (row i = stripe i) -> logits [B, V]."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+               write_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One step: tokens [B] at RoPE positions [B] (row i = stripe i) -> logits [B, V].
+
+        `write_slots` (default = positions) differ from positions once a row's KV is merged; then
+        the mask also carries each slot's log-count bias from the arena.
+        """
         cos, sin = self.model.rotary.lookup(positions[:, None])
-        mask = (self._slot_range[:kv_len][None, :] <= positions[:, None])[:, None, None, :]
-        ctx = ForwardContext(False, cos, sin, positions, kv_len, mask)
+        if write_slots is None:
+            write_slots = positions
+            mask = (self._slot_range[:kv_len][None, :] <= positions[:, None])[:, None, None, :]
+        else:
+            visible = self._slot_range[:kv_len][None, :] <= write_slots[:, None]
+            bias = self.arena.stripe_bias()[: len(tokens), :kv_len]
+            mask = bias.masked_fill(~visible, float("-inf")).to(self.arena.storage.dtype)[:, None, None, :]
+        ctx = ForwardContext("decode", cos, sin, write_slots, kv_len, mask)
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int], start: int, cached: int, first_position: int, observe: int = 0,
+               all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append `tokens` to one row's flat region at `start`, after `cached` slots already there.
+
+        Cached slots are all visible, with their log-count bias; the new tokens attend causally.
+        Returns logits (last position, or every position with `all_logits`) and, when `observe` > 0,
+        the pooled attention the last `observe` queries paid to each slot.
+        """
+        count = len(tokens)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        positions = torch.arange(first_position, first_position + count, device=self.device)[None, :]
+        cos, sin = self.model.rotary.lookup(positions)
+        mask = None
+        if cached:
+            dtype = self.arena.storage.dtype
+            causal = torch.full((count, count), float("-inf"), device=self.device).triu(1)
+            bias = self.arena.bias[start : start + cached][None, :].expand(count, cached)
+            mask = torch.cat((bias, causal), dim=1)[None, None].to(dtype)  # [1, 1, C, cached + C]
+        ctx = ForwardContext("extend", cos, sin, start=start, cached=cached, extend_mask=mask, observe=observe)
+        hidden = self.model.hidden_states(ids, ctx, self.arena)[0]  # [C, hidden]
+        self.arena.bias[start + cached : start + cached + count] = 0.0
+        return self.model.logits(hidden if all_logits else hidden[-1:]), ctx.scores
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.arena.move_stripe(src, dst, length)

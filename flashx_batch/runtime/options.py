@@ -8,8 +8,8 @@ from pathlib import Path
 
 from flashx_batch.errors import ConfigError
 
-CACHE_POLICIES = ("static",)
-LONG_INPUT_POLICIES = ("error", "truncate")
+CACHE_POLICIES = ("static", "segment_sparse")
+LONG_INPUT_POLICIES = ("error", "truncate", "rolling_merge")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -30,6 +30,8 @@ class EngineOptions:
     long_input: str = "error"
     num_threads: int | None = None  # CPU only; None = every core this process may run on
     sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
+    kv_merge_fraction: float = 0.6  # segment_sparse: share of eligible 4-token groups merged 4:1
+    kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups
 
     def __post_init__(self) -> None:
         checks = [
@@ -42,6 +44,8 @@ class EngineOptions:
             (self.long_input in LONG_INPUT_POLICIES,
              f"long_input={self.long_input!r} is not one of {', '.join(LONG_INPUT_POLICIES)}"),
             (self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}"),
+            (0.0 <= self.kv_merge_fraction <= 1.0, f"kv_merge_fraction must be in [0, 1], got {self.kv_merge_fraction}"),
+            (self.kv_observe_window >= 1, f"kv_observe_window must be >= 1, got {self.kv_observe_window}"),
             (self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
         ]
         for ok, message in checks:

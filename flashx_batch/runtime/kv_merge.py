@@ -1,0 +1,162 @@
+"""Segment-sparse KV: which 4-token groups to merge, and the merge itself.
+
+Pure planning (`plan_*`) is integer / small-tensor work on the host; `apply_plan` is the one place
+that rewrites arena tensors. A plan maps every source slot to a target slot (or drops it) with a
+weight, so one mechanism serves 4:1 merging, the no-bias and evict-only ablations, StreamingLLM's
+sinks + recent window, and rolling merges of already-merged slots (weights by token count).
+
+Merged slot = count-weighted mean of its post-RoPE keys and of its values; attention adds
+log(count) to its logit, so a slot standing for 4 identical tokens weighs exactly as the 4 did.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashx_batch.runtime.kv import KVArena
+
+GROUP = 4
+POLICIES = ("segment_sparse", "evict", "random", "merge_no_bias", "streaming")
+
+
+@dataclass(frozen=True)
+class MergeSettings:
+    fraction: float = 0.6  # of eligible groups; chosen by `python -m flashx_batch.quality`
+    sinks: int = 4  # first tokens never merged (attention sinks)
+    window: int = 32  # last tokens: the observation window, never merged
+
+
+@dataclass
+class MergePlan:
+    """target[i] = output slot of source slot i (-1 = dropped); weight[i] its share in that slot."""
+
+    target: torch.Tensor  # [L] int64
+    weight: torch.Tensor  # [L] float32
+    counts: list[int]  # tokens each output slot stands for
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.counts)
+
+    def log_counts(self, with_bias: bool = True) -> torch.Tensor:
+        if not with_bias:
+            return torch.zeros(len(self.counts))
+        return torch.tensor([math.log(c) for c in self.counts], dtype=torch.float32)
+
+
+def eligible_groups(length: int, settings: MergeSettings) -> list[int]:
+    """Groups g (tokens 4g..4g+3) clear of the sinks and of the observation window."""
+    first = -(-settings.sinks // GROUP)
+    last = (length - settings.window) // GROUP  # exclusive
+    return list(range(first, max(first, last)))
+
+
+def merge_count(length: int, settings: MergeSettings) -> int:
+    return round(settings.fraction * len(eligible_groups(length, settings)))
+
+
+def compressed_length(length: int, settings: MergeSettings) -> int:
+    """Slots a `length`-token prompt occupies after a 4:1 merge at `settings.fraction`."""
+    return length - (GROUP - 1) * merge_count(length, settings)
+
+
+def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSettings, policy: str,
+                  seed: int = 0) -> list[int]:
+    """The groups to merge: lowest pooled attention score (or random, for the ablation)."""
+    groups = eligible_groups(length, settings)
+    count = merge_count(length, settings)
+    if count == 0:
+        return []
+    if policy == "random":
+        g = torch.Generator().manual_seed(seed)
+        return sorted(groups[i] for i in torch.randperm(len(groups), generator=g)[:count].tolist())
+    upto = (groups[-1] + 1) * GROUP
+    group_scores = scores[:upto].float().view(-1, GROUP).sum(-1)[groups]
+    lowest = torch.argsort(group_scores, stable=True)[:count].tolist()
+    return sorted(groups[i] for i in lowest)
+
+
+def plan_groups(length: int, groups: list[int], drop: bool = False) -> MergePlan:
+    """Merge (or, with `drop`, evict) each listed 4-token group; every other token keeps its slot."""
+    merged = set(groups)
+    target = torch.empty(length, dtype=torch.int64)
+    weight = torch.ones(length, dtype=torch.float32)
+    counts: list[int] = []
+    token = 0
+    while token < length:
+        if token % GROUP == 0 and token // GROUP in merged:
+            if drop:
+                target[token : token + GROUP] = -1
+            else:
+                target[token : token + GROUP] = len(counts)
+                weight[token : token + GROUP] = 1.0 / GROUP
+                counts.append(GROUP)
+            token += GROUP
+        else:
+            target[token] = len(counts)
+            counts.append(1)
+            token += 1
+    return MergePlan(target, weight, counts)
+
+
+def plan_streaming(length: int, keep: int, sinks: int) -> MergePlan:
+    """StreamingLLM: the first `sinks` tokens and the most recent `keep - sinks`."""
+    target = torch.full((length,), -1, dtype=torch.int64)
+    recent = max(0, keep - sinks)
+    kept = list(range(min(sinks, length))) + list(range(max(sinks, length - recent), length))
+    target[kept] = torch.arange(len(kept))
+    return MergePlan(target, torch.ones(length), [1] * len(kept))
+
+
+def plan_oldest(counts: list[int], slots_to_free: int, settings: MergeSettings) -> MergePlan:
+    """Rolling merge: fold the oldest runs of 4 slots (after the sinks, before the window) into one
+    until `slots_to_free` slots are free. Already-merged slots merge again, weighted by their token
+    counts, so older history grows coarser while recent tokens stay exact."""
+    target = torch.empty(len(counts), dtype=torch.int64)
+    weight = torch.ones(len(counts), dtype=torch.float32)
+    out_counts: list[int] = []
+    freed, i, limit = 0, 0, len(counts) - settings.window
+    while i < len(counts):
+        if freed < slots_to_free and settings.sinks <= i and i + GROUP <= limit:
+            run = counts[i : i + GROUP]
+            total = sum(run)
+            target[i : i + GROUP] = len(out_counts)
+            weight[i : i + GROUP] = torch.tensor([c / total for c in run])
+            out_counts.append(total)
+            freed += GROUP - 1
+            i += GROUP
+        else:
+            target[i] = len(out_counts)
+            out_counts.append(counts[i])
+            i += 1
+    if 0 < freed < slots_to_free:  # one pass was not enough: fold the (now coarser) history again
+        return _compose(target, weight, plan_oldest(out_counts, slots_to_free - freed, settings))
+    return MergePlan(target, weight, out_counts)
+
+
+def _compose(first_target: torch.Tensor, first_weight: torch.Tensor, second: MergePlan) -> MergePlan:
+    kept = first_target >= 0
+    target = torch.full_like(first_target, -1)
+    target[kept] = second.target[first_target[kept]]
+    weight = first_weight * torch.where(kept, second.weight[first_target.clamp_min(0)], 0.0)
+    return MergePlan(target, weight, second.counts)
+
+
+def apply_plan(arena: KVArena, src_start: int, length: int, dst_start: int, plan: MergePlan,
+               with_bias: bool = True) -> int:
+    """Rewrite `length` slots at `src_start` (all layers, K and V) into `plan.num_slots` slots at
+    `dst_start`, and set their log-count bias. The source is read fully before the write, so the
+    two regions may overlap (in-place compression). Returns the new slot count."""
+    device = arena.storage.device
+    source = arena.storage[:, :, src_start : src_start + length].float()  # [layers, 2, L, Hkv, D]
+    kept = (plan.target >= 0).nonzero().squeeze(1)
+    out = torch.zeros(*source.shape[:2], plan.num_slots, *source.shape[3:], dtype=torch.float32, device=device)
+    weights = plan.weight[kept].to(device).view(1, 1, -1, 1, 1)
+    out.index_add_(2, plan.target[kept].to(device), source[:, :, kept.to(device)] * weights)
+    end = dst_start + plan.num_slots
+    arena.storage[:, :, dst_start:end] = out.to(arena.storage.dtype)
+    arena.bias[dst_start:end] = plan.log_counts(with_bias).to(device)
+    return plan.num_slots

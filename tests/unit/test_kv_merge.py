@@ -1,0 +1,107 @@
+"""Segment-sparse KV: the merge is exact where it should be, lossless at fraction 0, and rolls long inputs."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashx_batch import Engine, SamplingParams
+from flashx_batch.runtime.kv import KVArena
+from flashx_batch.runtime.kv_merge import (GROUP, MergeSettings, apply_plan, choose_groups, compressed_length,
+                                           eligible_groups, plan_groups, plan_oldest, plan_streaming)
+
+
+def _attend(q, arena, length, bias=True):
+    k, v = arena.flat(0)
+    mask = arena.bias[:length] if bias else torch.zeros(length)
+    return F.scaled_dot_product_attention(q, k[:length].transpose(0, 1)[None], v[:length].transpose(0, 1)[None],
+                                          attn_mask=mask[None, None, None, :])
+
+
+@pytest.mark.parametrize("with_bias,should_match", [(True, True), (False, False)])
+def test_duplicate_oracle(with_bias, should_match):
+    torch.manual_seed(0)
+    length, heads, dim = 64, 2, 16
+    arena = KVArena(1, heads, dim, max_rows=1, row_capacity=64, segment_size=16, dtype=torch.float32,
+                    device=torch.device("cpu"))
+    groups = torch.randn(2, length // GROUP, heads, dim)
+    arena.storage[0, :, :length] = groups.repeat_interleave(GROUP, dim=1)  # every group: 4 identical K/V
+    q = torch.randn(1, heads, 3, dim)
+    full = _attend(q, arena, length)
+    merge = [g for g in range(1, 12)]  # 11 of 16 groups
+    used = apply_plan(arena, 0, length, 0, plan_groups(length, merge), with_bias=with_bias)
+    assert used == length - 3 * len(merge)
+    merged = _attend(q, arena, used)
+    assert torch.allclose(full, merged, atol=1e-5) is should_match
+    if with_bias:
+        assert arena.bias[3].item() == 0.0 and arena.bias[4].item() == pytest.approx(math.log(4))
+
+
+def test_plans_cover_every_policy():
+    s = MergeSettings(fraction=0.5, sinks=4, window=8)
+    assert eligible_groups(40, s) == list(range(1, 8))
+    scores = torch.arange(40, dtype=torch.float32)  # later tokens matter more
+    assert choose_groups(scores, 40, s, "segment_sparse") == [1, 2, 3, 4]
+    assert len(choose_groups(scores, 40, s, "random", seed=3)) == 4
+    assert compressed_length(40, s) == 28
+    evict = plan_groups(40, [1, 2], drop=True)
+    assert evict.num_slots == 32 and (evict.target[4:12] == -1).all()
+    stream = plan_streaming(40, keep=20, sinks=4)
+    assert stream.num_slots == 20 and stream.target[39] == 19 and stream.target[10] == -1
+    rolled = plan_oldest([1] * 40, 12, s)
+    assert rolled.num_slots == 28 and rolled.counts[4:8] == [4, 4, 4, 4] and sum(rolled.counts) == 40
+    twice = plan_oldest(rolled.counts, 9, s)
+    assert twice.counts[4] == 16 and sum(twice.counts) == 40
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_models):
+    return tiny_models["llama"][0]
+
+
+def _engine(model_dir, **kw):
+    opts = dict(backend="cpu", dtype="float32", max_batch_size=4, max_input_len=96, max_output_len=16,
+                segment_size=16)
+    opts.update(kw)
+    return Engine.from_pretrained(model_dir, **opts)
+
+
+def _prompts(lengths, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm4"])
+def test_fraction_zero_is_token_identical_to_static(arch, tiny_models):
+    model_dir = tiny_models[arch][0]
+    prompts = _prompts((90, 40, 64, 7, 55))
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    static = _engine(model_dir).generate(prompts, params)
+    sparse = _engine(model_dir, cache_policy="segment_sparse", kv_merge_fraction=0.0).generate(prompts, params)
+    assert [o.token_ids for o in static] == [o.token_ids for o in sparse]
+
+
+def test_segment_sparse_admits_more_rows_and_keeps_the_arena_whole(llama_dir):
+    static = _engine(llama_dir)
+    sparse = _engine(llama_dir, cache_policy="segment_sparse", kv_merge_fraction=0.8, kv_observe_window=8)
+    assert sparse.runner.arena.nbytes <= static.runner.arena.nbytes
+    assert sparse.admitted_batch_size > static.admitted_batch_size
+    prompts = _prompts((96,) * 6)
+    outs = sparse.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (16, 3, 16, 1, 9, 16)])
+    assert [o.num_generated_tokens for o in outs] == [16, 3, 16, 1, 9, 16]
+    assert sparse.last_stats.batches == 1 and sparse.last_stats.kv_bytes_peak < sparse.last_stats.kv_bytes_static_peak
+    assert sparse.runner.arena.allocator.is_whole()
+    # the first generated token comes from the uncompressed prefill: always equal to static's
+    first = static.generate(prompts[:1], SamplingParams(max_new_tokens=1))[0].token_ids
+    assert outs[0].token_ids[:1] == first
+
+
+def test_rolling_merge_completes_a_prompt_three_times_max_input_len(llama_dir):
+    engine = _engine(llama_dir, long_input="rolling_merge", kv_observe_window=8)
+    long_prompt = _prompts((3 * 96,))[0]
+    out = engine.generate([long_prompt, long_prompt[:50]], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert out[0].num_input_tokens == 3 * 96 and out[0].num_generated_tokens == 16
+    assert engine.runner.arena.allocator.is_whole()
+    reference = _engine(llama_dir).generate([long_prompt[:50]], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert out[1].token_ids == reference[0].token_ids  # a short row in the same batch is unaffected
