@@ -38,7 +38,7 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
     # Default init leaves logits nearly flat and greedy output collapses into one repeated token; wider
     # weights give varied continuations, so a parity test compares real sequences, not a constant.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
     model.save_pretrained(out_dir)

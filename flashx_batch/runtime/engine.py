@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,8 +21,14 @@ from flashx_batch.errors import ConfigError, PromptTooLongError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
 from flashx_batch.runtime.kv import KVArena
-from flashx_batch.runtime.kv_merge import (MergeSettings, apply_plan, choose_groups, compressed_length,
-                                           plan_groups, plan_oldest)
+from flashx_batch.runtime.kv_merge import (
+    MergeSettings,
+    apply_plan,
+    choose_groups,
+    compressed_length,
+    plan_groups,
+    plan_oldest,
+)
 from flashx_batch.runtime.model_runner import ModelRunner
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.sampling import SamplingBatch, SamplingParams, sample
@@ -84,7 +90,8 @@ class GenerateStats:
             "prefill_s": self.prefill_s, "decode_s": self.decode_s, "wall_s": self.wall_s,
             "output_tok_per_s": self.output_tok_per_s, "kv_bytes_peak": self.kv_bytes_peak,
             "kv_bytes_arena": self.kv_bytes_arena,
-            "kv_bytes_static_peak": self.kv_bytes_static_peak, "max_batch_size": max(self.batch_sizes, default=0), "decode_steps": self.decode_steps,
+            "kv_bytes_static_peak": self.kv_bytes_static_peak, "max_batch_size": max(self.batch_sizes, default=0),
+            "decode_steps": self.decode_steps,
         }
 
 
@@ -114,7 +121,8 @@ class Engine:
         self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window)
         arena = self._build_arena()
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
-        self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
+        self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = tuple(dict.fromkeys(self.config.eos_token_ids + _read_generation_eos(self.model_dir)))
         self.last_stats = GenerateStats()
         log.info("engine ready: %s %s on %s (%s), arena %.1f MiB, %.2fs", self.config.architecture,

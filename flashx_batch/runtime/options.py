@@ -44,7 +44,8 @@ class EngineOptions:
             (self.long_input in LONG_INPUT_POLICIES,
              f"long_input={self.long_input!r} is not one of {', '.join(LONG_INPUT_POLICIES)}"),
             (self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}"),
-            (0.0 <= self.kv_merge_fraction <= 1.0, f"kv_merge_fraction must be in [0, 1], got {self.kv_merge_fraction}"),
+            (0.0 <= self.kv_merge_fraction <= 1.0,
+             f"kv_merge_fraction must be in [0, 1], got {self.kv_merge_fraction}"),
             (self.kv_observe_window >= 1, f"kv_observe_window must be >= 1, got {self.kv_observe_window}"),
             (self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
         ]

@@ -8,8 +8,17 @@ import torch.nn.functional as F
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.runtime.kv import KVArena
-from flashx_batch.runtime.kv_merge import (GROUP, MergeSettings, apply_plan, choose_groups, compressed_length,
-                                           eligible_groups, plan_groups, plan_oldest, plan_streaming)
+from flashx_batch.runtime.kv_merge import (
+    GROUP,
+    MergeSettings,
+    apply_plan,
+    choose_groups,
+    compressed_length,
+    eligible_groups,
+    plan_groups,
+    plan_oldest,
+    plan_streaming,
+)
 
 
 def _attend(q, arena, length, bias=True):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from model_factory import ARCHS
 
 from flashx_batch import Engine, SamplingParams
-from model_factory import ARCHS
 
 NEW_TOKENS = 32
 

@@ -56,7 +56,8 @@ def _frequencies(logits, params, draws=20000):
 def test_sampled_frequencies_follow_the_softmax(params, expected):
     logits = torch.tensor([[0.0, 0.5, 1.0, 1.5, 2.0]])
     probs = (logits[0] / params.temperature).softmax(-1)
-    if expected is not None:  # softmax = .058 .096 .158 .260 .429: top-p keeps tokens until the mass before them reaches p
+    # softmax = .058 .096 .158 .260 .429: top-p keeps tokens until the mass before them reaches p
+    if expected is not None:
         keep = torch.tensor(expected) > 0
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum()
