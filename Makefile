@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH_CPU_WHEEL ?= torch==2.13.0
 CONF ?= legal_docs
 
-.PHONY: help setup run test bench lint clean
+.PHONY: help setup run test bench lint doctor clean
 
 help:  ## show this help
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ bench:  ## run the benchmarks, writing results/ (ratios measured side by side in
 
 lint:  ## ruff
 	$(PY) -m ruff check flashx_batch tests jobs
+
+doctor:  ## check the accelerator stack (torch build, drivers, CANN / ROCm, Ray) and name the fix
+	$(PY) -m flashx_batch.doctor
 
 clean:  ## remove build outputs (not the venv)
 	rm -rf outputs multirun results build .pytest_cache

@@ -1,10 +1,19 @@
 """flashx-batch: offline batch LLM inference for heterogeneous accelerators.
 
-Public API (DESIGN.md): `Engine`, `SamplingParams`, `RequestOutput`.
+Public API (DESIGN.md): `Engine`, `SamplingParams`, `RequestOutput`. Names load lazily so that
+`python -m flashx_batch.doctor` still runs when `import torch` itself is broken (torch_npu without
+CANN), which is exactly when a user needs it.
 """
 
-from flashx_batch.runtime.engine import Engine, GenerateStats, RequestOutput
-from flashx_batch.runtime.sampling import SamplingParams
+import importlib
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerateStats", "__version__"]
+_LAZY = {"Engine": "flashx_batch.runtime.engine", "GenerateStats": "flashx_batch.runtime.engine",
+         "RequestOutput": "flashx_batch.runtime.engine", "SamplingParams": "flashx_batch.runtime.sampling"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'flashx_batch' has no attribute {name!r}")

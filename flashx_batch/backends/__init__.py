@@ -1,4 +1,8 @@
-"""Backend registry: `get_backend("auto" | "cpu" | "cuda" | "rocm" | "npu")`."""
+"""Backend registry: `get_backend("auto" | "cpu" | "cuda" | "rocm" | "npu" | "onnx")`.
+
+Called by `runtime.engine` when an engine starts, by `onnx.OnnxEngine`, by the Ray runner (for
+`ray_options`) and by `doctor`'s probe subprocess.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +10,44 @@ from flashx_batch.backends.base import Backend
 from flashx_batch.backends.cpu import CpuBackend
 from flashx_batch.backends.cuda import CudaBackend
 from flashx_batch.backends.npu import NpuBackend
+from flashx_batch.backends.onnx import OnnxBackend
 from flashx_batch.backends.rocm import RocmBackend
 from flashx_batch.errors import ConfigError
 
-BACKENDS: dict[str, type[Backend]] = {"cpu": CpuBackend, "cuda": CudaBackend, "rocm": RocmBackend, "npu": NpuBackend}
+BACKENDS: dict[str, type[Backend]] = {
+    "cpu": CpuBackend, "cuda": CudaBackend, "rocm": RocmBackend, "npu": NpuBackend, "onnx": OnnxBackend,
+}
+# `onnx` is never chosen by `auto`: it is an explicit choice for hosts without a HIP build of torch.
 AUTO_ORDER = ("npu", "rocm", "cuda", "cpu")
+
+# What to do when a requested backend is not available (doctor prints the same advice, in detail).
+_UNAVAILABLE_HINT = {
+    "npu": "install torch_npu matching your torch and source the CANN set_env.sh",
+    "cuda": "install a CUDA build of torch and check `nvidia-smi`",
+    "rocm": "install a ROCm (HIP) build of torch, or use runtime.backend=onnx with onnxruntime-rocm",
+    "onnx": "pip install 'flashx-batch[rocm]' (onnxruntime-rocm) or onnxruntime",
+}
+
+
+def resolve_name(name: str = "auto") -> str:
+    """`auto` -> the first available of npu → rocm → cuda → cpu; other names pass through."""
+    if name == "auto":
+        return next(n for n in AUTO_ORDER if BACKENDS[n].is_available())
+    return name
 
 
 def get_backend(name: str = "auto") -> Backend:
-    """Resolve a backend name; `auto` takes the first available of npu → rocm → cuda → cpu."""
-    if name == "auto":
-        return next(BACKENDS[n]() for n in AUTO_ORDER if BACKENDS[n].is_available())
-    if name not in BACKENDS:
+    """Resolve a backend name to an instance; raises `ConfigError` naming the fix when it cannot run."""
+    if name != "auto" and name not in BACKENDS:
         raise ConfigError(f"runtime.backend={name!r} is unknown; choose one of auto, {', '.join(BACKENDS)}.")
+    name = resolve_name(name)
     backend = BACKENDS[name]
     if not backend.is_available():
         raise ConfigError(
-            f"runtime.backend={name} is not available on this machine; "
-            "run `python -m flashx_batch.doctor` to see why, or use runtime.backend=auto."
+            f"runtime.backend={name} is not available on this machine ({_UNAVAILABLE_HINT.get(name, '')}); "
+            "run `python -m flashx_batch.doctor runtime.backend=" + name + "` to see why, or use runtime.backend=auto."
         )
     return backend()
 
 
-__all__ = ["Backend", "get_backend", "BACKENDS"]
+__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "get_backend", "resolve_name"]

@@ -1,16 +1,49 @@
 """The device seam. Only this package knows which accelerator it is on.
 
 A backend is a small class with declarative attributes (vLLM-platform style) and a few hooks.
-The runtime asks it for a torch device, a default dtype, synchronisation and memory figures; the
-Ray runner asks it how to pin an actor. `is_available()` must never raise: `doctor` and `auto`
-call it on machines where the vendor stack is half-installed.
+Who calls what:
+- `runtime.engine` asks for `device()`, `default_dtype`, `supported_dtypes`, `synchronize()`;
+- `runner.ray_executor` asks `ray_options()` how to pin one actor to one device;
+- a Ray actor asks `assigned_device_index()` which local device is its own;
+- `doctor` (in a probe subprocess) and `get_backend("auto")` call `is_available()` and `describe()`.
+
+`is_available()` must never raise: it runs on machines where the vendor stack is half-installed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
+
+
+def parse_visible_devices(value: str | None) -> list[str] | None:
+    """`CUDA_VISIBLE_DEVICES`-style value -> list of ids; None when unset (everything visible)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value in ("", "NoDevFiles"):  # Ray writes NoDevFiles when an actor gets no device
+        return []
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def local_index_for(accelerator_id: str, visible: list[str] | None) -> int:
+    """Map a Ray accelerator id (a physical id) to the torch device index this process sees.
+
+    Ray normally narrows the visible-devices variable to the actor's own device, which is then
+    index 0. With `RAY_EXPERIMENTAL_NOSET_*` it leaves the variable alone, so the physical id must
+    be found in whatever the variable already lists (or used as is when nothing restricts it).
+    """
+    if visible is None:
+        return int(accelerator_id)
+    if accelerator_id in visible:
+        return visible.index(accelerator_id)
+    raise RuntimeError(f"Ray assigned device {accelerator_id}, which is not in the visible devices {visible}")
 
 
 class Backend:
@@ -18,17 +51,23 @@ class Backend:
     device_type: str = "cpu"  # torch device type
     ray_num_gpus: float = 0.0  # cuda / rocm actors ask Ray for one GPU
     ray_resource: str | None = None  # npu actors ask for a custom resource, e.g. {"NPU": 1}
-    visible_devices_env: str | None = None
+    ray_accelerator_key: str | None = None  # key of ray.get_runtime_context().get_accelerator_ids()
+    visible_devices_env: str | None = None  # the variable Ray narrows per actor
+    ray_noset_env: str | None = None  # RAY_EXPERIMENTAL_NOSET_<var>: Ray leaves `visible_devices_env` alone
     default_dtype: torch.dtype = torch.bfloat16
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-    supports_graphs: bool = False
+    supports_graphs: bool = False  # CUDA graphs / torch.compile with static shapes
+    torch_runtime: bool = True  # False: the torch `Engine` cannot run on it (the ONNX Runtime path)
 
     @classmethod
     def is_available(cls) -> bool:
         return False
 
+    def device_string(self, index: int = 0) -> str:
+        return f"{self.device_type}:{index}"
+
     def device(self, index: int = 0) -> torch.device:
-        return torch.device(self.device_type, index)
+        return torch.device(self.device_string(index))
 
     def set_device(self, index: int = 0) -> None:
         """Make `index` the current device of this process (no-op where devices are implicit)."""
@@ -37,7 +76,7 @@ class Backend:
         """Wait for queued device work, so wall-clock timings are honest."""
 
     def memory_info(self) -> tuple[int, int]:
-        """(free bytes, total bytes) of the current device."""
+        """(free bytes, total bytes) of the current device; host memory for CPU-like backends."""
         pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         avail = os.sysconf("SC_AVPHYS_PAGES")
         return avail * page, pages * page
@@ -45,10 +84,55 @@ class Backend:
     def empty_cache(self) -> None:
         """Return cached allocator blocks to the device."""
 
-    def ray_options(self) -> dict:
-        """Actor options that pin one actor to one device of this kind."""
-        if self.ray_resource:
-            return {"resources": {self.ray_resource: 1}}
+    def device_count(self) -> int:
+        return 1
+
+    def device_name(self, index: int = 0) -> str:
+        return self.device_type
+
+    # ---- visible devices and Ray pinning ----------------------------------------------------
+    def visible_devices(self, environ: Mapping[str, str] | None = None) -> list[str] | None:
+        """Ids listed in this backend's visible-devices variable; None when it is unset."""
+        env = os.environ if environ is None else environ
+        return parse_visible_devices(env.get(self.visible_devices_env)) if self.visible_devices_env else None
+
+    def ray_sets_visible_devices(self, environ: Mapping[str, str] | None = None) -> bool:
+        """False when `RAY_EXPERIMENTAL_NOSET_<var>` tells Ray not to narrow the variable per actor."""
+        env = os.environ if environ is None else environ
+        if not self.ray_noset_env:
+            return True
+        return env.get(self.ray_noset_env, "").strip().lower() not in ("1", "true", "yes")
+
+    def assigned_device_index(self, accelerator_ids: Mapping[str, list[str]] | None = None,
+                              environ: Mapping[str, str] | None = None) -> int:
+        """The local device index this process should use (called by a Ray actor before loading).
+
+        `accelerator_ids` is `ray.get_runtime_context().get_accelerator_ids()`; None outside Ray.
+        """
+        ids = (accelerator_ids or {}).get(self.ray_accelerator_key or "", [])
+        if not ids or self.ray_sets_visible_devices(environ):
+            return 0  # outside Ray, or Ray already narrowed the variable to this actor's device
+        return local_index_for(str(ids[0]), self.visible_devices(environ))
+
+    def ray_options(self, extra_resources: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """Actor options that pin one actor to one device of this kind (+ `executor.resources`)."""
+        options: dict[str, Any] = {}
+        resources = {self.ray_resource: 1} if self.ray_resource else {}
         if self.ray_num_gpus:
-            return {"num_gpus": self.ray_num_gpus}
-        return {}
+            options["num_gpus"] = self.ray_num_gpus
+        resources.update(extra_resources or {})
+        if resources:
+            options["resources"] = resources
+        return options
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for `doctor` and the job log: never raises, best effort."""
+        facts: dict[str, Any] = {"name": self.name, "device_type": self.device_type,
+                                 "default_dtype": str(self.default_dtype).removeprefix("torch."),
+                                 "visible_devices_env": self.visible_devices_env}
+        try:
+            facts["device_count"] = self.device_count()
+            facts["devices"] = [self.device_name(i) for i in range(facts["device_count"])]
+        except Exception as exc:  # a half-installed stack: report, do not crash the report
+            facts["error"] = f"{type(exc).__name__}: {exc}"
+        return facts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from flashx_batch.backends.base import Backend
@@ -18,3 +20,6 @@ class CpuBackend(Backend):
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
+
+    def device_name(self, index: int = 0) -> str:
+        return platform.processor() or platform.machine()

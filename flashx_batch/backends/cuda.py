@@ -1,4 +1,4 @@
-"""NVIDIA CUDA backend (torch built for CUDA, not HIP)."""
+"""NVIDIA CUDA backend (torch built for CUDA, not HIP). `RocmBackend` reuses its hooks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ class CudaBackend(Backend):
     name = "cuda"
     device_type = "cuda"
     ray_num_gpus = 1.0
+    ray_accelerator_key = "GPU"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    ray_noset_env = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
     supports_graphs = True
 
     @classmethod
@@ -20,6 +22,14 @@ class CudaBackend(Backend):
             return torch.version.hip is None and torch.cuda.is_available()
         except Exception:  # a broken driver must not take `auto` down
             return False
+
+    @property
+    def default_dtype(self) -> torch.dtype:  # type: ignore[override]
+        # bfloat16 needs Ampere or newer; V100 / T4 fall back to float16 rather than emulated bf16.
+        try:
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        except Exception:
+            return torch.float16
 
     def set_device(self, index: int = 0) -> None:
         torch.cuda.set_device(index)
@@ -32,3 +42,9 @@ class CudaBackend(Backend):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def device_name(self, index: int = 0) -> str:
+        return torch.cuda.get_device_name(index)

@@ -72,7 +72,9 @@ class GenerateStats:
 
     @property
     def padding_efficiency(self) -> float:
-        useful = self.input_tokens + self.output_tokens
+        """Useful ÷ computed token slots. A row's last sampled token is never fed back through the
+        model, so the useful slots are its prompt plus all but one generated token."""
+        useful = self.input_tokens + self.output_tokens - self.rows
         return useful / self.computed_slots if self.computed_slots else 1.0
 
     @property
@@ -95,6 +97,16 @@ class GenerateStats:
         }
 
 
+def _ray_accelerator_ids() -> dict[str, list[str]] | None:
+    """Inside a Ray actor: the accelerator ids Ray assigned to it; elsewhere None."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never import Ray just to ask: the local path must not need it
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_accelerator_ids()
+
+
 def _read_generation_eos(model_dir: Path) -> tuple[int, ...]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
@@ -110,10 +122,15 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.options = options
         self.backend: Backend = get_backend(options.backend)
+        if not self.backend.torch_runtime:
+            raise ConfigError(f"runtime.backend={options.backend} runs through Engine.from_pretrained, "
+                              "which dispatches it to its own engine; do not construct Engine directly.")
         self.dtype = self._resolve_dtype(options.dtype)
         if self.backend.name == "cpu":
             torch.set_num_threads(options.cpu_threads())
-        self.device = self.backend.device()
+        index = self.backend.assigned_device_index(_ray_accelerator_ids())
+        self.backend.set_device(index)
+        self.device = self.backend.device(index)
         self.config = ModelConfig.from_dir(self.model_dir)
         self._check_context(self.config, options)
         started = time.perf_counter()
@@ -149,8 +166,16 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, **options) -> Engine:
-        """Load a local Hugging Face directory (None = the bundled demo model) with `EngineOptions` knobs."""
-        return cls(Path(path) if path is not None else bundled_model_dir(), EngineOptions(**options))
+        """Load a local Hugging Face directory (None = the bundled demo model) with `EngineOptions` knobs.
+
+        `backend="onnx"` returns the ONNX Runtime engine (same `generate` contract) instead."""
+        opts = EngineOptions(**options)
+        model_dir = Path(path) if path is not None else bundled_model_dir()
+        if opts.backend == "onnx":
+            from flashx_batch.onnx import OnnxEngine
+
+            return OnnxEngine(model_dir, opts)
+        return cls(model_dir, opts)
 
     def _resolve_dtype(self, name: str) -> torch.dtype:
         dtype = self.backend.default_dtype if name == "auto" else _DTYPES[name]
@@ -319,7 +344,7 @@ class Engine:
         for i, prompt in enumerate(prompts):
             start = i * arena.row_capacity
             if len(prompt) > limit:
-                logits, used = self._rolling_prefill(prompt, start, budget)
+                logits, used = self.rolling_prefill(prompt, start, budget)
             else:
                 observe = self.merge.window if sparse else 0
                 logits, scores = self.runner.extend(prompt, start, 0, 0, observe=observe)
@@ -332,9 +357,12 @@ class Engine:
             slots.append(used)
         return torch.stack(last_logits), slots
 
-    def _rolling_prefill(self, prompt: list[int], start: int, budget: int) -> tuple[torch.Tensor, int]:
+    def rolling_prefill(self, prompt: list[int], start: int, budget: int) -> tuple[torch.Tensor, int]:
         """long_input=rolling_merge: prefill segment by segment; before a segment would overflow
-        `budget` slots, fold the oldest slots 4:1 (again and again for the oldest history)."""
+        `budget` slots, fold the oldest slots 4:1 (again and again for the oldest history).
+
+        Called by `_prefill` for over-long rows and by the quality harness. Returns the last
+        position's logits and the slots the row now holds at flat slot `start`."""
         chunk = min(self.options.segment_size, budget - self.merge.sinks - self.merge.window)
         if chunk < 1:
             raise ConfigError(f"max_input_len={self.options.max_input_len} leaves no room to roll a long prompt "

@@ -1,0 +1,230 @@
+"""Typed job configuration: the schema behind every `python -m flashx_batch` run.
+
+Who uses it: `cli.py` registers the schema with Hydra (`register_configs`) and converts the composed
+DictConfig with `to_job_config`; everything below the CLI (data, runner, report, jobs/) receives a
+frozen-in-spirit `JobConfig` dataclass and never sees OmegaConf. Tests and `jobs/` compose presets
+with `compose_job` (Hydra's compose API), the same path the CLI takes.
+
+Presets live in the top-level `conf/` directory; `flashx_batch/conf` is a symlink to it so that an
+installed wheel (setuptools copies through the link) and a source checkout read the same files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from flashx_batch.errors import ConfigError
+from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
+
+BUNDLED_PREFIX = "bundled://"
+PRIMARY_CONFIG = "flashx_job"
+SCHEMA_NAME = "flashx_job_schema"
+DEFAULT_PRESET = "legal_docs"
+
+
+@dataclass
+class ModelSection:
+    path: str = BUNDLED_PREFIX + "legal-tiny"  # a local HF directory, or bundled://<name>
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+
+
+@dataclass
+class DataSection:
+    path: str = "???"  # file, directory, glob, `datasets` save_to_disk folder, or bundled://<file>
+    format: str = "auto"  # auto | parquet | jsonl | csv | arrow (auto = from the suffix)
+    id_column: str = "id"
+    prompt_column: str = "prompt"
+    messages_column: str | None = None  # chat rows; the model's chat template renders them
+    passthrough_columns: list[str] = field(default_factory=list)
+    prompt_prefix: str = ""  # prepended to every prompt (a shared few-shot prefix)
+    limit: int | None = None  # first N rows in input order (files sorted by path)
+    max_row_bytes: int = 1_000_000  # larger prompts become `row_too_large` error rows untokenized
+
+
+@dataclass
+class SamplingSection:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # job seed; each row's seed is derived from it and the row id
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class RuntimeSection:
+    backend: str = "auto"
+    max_batch_size: int = 8
+    max_input_len: int = 512
+    max_output_len: int = 128
+    cache_policy: str = "static"
+    segment_size: int = 128
+    long_input: str = "error"  # error | truncate | rolling_merge
+    kv_merge_fraction: float = 0.6  # segment_sparse: share of eligible 4-token groups merged 4:1
+    kv_observe_window: int = 32  # segment_sparse: queries whose attention scores the groups
+    num_threads: int | None = None  # CPU threads per engine; None = the actor's CPUs
+    shard_size: int = 64  # rows per shard (the unit of commit and retry)
+    bucket_edges: list[int] = field(default_factory=list)  # token-length bucket upper bounds; [] = powers of 2
+
+
+@dataclass
+class ExecutorSection:
+    kind: str = "ray"  # ray | local
+    address: str | None = None  # None = start a local Ray; "auto" = join a running cluster
+    num_actors: int | None = None  # None = one per accelerator (cpu: cores // cpus_per_actor)
+    cpus_per_actor: int = 1
+    resources: dict[str, float] = field(default_factory=dict)  # extra custom resources per actor
+    max_attempts: int = 3  # tries per shard before the job fails (resumable)
+    grace_period_s: float = 60.0  # after SIGINT/SIGTERM, how long in-flight shards may take to commit
+    progress_interval_s: float = 10.0  # log-line period when stderr is not a TTY
+
+
+@dataclass
+class OutputSection:
+    dir: str = "outputs/job"
+    report: bool = True
+
+
+@dataclass
+class JobConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    executor: ExecutorSection = field(default_factory=ExecutorSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    dry_run: bool = False
+    log_level: str = "INFO"
+
+    def engine_options(self, num_threads: int | None = None) -> EngineOptions:
+        """The runtime.* knobs as the engine takes them (raises ConfigError on bad values)."""
+        r = self.runtime
+        return EngineOptions(backend=r.backend, dtype=self.model.dtype, max_batch_size=r.max_batch_size,
+                             max_input_len=r.max_input_len, max_output_len=r.max_output_len,
+                             cache_policy=r.cache_policy, segment_size=r.segment_size, long_input=r.long_input,
+                             kv_merge_fraction=r.kv_merge_fraction, kv_observe_window=r.kv_observe_window,
+                             num_threads=r.num_threads or num_threads, sort_by_length=True)
+
+
+def resolve_model_dir(path: str) -> Path:
+    """`model.path` → a directory (bundled://legal-tiny = the demo model inside the package)."""
+    if path.startswith(BUNDLED_PREFIX):
+        return bundled_model_dir().parent / path[len(BUNDLED_PREFIX):]
+    return Path(path).expanduser()
+
+
+def resolve_data_path(path: str) -> str:
+    """`data.path` → a filesystem path or glob (bundled://x = flashx_batch/assets/data/x)."""
+    if path.startswith(BUNDLED_PREFIX):
+        return str(bundled_model_dir().parent.parent / "data" / path[len(BUNDLED_PREFIX):])
+    return str(Path(path).expanduser())
+
+
+def validate(job: JobConfig) -> None:
+    """Semantic checks the types cannot express; raises ConfigError naming the key."""
+    checks = [
+        (job.executor.kind in ("ray", "local"), f"executor.kind={job.executor.kind!r} is not one of ray, local"),
+        (job.executor.max_attempts >= 1, f"executor.max_attempts must be >= 1, got {job.executor.max_attempts}"),
+        (job.executor.num_actors is None or job.executor.num_actors >= 1,
+         f"executor.num_actors must be >= 1 or null, got {job.executor.num_actors}"),
+        (job.executor.cpus_per_actor >= 1, f"executor.cpus_per_actor must be >= 1, got {job.executor.cpus_per_actor}"),
+        (job.runtime.shard_size >= 1, f"runtime.shard_size must be >= 1, got {job.runtime.shard_size}"),
+        (job.data.format in ("auto", "parquet", "jsonl", "csv", "arrow"),
+         f"data.format={job.data.format!r} is not one of auto, parquet, jsonl, csv, arrow"),
+        (job.data.limit is None or job.data.limit >= 1, f"data.limit must be >= 1 or null, got {job.data.limit}"),
+        (job.data.max_row_bytes >= 1, f"data.max_row_bytes must be >= 1, got {job.data.max_row_bytes}"),
+        (all(e >= 1 for e in job.runtime.bucket_edges), "runtime.bucket_edges must be positive token counts"),
+        (bool(job.output.dir), "output.dir must be set"),
+        (job.sampling.max_new_tokens <= job.runtime.max_output_len,
+         f"sampling.max_new_tokens={job.sampling.max_new_tokens} exceeds runtime.max_output_len="
+         f"{job.runtime.max_output_len}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message + ".")
+    job.engine_options()  # EngineOptions checks the runtime.* values
+    from flashx_batch.runtime.sampling import SamplingParams  # deferred: keeps torch off the schema import
+
+    s = job.sampling
+    SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                   seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+
+
+def to_job_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
+    """Convert a composed config (or a plain dict) to `JobConfig`.
+
+    Unknown keys and values of the wrong type raise ConfigError naming the full key; the caller
+    (the CLI) maps that to exit code 2. The `hydra` node, if present, is ignored.
+    """
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    data.pop("hydra", None)
+    data.pop("conf", None)  # the preset group's name, when a caller composed without `_global_` packaging
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(JobConfig), data)
+        job = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"bad config key {key!r}: {first}") from None
+    assert isinstance(job, JobConfig)
+    if job.data.path == "???":
+        raise ConfigError("data.path is not set; pass data.path=... or pick a preset with conf=NAME.")
+    validate(job)
+    return job
+
+
+def register_configs() -> None:
+    """Register the schema and the primary config with Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name=SCHEMA_NAME, node=JobConfig)
+    # The primary config: schema first, then the chosen preset (`conf=NAME`, `@package _global_`)
+    # overrides it. Hydra settings keep Hydra out of the user's output directory: no chdir, no
+    # `.hydra/` copy, log to stderr only — so `dry_run` writes nothing and `output.dir` holds only
+    # our layout. A multirun puts each run in `<output.dir>/<swept key=value,...>` (see cli.py).
+    cs.store(name=PRIMARY_CONFIG, node={
+        "defaults": [SCHEMA_NAME, "_self_", {"conf": DEFAULT_PRESET},
+                     {"override hydra/job_logging": "none"}, {"override hydra/hydra_logging": "default"}],
+        "hydra": {
+            "run": {"dir": "."},
+            "sweep": {"dir": "${output.dir}", "subdir": "${fx_sweep_subdir:}"},  # resolver: cli.py
+            "output_subdir": None,
+            "job": {"chdir": False},
+        },
+    })
+
+
+def config_dir() -> Path:
+    """The directory whose `conf/` subdirectory holds the presets (the package dir; see module doc)."""
+    return Path(__file__).resolve().parent
+
+
+def compose_job(overrides: list[str] | None = None) -> JobConfig:
+    """Compose a preset with Hydra's compose API and convert it (tests, jobs/; no Hydra app state left)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose(config_name=PRIMARY_CONFIG, overrides=list(overrides or []))
+    except (HydraException, OmegaConfBaseException) as exc:
+        cause = exc.__cause__ or exc
+        raise ConfigError(f"{str(exc).splitlines()[0]} ({str(cause).splitlines()[0]})") from None
+    finally:
+        GlobalHydra.instance().clear()
+    return to_job_config(cfg)
+
+
+def preset_names() -> list[str]:
+    """Every preset file under conf/ (tests compose each one)."""
+    return sorted(p.stem for p in (config_dir() / "conf").glob("*.yaml"))

@@ -1,0 +1,245 @@
+"""The shard plan: validate and tokenize every row, bucket by token length, cut shards.
+
+Who calls it: `runner.job.run` (driver) once per run, before the output directory is touched;
+`dry_run` prints `format_plan(plan)` and stops there. The plan is a pure function of the input,
+the tokenizer and the plan knobs (all in the fingerprint), so shard ids are stable across runs —
+that is what lets a resumed run skip exactly the shards that committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashx_batch.config import JobConfig
+from flashx_batch.data.preflight import LoadedInput
+from flashx_batch.data.readers import InputFile
+from flashx_batch.data.validate import PROMPT_TOO_LONG, RowProblem, build_prompt
+from flashx_batch.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_ENCODE_CHUNK = 1024
+
+Ref = tuple[int, int]  # (file index, row index)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One unit of work and commit. `refs` point into the input files; no row data travels with it."""
+
+    shard_id: str
+    kind: str  # "generate" | "invalid" (rows rejected while planning; the driver commits those)
+    bucket: int
+    bucket_min_len: int
+    bucket_max_len: int
+    refs: tuple[Ref, ...]
+    input_tokens: int
+    est_padding_efficiency: float
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.refs)
+
+
+@dataclass(frozen=True)
+class RowError:
+    ref: Ref
+    id: Any
+    code: str
+    message: str
+    stage: str  # "validate" | "tokenize"
+
+
+@dataclass
+class BucketSummary:
+    index: int
+    min_len: int
+    max_len: int
+    rows: int = 0
+    shards: int = 0
+    input_tokens: int = 0
+    est_padding_efficiency: float = 1.0
+
+
+@dataclass
+class Plan:
+    files: list[InputFile]
+    id_kind: str
+    ids: list[Any]  # every input id, in input order (the invariant's right-hand side)
+    shards: list[ShardSpec]  # generate shards, in dispatch order (longest bucket first)
+    error_shards: list[ShardSpec]
+    row_errors: dict[str, list[RowError]]  # error-shard id -> its rows
+    buckets: list[BucketSummary]
+    error_counts: Counter = field(default_factory=Counter)
+    padding_bucketed: float = 1.0
+    padding_unbucketed: float = 1.0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_valid(self) -> int:
+        return sum(s.num_rows for s in self.shards)
+
+    def summary(self) -> dict[str, Any]:
+        """The plan as job.json records it (no refs: those are recomputed from the input)."""
+        return {
+            "rows": self.num_rows, "valid_rows": self.num_valid, "error_rows": sum(self.error_counts.values()),
+            "error_counts": dict(self.error_counts), "shards": len(self.shards), "error_shards": len(self.error_shards),
+            "padding_efficiency_bucketed": self.padding_bucketed,
+            "padding_efficiency_unbucketed": self.padding_unbucketed,
+            "buckets": [vars(b) for b in self.buckets],
+            "shard_ids": [s.shard_id for s in self.shards + self.error_shards],
+        }
+
+
+def bucket_edges(job: JobConfig) -> list[int]:
+    """Upper bounds of the length buckets; default powers of two from 16 up to max_input_len."""
+    limit = job.runtime.max_input_len
+    edges = sorted({e for e in job.runtime.bucket_edges if e < limit}) if job.runtime.bucket_edges else [
+        2**k for k in range(4, 32) if 2**k < limit]
+    return [*edges, limit]
+
+
+def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
+    """Validate, tokenize, bucket and shard every row of `loaded`."""
+    data = job.data
+    text_col = data.messages_column or data.prompt_column
+    ids: list[Any] = []
+    errors: list[RowError] = []
+    pending: list[tuple[Ref, Any, str]] = []
+    remaining = data.limit if data.limit is not None else float("inf")
+    for fi, fr in enumerate(loaded.frames):
+        for ri in range(fr.num_rows):
+            if remaining <= 0:
+                break
+            remaining -= 1
+            row_id = fr.columns[data.id_column][ri]
+            ids.append(row_id)
+            value = fr.columns[text_col][ri]
+            text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
+                                tokenizer)
+            if isinstance(text, RowProblem):
+                errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
+            else:
+                pending.append(((fi, ri), row_id, text))
+    lengths = _token_lengths([t for _, _, t in pending], tokenizer)
+    limit, truncate = job.runtime.max_input_len, job.runtime.long_input != "error"
+    valid: list[tuple[Ref, Any, int]] = []
+    for (ref, row_id, _), n in zip(pending, lengths, strict=True):
+        if n > limit and not truncate:
+            errors.append(RowError(ref, row_id, PROMPT_TOO_LONG,
+                                   f"prompt has {n} tokens, more than runtime.max_input_len={limit} "
+                                   "(runtime.long_input=error)", "tokenize"))
+        elif n == 0:
+            errors.append(RowError(ref, row_id, "empty_prompt", "prompt has no tokens", "tokenize"))
+        else:
+            valid.append((ref, row_id, min(n, limit)))
+    return _assemble(job, loaded, ids, valid, errors)
+
+
+def _token_lengths(texts: list[str], tokenizer: Tokenizer) -> list[int]:
+    out: list[int] = []
+    for start in range(0, len(texts), _ENCODE_CHUNK):
+        out.extend(len(ids) for ids in tokenizer.encode_batch(texts[start : start + _ENCODE_CHUNK]))
+    return out
+
+
+def _assemble(job: JobConfig, loaded: LoadedInput, ids: list[Any], valid: list[tuple[Ref, Any, int]],
+              errors: list[RowError]) -> Plan:
+    edges = bucket_edges(job)
+    batch, shard_size = job.runtime.max_batch_size, job.runtime.shard_size
+    members: dict[int, list[tuple[Ref, Any, int]]] = {}
+    for row in valid:
+        members.setdefault(_bucket_of(row[2], edges), []).append(row)
+    shards, buckets = [], []
+    for b in sorted(members, reverse=True):  # longest buckets first: the slow shards start early
+        rows = sorted(members[b], key=lambda r: (-r[2], r[0]))  # longest first, then input order
+        summary = BucketSummary(b, edges[b - 1] + 1 if b else 1, edges[b], rows=len(rows),
+                                input_tokens=sum(r[2] for r in rows),
+                                est_padding_efficiency=padding_efficiency([r[2] for r in rows], batch, presorted=True))
+        for seq, start in enumerate(range(0, len(rows), shard_size)):
+            chunk = rows[start : start + shard_size]
+            lens = [r[2] for r in chunk]
+            shards.append(ShardSpec(_shard_id(f"b{b:02d}", seq, [r[1] for r in chunk]), "generate", b,
+                                    summary.min_len, summary.max_len, tuple(r[0] for r in chunk), sum(lens),
+                                    padding_efficiency(lens, batch, presorted=True)))
+            summary.shards += 1
+        buckets.append(summary)
+    error_shards, row_errors = [], {}
+    errors.sort(key=lambda e: e.ref)
+    for seq, start in enumerate(range(0, len(errors), shard_size)):
+        chunk = errors[start : start + shard_size]
+        spec = ShardSpec(_shard_id("err", seq, [e.id for e in chunk]), "invalid", -1, 0, 0,
+                         tuple(e.ref for e in chunk), 0, 1.0)
+        error_shards.append(spec)
+        row_errors[spec.shard_id] = chunk
+    in_order = [r[2] for r in sorted(valid, key=lambda r: r[0])]
+    plan = Plan(loaded.files, loaded.id_kind, ids, shards, error_shards, row_errors, buckets,
+                Counter(e.code for e in errors),
+                padding_bucketed=_weighted_padding(shards, batch, valid),
+                padding_unbucketed=padding_efficiency(in_order, batch, presorted=False))
+    log.info("plan: %d rows, %d valid in %d shards, %d error rows; padding efficiency %.3f bucketed vs %.3f not",
+             plan.num_rows, len(valid), len(shards), len(errors), plan.padding_bucketed, plan.padding_unbucketed)
+    return plan
+
+
+def _weighted_padding(shards: list[ShardSpec], batch: int, valid: list[tuple[Ref, Any, int]]) -> float:
+    by_ref = {r[0]: r[2] for r in valid}
+    useful = computed = 0
+    for s in shards:
+        lens = sorted((by_ref[ref] for ref in s.refs), reverse=True)
+        useful += sum(lens)
+        computed += _padded_slots(lens, batch)
+    return useful / computed if computed else 1.0
+
+
+def padding_efficiency(lengths: list[int], batch: int, presorted: bool) -> float:
+    """Prompt tokens / prefill slots when `lengths` run in static batches of `batch` rows.
+
+    presorted=False keeps the given order (a naive static batcher); True sorts longest first, as the
+    engine does inside a shard. Decode steps are left out: they depend on when rows stop.
+    """
+    lens = sorted(lengths, reverse=True) if presorted else list(lengths)
+    slots = _padded_slots(lens, batch)
+    return sum(lens) / slots if slots else 1.0
+
+
+def _padded_slots(lens: list[int], batch: int) -> int:
+    return sum(len(lens[i : i + batch]) * max(lens[i : i + batch]) for i in range(0, len(lens), batch))
+
+
+def _bucket_of(n: int, edges: list[int]) -> int:
+    for i, edge in enumerate(edges):
+        if n <= edge:
+            return i
+    return len(edges) - 1
+
+
+def _shard_id(prefix: str, seq: int, ids: list[Any]) -> str:
+    # The digest ties the name to its members: a plan that drifted (it cannot, while the fingerprint
+    # matches) would produce new names instead of silently reusing committed ones.
+    digest = hashlib.sha1("\x1f".join(map(repr, ids)).encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{prefix}-{seq:04d}-{digest}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a plain-text table (the CLI prints it for dry_run and at the start of a run)."""
+    lines = [f"{'bucket':>12} {'rows':>7} {'shards':>6} {'in_tokens':>10} {'pad_eff':>7}"]
+    for b in sorted(plan.buckets, key=lambda b: b.index):
+        lines.append(f"{f'{b.min_len}-{b.max_len}':>12} {b.rows:>7} {b.shards:>6} {b.input_tokens:>10} "
+                     f"{b.est_padding_efficiency:>7.3f}")
+    lines.append(f"{'total':>12} {plan.num_valid:>7} {len(plan.shards):>6} "
+                 f"{sum(b.input_tokens for b in plan.buckets):>10}")
+    lines.append("")
+    lines.append(f"input rows: {plan.num_rows} in {len(plan.files)} file(s); valid: {plan.num_valid}; "
+                 f"error rows: {sum(plan.error_counts.values())}"
+                 + (f" ({', '.join(f'{k}={v}' for k, v in sorted(plan.error_counts.items()))})"
+                    if plan.error_counts else ""))
+    lines.append(f"padding efficiency (prefill, estimated): with bucketing {plan.padding_bucketed:.3f}, "
+                 f"without bucketing {plan.padding_unbucketed:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Preflight: read every input file and check what would make the whole job wrong, before anything runs.
+
+Who calls it: `data.plan.build_plan` (driver, planning time). Anything found here raises
+`InputError` (exit 2, output untouched) with the file, column or ids in the message; problems
+confined to one row are *not* found here — they become error rows in `plan.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from flashx_batch.config import DataSection
+from flashx_batch.data.readers import Frame, InputFile, read_frame, resolve_inputs
+from flashx_batch.job_errors import InputError
+
+log = logging.getLogger(__name__)
+_MAX_LISTED = 10
+
+
+@dataclass
+class LoadedInput:
+    """Every input file with its frame, in input order; row refs are (file index, row index)."""
+
+    files: list[InputFile]
+    frames: list[Frame]
+    id_kind: str  # "int" | "str": the type of the id column, kept in the outputs
+
+
+def data_columns(data: DataSection) -> list[str]:
+    """The columns a job reads: id, prompt or messages, then the passthrough columns."""
+    text_col = data.messages_column or data.prompt_column
+    cols = [data.id_column, text_col, *data.passthrough_columns]
+    return list(dict.fromkeys(cols))
+
+
+def load_inputs(data: DataSection, resolved_path: str) -> LoadedInput:
+    """Resolve, read and check the input. Raises InputError; returns the frames for planning."""
+    files = resolve_inputs(resolved_path, data.format)
+    cols = data_columns(data)
+    frames = [read_frame(f, cols) for f in files]
+    text_col = data.messages_column or data.prompt_column
+    id_kinds = set()
+    for f, fr in zip(files, frames, strict=True):
+        id_kinds.add(_check_ids(f, fr, data.id_column))
+        _check_text_type(f, fr, text_col, messages=bool(data.messages_column))
+    if len(id_kinds) > 1:
+        raise InputError(f"column {data.id_column!r} is an integer in some files and a string in others; "
+                         "make the id type the same everywhere.")
+    for c in data.passthrough_columns:
+        _check_passthrough(files, frames, c)
+    _check_duplicates(files, frames, data.id_column)
+    total = sum(fr.num_rows for fr in frames)
+    if total == 0:
+        raise InputError(f"data.path={resolved_path!r}: the input has no rows.")
+    for f, fr in zip(files, frames, strict=True):
+        if fr.num_rows == 0:
+            log.warning("%s: no rows", f.path)
+    return LoadedInput(files, frames, id_kinds.pop() if id_kinds else "str")
+
+
+def _check_ids(file: InputFile, fr: Frame, col: str) -> str:
+    t = fr.types[col]
+    if t is not None and not (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)):
+        raise InputError(f"{file.path}: column {col!r} has type {t}; ids must be integers or strings.")
+    values = fr.columns[col]
+    nulls = [i for i, v in enumerate(values) if v is None]
+    if nulls:
+        raise InputError(f"{file.path}: column {col!r} is null in {len(nulls)} row(s) (row indices "
+                         f"{_listed(nulls)}); every row needs an id.")
+    kinds = {"int" if isinstance(v, int) and not isinstance(v, bool) else "str" if isinstance(v, str) else "bad"
+             for v in values}
+    if "bad" in kinds or len(kinds) > 1:
+        raise InputError(f"{file.path}: column {col!r} mixes types; ids must be all integers or all strings.")
+    return kinds.pop() if kinds else ("int" if t is not None and pa.types.is_integer(t) else "str")
+
+
+def _check_text_type(file: InputFile, fr: Frame, col: str, messages: bool) -> None:
+    t = fr.types[col]
+    if t is None:
+        return  # JSONL: types are checked per row (bad_type error rows)
+    ok = pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+    if messages:
+        ok = ok or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type))
+    else:
+        ok = ok or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+    if not ok:
+        expected = "a list of {role, content} structs or JSON strings" if messages else "strings"
+        raise InputError(f"{file.path}: column {col!r} has type {t}; expected {expected}.")
+
+
+def _check_passthrough(files: list[InputFile], frames: list[Frame], col: str) -> None:
+    types = set()
+    for f, fr in zip(files, frames, strict=True):
+        t = fr.types[col]
+        if t is None:
+            try:
+                t = pa.array(fr.columns[col]).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                raise InputError(f"{f.path}: passthrough column {col!r} mixes value types; it cannot be written "
+                                 "to Parquet as one column.") from None
+        if not pa.types.is_null(t):
+            types.add(t)
+    if len(types) > 1:
+        raise InputError(f"passthrough column {col!r} has different types across files: "
+                         f"{', '.join(sorted(map(str, types)))}.")
+
+
+def _check_duplicates(files: list[InputFile], frames: list[Frame], col: str) -> None:
+    counts = Counter(v for fr in frames for v in fr.columns[col])
+    dupes = [v for v, n in counts.items() if n > 1]
+    if not dupes:
+        return
+    where = {}
+    for f, fr in zip(files, frames, strict=True):
+        for v in fr.columns[col]:
+            if counts[v] > 1:
+                where.setdefault(v, []).append(f.path)
+    sample = "; ".join(f"{v!r} in {', '.join(sorted(set(where[v])))}" for v in dupes[:_MAX_LISTED])
+    more = f" (and {len(dupes) - _MAX_LISTED} more)" if len(dupes) > _MAX_LISTED else ""
+    raise InputError(f"column {col!r} has {len(dupes)} duplicated id(s): {sample}{more}. Ids must be unique.")
+
+
+def _listed(values: list[Any]) -> str:
+    head = ", ".join(map(str, values[:_MAX_LISTED]))
+    return head + (", ..." if len(values) > _MAX_LISTED else "")

@@ -1,0 +1,170 @@
+"""Input readers: Parquet / JSONL / CSV / Arrow files, directories, globs, `datasets` save_to_disk folders.
+
+Who calls it: `data.preflight` (once per file, at planning time, in the driver) and
+`runner.worker` (to re-read the rows of its shard: descriptors travel through Ray, rows do not).
+Every reader returns a `Frame` of Python values plus the Arrow type of each column where the
+format has one; JSONL has none, which is what lets a single bad value become a `bad_type` error
+row instead of failing the whole file.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from flashx_batch.job_errors import InputError
+
+log = logging.getLogger(__name__)
+
+SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl",
+                  ".ndjson": "jsonl", ".csv": "csv", ".arrow": "arrow"}
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input file: where it is, how to read it, and what it held when planned (for the fingerprint)."""
+
+    path: str
+    format: str
+    size: int
+    sha256: str
+
+    def manifest(self) -> dict[str, Any]:
+        # The name, not the absolute path: moving a dataset directory should not invalidate a resume.
+        return {"name": Path(self.path).name, "format": self.format, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass
+class Frame:
+    """Columns of one file as Python lists; `types[c]` is the Arrow type, or None when the format is untyped."""
+
+    columns: dict[str, list[Any]]
+    types: dict[str, pa.DataType | None]
+    num_rows: int
+
+
+def resolve_inputs(path: str, fmt: str = "auto") -> list[InputFile]:
+    """Expand `data.path` into a sorted list of files; raises InputError when nothing usable is there."""
+    p = Path(path)
+    if any(ch in path for ch in "*?["):
+        files = [Path(f) for f in sorted(glob.glob(path, recursive=True)) if Path(f).is_file()]
+        if not files:
+            raise InputError(f"data.path={path!r}: the glob matches no files.")
+    elif p.is_dir():
+        files = _dir_files(p)
+    elif p.is_file():
+        files = [p]
+    else:
+        raise InputError(f"data.path={path!r}: no such file or directory.")
+    out = []
+    for f in files:
+        f_fmt = _format_of(f, fmt)
+        size = f.stat().st_size
+        if size == 0:
+            raise InputError(f"{f}: empty file (0 bytes); remove it or regenerate it.")
+        out.append(InputFile(str(f), f_fmt, size, _sha256(f)))
+    return out
+
+
+def _dir_files(d: Path) -> list[Path]:
+    if (d / "dataset_dict.json").is_file():
+        splits = json.loads((d / "dataset_dict.json").read_text()).get("splits", [])
+        example = d / (splits or ["train"])[0]
+        raise InputError(f"{d} is a `datasets` DatasetDict; point data.path at one split, e.g. {example}.")
+    if (d / "state.json").is_file():  # `Dataset.save_to_disk`: Arrow IPC stream shards listed in state.json
+        state = json.loads((d / "state.json").read_text())
+        files = [d / entry["filename"] for entry in state.get("_data_files", [])]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise InputError(f"{d}/state.json lists missing data files: {', '.join(missing)}.")
+        return files
+    files = sorted(f for f in d.rglob("*") if f.is_file() and f.suffix in SUFFIX_FORMATS and not _hidden(f, d))
+    if not files:
+        raise InputError(f"data.path={str(d)!r}: the directory holds no .parquet / .jsonl / .csv / .arrow files.")
+    return files
+
+
+def _hidden(f: Path, root: Path) -> bool:
+    return any(part.startswith((".", "_")) for part in f.relative_to(root).parts)
+
+
+def _format_of(f: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    if f.suffix not in SUFFIX_FORMATS:
+        raise InputError(f"{f}: cannot tell the format from the suffix; set data.format=parquet|jsonl|csv|arrow.")
+    return SUFFIX_FORMATS[f.suffix]
+
+
+def _sha256(f: Path) -> str:
+    with open(f, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def read_frame(file: InputFile, columns: list[str]) -> Frame:
+    """Read `columns` of one file; raises InputError naming the file (and column / line) on any problem."""
+    try:
+        if file.format == "jsonl":
+            return _read_jsonl(Path(file.path), columns)
+        table = _read_arrow_table(file, columns)
+    except InputError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise InputError(f"{file.path}: missing column(s) {', '.join(missing)}; "
+                         f"it has {', '.join(table.column_names)}.")
+    table = table.select(columns)
+    return Frame({c: table.column(c).to_pylist() for c in columns},
+                 {c: table.schema.field(c).type for c in columns}, table.num_rows)
+
+
+def _read_arrow_table(file: InputFile, columns: list[str]) -> pa.Table:
+    if file.format == "parquet":
+        return pq.read_table(file.path)
+    if file.format == "csv":
+        # CSV is text: the columns we read stay strings (an id like "007" must not become 7).
+        options = pacsv.ConvertOptions(column_types={c: pa.string() for c in columns})
+        return pacsv.read_csv(file.path, convert_options=options)
+    if file.format == "arrow":
+        with pa.memory_map(file.path) as source:
+            try:
+                return pa.ipc.open_stream(source).read_all()  # datasets' save_to_disk writes streams
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pa.ipc.open_file(source).read_all()
+    raise InputError(f"{file.path}: unknown format {file.format!r}.")
+
+
+def _read_jsonl(path: Path, columns: list[str]) -> Frame:
+    values: dict[str, list[Any]] = {c: [] for c in columns}
+    seen: set[str] = set()
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                # surrogateescape keeps invalid UTF-8 bytes visible, so validation can flag the row
+                record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg}); the file is corrupt.") from None
+            if not isinstance(record, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}.")
+            seen.update(record)
+            for c in columns:
+                values[c].append(record.get(c))
+    missing = [c for c in columns if c not in seen]
+    if missing:
+        raise InputError(f"{path}: missing column(s) {', '.join(missing)}; it has {', '.join(sorted(seen)) or 'none'}.")
+    n = len(values[columns[0]]) if columns else 0
+    return Frame(values, {c: None for c in columns}, n)

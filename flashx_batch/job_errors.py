@@ -1,0 +1,33 @@
+"""Errors of the batch-job layer (data, runner). `ConfigError` subclasses mean "bad job": exit code 2.
+
+Raised by `flashx_batch.data` (preflight) and `flashx_batch.runner` (output directory, resume);
+`flashx_batch.runner.job.run` maps them to exit codes.
+"""
+
+from __future__ import annotations
+
+from flashx_batch.errors import ConfigError, FlashxError
+
+
+class InputError(ConfigError):
+    """The input cannot be used as given: missing / empty / corrupt file, missing column, wrong type, duplicate ids."""
+
+
+class OutputDirError(ConfigError):
+    """`output.dir` is not ours (not empty, no job.json) or another run holds its lock."""
+
+
+class FingerprintMismatchError(ConfigError):
+    """`output.dir` holds a job whose results would differ from this configuration's."""
+
+    def __init__(self, output_dir: str, fields: list[str]) -> None:
+        listed = ", ".join(fields)
+        super().__init__(
+            f"{output_dir} holds a job with a different fingerprint (differs in: {listed}); resuming would mix "
+            "results. Use a new output.dir, or restore the original settings to resume."
+        )
+        self.fields = fields
+
+
+class ShardFailedError(FlashxError):
+    """A shard failed `executor.max_attempts` times; the job stops (exit 1) and a rerun resumes it."""

@@ -1,0 +1,1 @@
+"""Quality measurements of lossy paths against the lossless one (teacher-forced, same model)."""

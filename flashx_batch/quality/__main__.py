@@ -1,0 +1,101 @@
+"""`python -m flashx_batch.quality --out DIR`: KV-compression quality on the held-out split.
+
+1. Sweep `kv_merge_fraction` for segment_sparse; choose the largest fraction that saves >= 35 %
+   of prompt KV while keeping top-1 >= 0.90 and mean KL <= 0.05 (the default in EngineOptions is
+   set from this run's result, written down in the README).
+2. At the chosen fraction, compare segment_sparse with evict-only (same mask), random groups,
+   merge without the log-count bias, and StreamingLLM (sinks + recent, same slot budget).
+3. Long input: a prompt of 3 x the budget under rolling_merge versus truncate.
+Writes DIR/quality.json and DIR/quality.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from flashx_batch import Engine
+from flashx_batch.quality.heldout import token_windows
+from flashx_batch.quality.kv_quality import long_input_quality, policy_quality
+from flashx_batch.runtime.kv_merge import POLICIES, MergeSettings
+from flashx_batch.runtime.options import bundled_model_dir
+
+log = logging.getLogger("flashx_batch.quality")
+TARGETS = {"max_kv_bytes_ratio": 0.65, "min_top1_agreement": 0.90, "max_mean_kl": 0.05}
+
+
+def _meets(r: dict) -> bool:
+    return (r["kv_bytes_ratio"] <= TARGETS["max_kv_bytes_ratio"]
+            and r["top1_agreement"] >= TARGETS["min_top1_agreement"] and r["mean_kl"] <= TARGETS["max_mean_kl"])
+
+
+def _table(rows: dict[str, dict], title: str) -> str:
+    lines = [f"### {title}", "", "| policy | KV bytes ratio | top-1 agreement | mean KL | ΔNLL (nats/token) |",
+             "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['kv_bytes_ratio']:.3f} | {r['top1_agreement']:.4f} | {r['mean_kl']:.4f} | "
+                     f"{r['delta_nll']:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", type=Path, default=None, help="model dir (default: the bundled model)")
+    parser.add_argument("--samples", type=int, default=24)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--cont-len", type=int, default=128)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--fractions", default="0.3,0.4,0.5,0.6,0.7,0.8,0.9")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    long_len = 3 * args.prompt_len
+    engine = Engine.from_pretrained(args.model or bundled_model_dir(), backend="cpu", dtype="float32",
+                                    max_batch_size=1, max_input_len=long_len + args.cont_len, max_output_len=1,
+                                    kv_observe_window=args.window)
+    short = token_windows(engine.tokenizer, args.prompt_len + args.cont_len + 1, args.samples)
+    log.info("%d held-out windows of %d + %d tokens", len(short), args.prompt_len, args.cont_len)
+
+    sweep = {}
+    for fraction in (float(f) for f in args.fractions.split(",")):
+        settings = MergeSettings(fraction=fraction, window=args.window)
+        sweep[f"{fraction:.2f}"] = policy_quality(engine, short, args.prompt_len, settings, ("segment_sparse",))[
+            "segment_sparse"]
+        log.info("fraction %.2f: %s", fraction, sweep[f"{fraction:.2f}"])
+    passing = [f for f, r in sweep.items() if _meets(r)]
+    chosen = max(passing, key=float) if passing else min(
+        (f for f, r in sweep.items() if r["kv_bytes_ratio"] <= TARGETS["max_kv_bytes_ratio"]),
+        key=lambda f: sweep[f]["mean_kl"])
+    settings = MergeSettings(fraction=float(chosen), window=args.window)
+    policies = policy_quality(engine, short, args.prompt_len, settings, POLICIES)
+
+    long_windows = token_windows(engine.tokenizer, long_len + args.cont_len + 1, max(4, args.samples // 3))
+    engine.merge = settings
+    long_input = long_input_quality(engine, long_windows, long_len, args.prompt_len)
+
+    result = {
+        "model": str(args.model or bundled_model_dir()), "targets": TARGETS, "chosen_fraction": float(chosen),
+        "chosen_meets_targets": bool(passing), "settings": {"prompt_len": args.prompt_len, "cont_len": args.cont_len,
+                                                           "window": args.window, "sinks": settings.sinks,
+                                                           "samples": len(short)},
+        "policies": policies, "fraction_sweep": sweep,
+        "long_input": {"prompt_len": long_len, "budget": args.prompt_len, "samples": len(long_windows),
+                       "policies": long_input},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quality.json").write_text(json.dumps(result, indent=2))
+    md = [f"# KV compression quality ({len(short)} held-out windows, {args.prompt_len}-token prompts, "
+          f"{args.cont_len}-token teacher-forced continuations)\n",
+          _table(policies, f"Policies at kv_merge_fraction={chosen}"),
+          _table({f"segment_sparse @ {f}": r for f, r in sweep.items()}, "Fraction sweep"),
+          _table(long_input, f"Long input: {long_len}-token prompt into {args.prompt_len} slots")]
+    (args.out / "quality.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

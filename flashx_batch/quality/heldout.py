@@ -1,0 +1,30 @@
+"""Held-out token windows from the bundled legal corpus split (never seen in training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flashx_batch.runtime.tokenizer import Tokenizer
+
+HELDOUT = Path(__file__).resolve().parent.parent / "assets" / "data" / "legal_heldout_eval.jsonl"
+
+
+def token_windows(tokenizer: Tokenizer, length: int, limit: int, path: Path = HELDOUT) -> list[list[int]]:
+    """Up to `limit` non-overlapping windows of `length` tokens.
+
+    Documents are joined with the EOS token into one stream (licence files are often shorter than
+    a 640-token window), in file order, so the windows are the same on every run.
+    """
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: list[int] = []
+    windows: list[list[int]] = []
+    with path.open() as f:
+        for line in f:
+            stream += tokenizer.encode(json.loads(line)["text"]) + eos
+            while len(stream) >= length and len(windows) < limit:
+                windows.append(stream[:length])
+                stream = stream[length:]
+            if len(windows) >= limit:
+                break
+    return windows

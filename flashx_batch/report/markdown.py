@@ -1,0 +1,85 @@
+"""report.md: totals, a per-bucket table and three plots, written from the committed stats.
+
+Who calls it: `runner.job` after the invariant check, before `_SUCCESS`. It reads only the output
+directory (stats parts) and the plan, so it can be re-run on any finished job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from flashx_batch.data.plan import Plan
+from flashx_batch.report.plots import bar_plot, histogram
+from flashx_batch.runner.layout import OutputDir, write_atomic
+
+log = logging.getLogger(__name__)
+PLOTS = {"tok_s": "report_tok_per_s.png", "pad": "report_padding.png", "wall": "report_shard_wall.png"}
+
+
+def bucket_rows(stats: Any) -> list[dict[str, Any]]:
+    """Stats table → one aggregate per bucket (token-weighted, so small shards do not skew it)."""
+    agg: dict[tuple[int, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in stats.to_pylist():
+        a = agg[(r["bucket_min_len"], r["bucket_max_len"])]
+        for k in ("rows", "input_tokens", "output_tokens", "wall_s"):
+            a[k] += r[k]
+        a["shards"] += 1
+        # padding efficiency is useful/computed; recover computed slots to weight it properly
+        a["slots"] += (r["input_tokens"] + r["output_tokens"]) / max(r["padding_efficiency"], 1e-9)
+    out = []
+    for (lo, hi), a in sorted(agg.items()):
+        out.append({"bucket": f"{lo}-{hi}", "shards": int(a["shards"]), "rows": int(a["rows"]),
+                    "input_tokens": int(a["input_tokens"]), "output_tokens": int(a["output_tokens"]),
+                    "output_tok_per_s": a["output_tokens"] / a["wall_s"] if a["wall_s"] else 0.0,
+                    "padding_efficiency": (a["input_tokens"] + a["output_tokens"]) / a["slots"] if a["slots"] else 1.0})
+    return out
+
+
+def write_report(root: Path, totals: dict[str, Any], plan: Plan) -> Path:
+    out = OutputDir(root)
+    stats = out.read_stats()
+    lines = ["# flashx-batch job report", "", "## Totals", "", "| metric | value |", "|---|---|"]
+    for k, v in totals.items():
+        if k != "finished_at":
+            lines.append(f"| {k} | {_fmt(v)} |")
+    lines += ["", f"Planned prefill padding efficiency: {plan.padding_bucketed:.3f} with length bucketing, "
+              f"{plan.padding_unbucketed:.3f} without (static batches in input order).", ""]
+    if stats is not None and stats.num_rows:
+        buckets = bucket_rows(stats)
+        labels = [b["bucket"] for b in buckets]
+        bar_plot(labels, [b["output_tok_per_s"] for b in buckets], "Output tokens/s per bucket",
+                 "output tok/s", root / PLOTS["tok_s"])
+        bar_plot(labels, [b["padding_efficiency"] for b in buckets], "Measured padding efficiency per bucket",
+                 "useful / computed slots", root / PLOTS["pad"])
+        walls = stats.column("wall_s").to_pylist()
+        histogram(walls, "Shard wall time", "seconds", root / PLOTS["wall"])
+        lines += ["## Per bucket (measured)", "",
+                  "| bucket | shards | rows | input tokens | output tokens | output tok/s | padding eff. |",
+                  "|---|---|---|---|---|---|---|"]
+        for b in buckets:
+            lines.append(f"| {b['bucket']} | {b['shards']} | {b['rows']} | {b['input_tokens']} | {b['output_tokens']} "
+                         f"| {b['output_tok_per_s']:.1f} | {b['padding_efficiency']:.3f} |")
+        devices = sorted(set(stats.column("device").to_pylist()))
+        retried = sum(1 for a in stats.column("attempt").to_pylist() if a > 1)
+        lines += ["", f"Devices: {', '.join(devices)}. Shards that needed a retry: {retried}. "
+                  "Throughput is per shard wall time (read + tokenize + generate), summed over shards.", "",
+                  f"![output tok/s per bucket]({PLOTS['tok_s']})", "",
+                  f"![padding efficiency per bucket]({PLOTS['pad']})", "",
+                  f"![shard wall time]({PLOTS['wall']})", ""]
+    if totals.get("error_counts"):
+        lines += ["## Error rows", "", "| code | rows |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in sorted(totals["error_counts"].items())]
+    path = root / "report.md"
+    write_atomic(path, "\n".join(lines) + "\n")
+    return path
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={x}" for k, x in sorted(v.items())) or "-"
+    return str(v)

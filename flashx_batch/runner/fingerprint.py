@@ -1,0 +1,93 @@
+"""The job fingerprint: everything that changes a job's results, recorded in job.json.
+
+Who calls it: `runner.job.run`, before touching an existing output directory. Same fingerprint →
+resume (skip committed shards); any difference → exit 2 naming the differing fields, because
+mixing results of two configurations in one output would be silently wrong.
+Throughput-only knobs (max_batch_size, executor.*, num_threads) are left out on purpose: a
+resumed run may use a bigger machine. Lossless runtime paths give identical tokens for any batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import flashx_batch
+from flashx_batch.config import JobConfig
+from flashx_batch.data.plan import Plan, bucket_edges
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def file_hashes(model_dir: Path, names: list[str], cache: dict[str, Any] | None) -> dict[str, list]:
+    """name -> [size, mtime_ns, sha256]; a cached entry with the same size and mtime is reused.
+
+    Hashing multi-GB weights on every resume would cost minutes; the cache lives in job.json.
+    """
+    out = {}
+    for name in names:
+        path = model_dir / name
+        st = path.stat()
+        hit = (cache or {}).get(name)
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            out[name] = hit
+            continue
+        with open(path, "rb") as fh:
+            out[name] = [st.st_size, st.st_mtime_ns, hashlib.file_digest(fh, "sha256").hexdigest()]
+    return out
+
+
+def model_file_stats(model_dir: Path, cache: dict[str, Any] | None) -> dict[str, list]:
+    names = sorted(p.name for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".")
+                   and p.suffix in (".json", ".safetensors", ".bin", ".jinja", ".model", ".txt"))
+    return file_hashes(model_dir, names, cache)
+
+
+def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[str, Any]:
+    """The fingerprint as a flat dict of dotted keys (so a diff names fields directly)."""
+    weights = {n: v[2] for n, v in model_stats.items() if n not in TOKENIZER_FILES}
+    tokenizer = {n: v[2] for n, v in model_stats.items() if n in TOKENIZER_FILES}
+    r, d = job.runtime, job.data
+    fp: dict[str, Any] = {
+        "code_version": flashx_batch.__version__,
+        "model.files": _digest(weights),
+        "model.tokenizer": _digest(tokenizer),
+        "model.dtype": job.model.dtype,
+        "runtime.backend": r.backend,
+        "runtime.max_input_len": r.max_input_len,
+        "runtime.long_input": r.long_input,
+        "runtime.cache_policy": r.cache_policy,
+        "runtime.segment_size": r.segment_size,
+        "runtime.kv_merge_fraction": r.kv_merge_fraction if r.cache_policy == "segment_sparse" else None,
+        "runtime.kv_observe_window": r.kv_observe_window if r.cache_policy == "segment_sparse" else None,
+        "runtime.shard_size": r.shard_size,
+        "runtime.bucket_edges": bucket_edges(job),
+        "input.files": _digest([f.manifest() for f in plan.files]),
+        "input.num_files": len(plan.files),
+    }
+    fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items()})
+    for k in ("id_column", "prompt_column", "messages_column", "passthrough_columns", "prompt_prefix", "limit",
+              "max_row_bytes"):
+        fp[f"data.{k}"] = getattr(d, k)
+    return fp
+
+
+def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Fields that differ, each as `key: old -> new` (digests shortened)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if a != b:
+            out.append(f"{key}: {_short(a)} -> {_short(b)}")
+    return out
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

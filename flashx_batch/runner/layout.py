@@ -1,0 +1,210 @@
+"""The output directory (DESIGN.md "Output layout") and its commit protocol.
+
+Who calls it: the driver (`runner.job`) to open, lock, resume, clean and finish a job; every worker
+(`runner.worker`, in-process or in a Ray actor) to commit one shard. A shard is committed when
+`_manifest/<shard>.json` exists; the manifest is hard-linked into place last, which is atomic and
+exclusive (EEXIST if another attempt won), so a crash at any instant leaves either a committed
+shard or files that `clean_orphans` removes on resume. That is the whole of exactly-once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from flashx_batch.job_errors import OutputDirError
+
+log = logging.getLogger(__name__)
+KINDS = ("generations", "errors", "stats")
+JOB_JSON, SUCCESS, MANIFEST_DIR, ATTEMPTS_DIR, LOCK = "job.json", "_SUCCESS", "_manifest", "_attempts", "_lock"
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` so a reader sees the old or the new file, never half of one."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+class OutputDir:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._lock_fd: int | None = None
+
+    # ---- paths ------------------------------------------------------------------------------
+    def part(self, kind: str, shard_id: str) -> Path:
+        return self.root / kind / f"part-{shard_id}.parquet"
+
+    def manifest(self, shard_id: str) -> Path:
+        return self.root / MANIFEST_DIR / f"{shard_id}.json"
+
+    @property
+    def job_json(self) -> Path:
+        return self.root / JOB_JSON
+
+    # ---- driver side ------------------------------------------------------------------------
+    def read_job(self) -> dict[str, Any] | None:
+        """job.json of an existing job, None for a new or empty directory; OutputDirError if not ours."""
+        if self.job_json.is_file():
+            return json.loads(self.job_json.read_text())
+        if self.root.exists() and any(p.name != LOCK for p in self.root.iterdir()):
+            raise OutputDirError(f"output.dir={self.root} is not empty and holds no job.json; "
+                                 "pick an empty or new directory.")
+        return None
+
+    def lock(self) -> None:
+        """Take the directory's run lock (released by the kernel even on SIGKILL)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputDirError(f"another run is writing to {self.root} (it holds {self.root / LOCK}).") from None
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def prepare(self) -> None:
+        for d in (*KINDS, MANIFEST_DIR, ATTEMPTS_DIR):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+
+    def write_job(self, record: dict[str, Any]) -> None:
+        write_atomic(self.job_json, json.dumps(record, indent=2, default=str) + "\n")
+
+    def committed(self) -> dict[str, dict[str, Any]]:
+        """shard id -> manifest, for every shard whose manifest and files are all present."""
+        out: dict[str, dict[str, Any]] = {}
+        mdir = self.root / MANIFEST_DIR
+        if not mdir.is_dir():
+            return out
+        for m in sorted(mdir.glob("*.json")):
+            try:
+                manifest = json.loads(m.read_text())
+            except json.JSONDecodeError:  # only the no-hard-link fallback can leave a torn manifest
+                log.warning("shard %s: unreadable manifest; it will be redone", m.stem)
+                m.unlink()
+                continue
+            missing = [k for k in manifest["files"] if not self.part(k, manifest["shard_id"]).is_file()]
+            if missing:  # someone deleted committed files: un-commit, the shard will be redone
+                log.warning("shard %s: manifest present but %s missing; it will be redone", m.stem, missing)
+                m.unlink()
+                continue
+            out[manifest["shard_id"]] = manifest
+        return out
+
+    def clean_orphans(self, committed: set[str]) -> int:
+        """Remove attempt directories and part files of shards with no manifest; returns files removed."""
+        removed = 0
+        attempts = self.root / ATTEMPTS_DIR
+        if attempts.is_dir():
+            for a in attempts.iterdir():
+                shutil.rmtree(a, ignore_errors=True)
+                removed += 1
+        for kind in KINDS:
+            for f in (self.root / kind).glob("part-*.parquet"):
+                if f.name[len("part-"):-len(".parquet")] not in committed:
+                    f.unlink()
+                    removed += 1
+        for tmp in self.root.glob(".*.tmp"):
+            tmp.unlink()
+        if removed:
+            log.info("resume: removed %d orphaned file(s) / attempt dir(s) of uncommitted shards", removed)
+        return removed
+
+    def drop_attempts_dir(self) -> None:
+        """After the last commit: the (empty) staging area is not part of the finished layout."""
+        shutil.rmtree(self.root / ATTEMPTS_DIR, ignore_errors=True)
+
+    def read_ids(self, kind: str, shard_ids: set[str]) -> Counter:
+        counts: Counter = Counter()
+        for s in shard_ids:
+            path = self.part(kind, s)
+            if path.is_file():
+                counts.update(pq.read_table(path, columns=["id"]).column("id").to_pylist())
+        return counts
+
+    def read_stats(self) -> pa.Table | None:
+        parts = sorted((self.root / "stats").glob("part-*.parquet"))
+        return pa.concat_tables([pq.read_table(p) for p in parts]) if parts else None
+
+    # ---- worker side ------------------------------------------------------------------------
+    def start_attempt(self, shard_id: str, attempt: int) -> Path:
+        """The private directory one attempt of a shard writes into before committing."""
+        staging = self.root / ATTEMPTS_DIR / f"{shard_id}.{attempt}.{uuid.uuid4().hex[:8]}"
+        staging.mkdir(parents=True)
+        return staging
+
+    def commit(self, shard_id: str, attempt: int, tables: dict[str, pa.Table], manifest: dict[str, Any],
+               staging: Path | None = None) -> bool:
+        """Write `tables` (kind -> table) for a shard and commit them; False if it was already committed."""
+        staging = staging or self.start_attempt(shard_id, attempt)
+        for kind, table in tables.items():
+            path = staging / f"{kind}.parquet"
+            pq.write_table(table, path)
+            fsync_path(path)
+        record = {**manifest, "shard_id": shard_id, "attempt": attempt, "files": sorted(tables)}
+        with open(staging / "manifest.json", "w") as fh:
+            json.dump(record, fh, indent=1, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        fsync_path(staging)
+        target = self.manifest(shard_id)
+        if target.exists():  # a duplicate attempt finished second: keep the winner's files untouched
+            shutil.rmtree(staging, ignore_errors=True)
+            return False
+        for kind in tables:
+            os.replace(staging / f"{kind}.parquet", self.part(kind, shard_id))
+        for kind in tables:
+            fsync_path(self.root / kind)
+        won = _link_exclusive(staging / "manifest.json", target)
+        fsync_path(target.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+        return won
+
+
+def _link_exclusive(src: Path, dst: Path) -> bool:
+    try:
+        os.link(src, dst)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as exc:  # a filesystem without hard links: O_EXCL create, then write
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
+            raise
+    try:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(src.read_bytes())
+        fh.flush()
+        os.fsync(fh.fileno())
+    return True

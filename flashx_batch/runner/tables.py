@@ -1,0 +1,54 @@
+"""Arrow tables of the output layout (DESIGN.md): generations, errors and stats, one builder each.
+
+Who calls it: `runner.worker` (all three, per shard) and `runner.job` (errors of the rows the plan
+rejected). Keeping the column lists here keeps every writer on the same schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+GENERATION_COLUMNS = ("id", "generated_text", "finish_reason", "num_input_tokens", "num_generated_tokens", "shard_id")
+ERROR_COLUMNS = ("id", "error_code", "error_message", "stage")
+STATS_COLUMNS = ("shard_id", "bucket_min_len", "bucket_max_len", "rows", "rows_failed", "input_tokens",
+                 "output_tokens", "padding_efficiency", "prefill_s", "decode_s", "wall_s", "output_tok_per_s",
+                 "total_tok_per_s", "kv_bytes_peak", "cache_policy", "batch_size", "device", "attempt")
+
+
+def id_type(id_kind: str) -> pa.DataType:
+    return pa.int64() if id_kind == "int" else pa.string()
+
+
+def generations_table(ids: list[Any], id_kind: str, texts: list[str], finish: list[str], n_in: list[int],
+                      n_out: list[int], shard_id: str, passthrough: dict[str, pa.Array]) -> pa.Table:
+    cols = {
+        "id": pa.array(ids, id_type(id_kind)),
+        "generated_text": pa.array(texts, pa.string()),
+        "finish_reason": pa.array(finish, pa.string()),
+        "num_input_tokens": pa.array(n_in, pa.int32()),
+        "num_generated_tokens": pa.array(n_out, pa.int32()),
+        "shard_id": pa.array([shard_id] * len(ids), pa.string()),
+    }
+    cols.update(passthrough)
+    return pa.table(cols)
+
+
+def errors_table(ids: list[Any], id_kind: str, codes: list[str], messages: list[str], stages: list[str]) -> pa.Table:
+    return pa.table({
+        "id": pa.array(ids, id_type(id_kind)),
+        "error_code": pa.array(codes, pa.string()),
+        "error_message": pa.array(messages, pa.string()),
+        "stage": pa.array(stages, pa.string()),
+    })
+
+
+def stats_table(row: dict[str, Any]) -> pa.Table:
+    """One stats row; columns beyond STATS_COLUMNS (host, worker, ...) are kept after them."""
+    missing = [c for c in STATS_COLUMNS if c not in row]
+    if missing:
+        raise ValueError(f"stats row lacks {missing}")
+    ordered = {c: [row[c]] for c in STATS_COLUMNS}
+    ordered.update({k: [v] for k, v in row.items() if k not in ordered})
+    return pa.table(ordered)

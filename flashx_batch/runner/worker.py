@@ -1,0 +1,138 @@
+"""ShardWorker: one engine, many shards. Reads a shard's rows, generates, commits.
+
+Who calls it: the local executor (in the driver process) and the Ray executor (wrapped as an actor,
+one per accelerator). The engine is built once in `__init__`; `run_shard` gets only a `ShardSpec`
+(row references) and re-reads the rows from the input files, so rows never travel through Ray.
+The worker commits its own shard (`OutputDir.commit`): results never travel back either, only a
+small summary dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from flashx_batch.config import JobConfig
+from flashx_batch.data.plan import ShardSpec
+from flashx_batch.data.preflight import data_columns
+from flashx_batch.data.readers import Frame, InputFile, read_frame
+from flashx_batch.data.validate import RowProblem, build_prompt
+from flashx_batch.runner.layout import OutputDir
+from flashx_batch.runner.tables import generations_table, stats_table
+
+log = logging.getLogger(__name__)
+_FRAME_CACHE = 2  # shards of one bucket usually come from the same few files
+
+
+@dataclass
+class WorkerContext:
+    """What every worker needs besides the job config; small and picklable (it goes to each actor)."""
+
+    model_dir: str
+    output_dir: str
+    files: list[InputFile]
+    id_kind: str
+    passthrough_types: dict[str, pa.DataType] = field(default_factory=dict)
+    num_threads: int | None = None
+
+
+def row_seed(job_seed: int, row_id: Any) -> int:
+    """A row's sampling seed: a stable hash of (job seed, row id), so sharding never changes samples."""
+    digest = hashlib.sha256(f"{job_seed}\x1f{row_id!r}".encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class ShardWorker:
+    def __init__(self, job: JobConfig, ctx: WorkerContext, name: str = "local") -> None:
+        from flashx_batch.runtime.engine import Engine  # deferred: the driver plans without loading torch models
+
+        self.job, self.ctx, self.name = job, ctx, name
+        options = dataclasses.asdict(job.engine_options(ctx.num_threads))
+        self.engine = Engine.from_pretrained(Path(ctx.model_dir), **options)
+        if self.engine.tokenizer is None:
+            raise RuntimeError(f"{ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")
+        self.out = OutputDir(ctx.output_dir)
+        self._frames: OrderedDict[int, Frame] = OrderedDict()
+        self._columns = data_columns(job.data)
+
+    def ready(self) -> dict[str, Any]:
+        """Cheap call the Ray executor awaits to know the engine loaded (and where)."""
+        return {"name": self.name, "device": str(self.engine.device), "pid": os.getpid()}
+
+    def run_shard(self, spec: ShardSpec, attempt: int) -> dict[str, Any]:
+        """Generate and commit one shard; returns its summary (committed=False if another attempt won)."""
+        from flashx_batch.runtime.sampling import SamplingParams
+
+        started = time.perf_counter()
+        job = self.job
+        staging = self.out.start_attempt(spec.shard_id, attempt)  # visible while the shard runs
+        ids, texts, passthrough = self._rows(spec)
+        token_lists = self.engine.tokenizer.encode_batch(texts)
+        s = job.sampling
+        params = [SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                                 top_p=s.top_p, seed=row_seed(s.seed, i), stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+                  for i in ids]
+        outs = self.engine.generate(token_lists, params)
+        g = self.engine.last_stats
+        wall = time.perf_counter() - started
+        gen = generations_table(ids, self.ctx.id_kind, [o.text or "" for o in outs], [o.finish_reason for o in outs],
+                                [o.num_input_tokens for o in outs], [o.num_generated_tokens for o in outs],
+                                spec.shard_id, passthrough)
+        stats = stats_table({
+            "shard_id": spec.shard_id, "bucket_min_len": spec.bucket_min_len, "bucket_max_len": spec.bucket_max_len,
+            "rows": len(ids), "rows_failed": 0, "input_tokens": g.input_tokens, "output_tokens": g.output_tokens,
+            "padding_efficiency": g.padding_efficiency, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
+            "wall_s": wall, "output_tok_per_s": g.output_tokens / wall if wall else 0.0,
+            "total_tok_per_s": (g.input_tokens + g.output_tokens) / wall if wall else 0.0,
+            "kv_bytes_peak": g.kv_bytes_peak, "cache_policy": job.runtime.cache_policy,
+            "batch_size": job.runtime.max_batch_size, "device": str(self.engine.device), "attempt": attempt,
+            "batches": g.batches, "kv_bytes_arena": g.kv_bytes_arena, "host": socket.gethostname(),
+            "worker": self.name, "finished_at": time.time(),
+        })
+        won = self.out.commit(spec.shard_id, attempt, {"generations": gen, "stats": stats},
+                              {"kind": spec.kind, "rows": len(ids), "rows_failed": 0, "worker": self.name},
+                              staging)
+        log.debug("shard %s: %d rows, %d output tokens, %.2fs (%s)", spec.shard_id, len(ids), g.output_tokens, wall,
+                  "committed" if won else "already committed")
+        return {"shard_id": spec.shard_id, "rows": len(ids), "output_tokens": g.output_tokens, "wall_s": wall,
+                "committed": won, "attempt": attempt, "worker": self.name}
+
+    def _rows(self, spec: ShardSpec) -> tuple[list[Any], list[str], dict[str, pa.Array]]:
+        data = self.job.data
+        text_col = data.messages_column or data.prompt_column
+        ids, texts = [], []
+        extra: dict[str, list[Any]] = {c: [] for c in data.passthrough_columns}
+        for fi, ri in spec.refs:
+            fr = self._frame(fi)
+            value = fr.columns[text_col][ri]
+            text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
+                                self.engine.tokenizer)
+            if isinstance(text, RowProblem):  # the plan accepted this row: the input changed since
+                raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {text.message}; the input changed "
+                                   "after planning")
+            ids.append(fr.columns[data.id_column][ri])
+            texts.append(text)
+            for c in extra:
+                extra[c].append(fr.columns[c][ri])
+        arrays = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
+        return ids, texts, arrays
+
+    def _frame(self, fi: int) -> Frame:
+        if fi in self._frames:
+            self._frames.move_to_end(fi)
+            return self._frames[fi]
+        frame = read_frame(self.ctx.files[fi], self._columns)
+        self._frames[fi] = frame
+        if len(self._frames) > _FRAME_CACHE:
+            self._frames.popitem(last=False)
+        return frame
