@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashx_batch.models.config import ModelConfig
-from flashx_batch.models.layers import GatedMLP, RMSNorm, RotaryTable, apply_rotary
+from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary
 from flashx_batch.runtime.kv import KVArena
 
 
@@ -55,15 +55,14 @@ class Attention(nn.Module):
         self.split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.scale = cfg.head_dim**-0.5
         self.interleaved = cfg.rope.interleaved
-        self.qkv = _param((sum(self.split), cfg.hidden_size), dtype, device)
-        self.qkv_bias = _param((sum(self.split),), dtype, device) if cfg.attention_bias else None
-        self.o_proj = _param((cfg.hidden_size, cfg.q_size), dtype, device)
+        self.qkv = Linear(sum(self.split), cfg.hidden_size, cfg.attention_bias, dtype, device)
+        self.o_proj = Linear(cfg.hidden_size, cfg.q_size, False, dtype, device)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.flags.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.flags.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
         batch, seq = x.shape[:2]
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.split, dim=-1)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim)  # [B, T, H, D]
         k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -78,7 +77,7 @@ class Attention(nn.Module):
         else:
             out = self._extend(q, k, v, ctx, arena)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
-        return F.linear(out, self.o_proj)
+        return self.o_proj(out)
 
 
     def _prefill(self, q, k, v, arena: KVArena) -> torch.Tensor:
@@ -169,8 +168,9 @@ class DecoderModel(nn.Module):
         self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size),
-                                                                         dtype, device)
+        self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed
         self.rotary: RotaryTable | None = None
 
     def build_rotary(self, max_positions: int) -> None:
@@ -189,4 +189,4 @@ class DecoderModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

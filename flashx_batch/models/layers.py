@@ -93,17 +93,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     return torch.cat(((x_rot * cos) + (rotate(x_rot) * sin), x_pass), dim=-1)
 
 
+class Linear(nn.Module):
+    """y = x W^T (+ b). A module, not a bare tensor, so that quantization can swap it at load time
+    (gpt-fast style) without the decoder knowing which weight format it runs."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP with the gate and up projections fused into one matmul at load time."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype, device=device),
-                                    requires_grad=False)
-        self.down = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype, device=device),
-                                 requires_grad=False)
+        self.gate_up = Linear(2 * intermediate, hidden, False, dtype, device)
+        self.down = Linear(hidden, intermediate, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)

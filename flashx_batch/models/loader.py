@@ -27,24 +27,24 @@ RENAMES = {
     "post_attention_layernorm.weight": "mlp_norm.weight",
     "post_self_attn_layernorm.weight": "post_attn_norm.weight",
     "post_mlp_layernorm.weight": "post_mlp_norm.weight",
-    "self_attn.o_proj.weight": "attn.o_proj",
+    "self_attn.o_proj.weight": "attn.o_proj.weight",
     "self_attn.q_norm.weight": "attn.q_norm.weight",
     "self_attn.k_norm.weight": "attn.k_norm.weight",
-    "mlp.down_proj.weight": "mlp.down",
-    "mlp.gate_up_proj.weight": "mlp.gate_up",
+    "mlp.down_proj.weight": "mlp.down.weight",
+    "mlp.gate_up_proj.weight": "mlp.gate_up.weight",
 }
 # HF suffix -> (our fused parameter, position among its parts)
 PACKED = {
-    "self_attn.q_proj.weight": ("attn.qkv", 0),
-    "self_attn.k_proj.weight": ("attn.qkv", 1),
-    "self_attn.v_proj.weight": ("attn.qkv", 2),
-    "self_attn.q_proj.bias": ("attn.qkv_bias", 0),
-    "self_attn.k_proj.bias": ("attn.qkv_bias", 1),
-    "self_attn.v_proj.bias": ("attn.qkv_bias", 2),
-    "mlp.gate_proj.weight": ("mlp.gate_up", 0),
-    "mlp.up_proj.weight": ("mlp.gate_up", 1),
+    "self_attn.q_proj.weight": ("attn.qkv.weight", 0),
+    "self_attn.k_proj.weight": ("attn.qkv.weight", 1),
+    "self_attn.v_proj.weight": ("attn.qkv.weight", 2),
+    "self_attn.q_proj.bias": ("attn.qkv.bias", 0),
+    "self_attn.k_proj.bias": ("attn.qkv.bias", 1),
+    "self_attn.v_proj.bias": ("attn.qkv.bias", 2),
+    "mlp.gate_proj.weight": ("mlp.gate_up.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up.weight", 1),
 }
-TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head"}
+TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -111,7 +111,7 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
         _copy_checked(params[name], fused, name, f"{origin[name].name}:{name} (fused from {len(pieces)} parts)")
         loaded.add(name)
     if model.config.tie_word_embeddings:
-        loaded.add("lm_head")
+        loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(
@@ -140,7 +140,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         model = DecoderModel(cfg, dtype, torch.device("meta"))
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
-        model.lm_head = model.embed  # to_empty breaks the tie; restore it
+        model.lm_head.weight = model.embed  # to_empty breaks the tie; restore it
     load_weights(model, model_dir)
     model.build_rotary(max_positions)
     model.eval()

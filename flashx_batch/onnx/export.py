@@ -40,7 +40,7 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
                past: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention block without the arena -> (output [B, T, hidden], present [2, B, Hkv, S, D])."""
     batch, seq = x.shape[0], x.shape[1]
-    q, k, v = torch.nn.functional.linear(x, attn.qkv, attn.qkv_bias).split(attn.split, dim=-1)
+    q, k, v = attn.qkv(x).split(attn.split, dim=-1)
     q = q.reshape(batch, seq, attn.num_heads, attn.head_dim)  # [B, T, H, D]
     k = k.reshape(batch, seq, attn.num_kv_heads, attn.head_dim)
     v = v.reshape(batch, seq, attn.num_kv_heads, attn.head_dim)
@@ -65,7 +65,7 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
         scores = scores + bias
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.matmul(probs, v_all).transpose(1, 2).reshape(batch, seq, attn.num_heads * attn.head_dim)
-    return torch.nn.functional.linear(out, attn.o_proj), present
+    return attn.o_proj(out), present
 
 
 def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

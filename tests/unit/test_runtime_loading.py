@@ -87,6 +87,6 @@ def test_config_quirks_are_read_in_one_place(tiny_models):
 def test_weights_are_fused_and_contiguous(tiny_models):
     model = _load(tiny_models["llama"][0]).runner.model
     attn = model.layers[0].attn
-    assert attn.qkv.shape == (64 + 2 * 32, 64) and attn.qkv.is_contiguous()
-    assert model.layers[0].mlp.gate_up.shape == (256, 64)
-    assert model.lm_head is model.embed  # tied embeddings share one tensor
+    assert attn.qkv.weight.shape == (64 + 2 * 32, 64) and attn.qkv.weight.is_contiguous()
+    assert model.layers[0].mlp.gate_up.weight.shape == (256, 64)
+    assert model.lm_head.weight is model.embed  # tied embeddings share one tensor
