@@ -20,17 +20,12 @@ from flashx_batch.backends import Backend, get_backend
 from flashx_batch.errors import ConfigError, PromptTooLongError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
+from flashx_batch.runtime.batches import PagedBatch, StripedBatch, share_prefixes
 from flashx_batch.runtime.kv import KVArena
-from flashx_batch.runtime.kv_merge import (
-    MergeSettings,
-    apply_plan,
-    choose_groups,
-    compressed_length,
-    plan_groups,
-    plan_oldest,
-)
+from flashx_batch.runtime.kv_merge import MergeSettings, apply_plan, compressed_length, plan_oldest
 from flashx_batch.runtime.model_runner import ModelRunner
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
+from flashx_batch.runtime.prefix_cache import PrefixCache
 from flashx_batch.runtime.sampling import SamplingBatch, SamplingParams, sample
 from flashx_batch.runtime.stops import RowState
 from flashx_batch.runtime.tokenizer import Tokenizer
@@ -68,6 +63,8 @@ class GenerateStats:
     kv_bytes_peak: int = 0  # bytes of the segments held at the fullest moment
     kv_bytes_arena: int = 0
     kv_bytes_static_peak: int = 0  # what a static cache would have held for the same rows
+    cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
+    prefix_tokens_computed: int = 0  # shared-prefix tokens computed once and cached
     batch_sizes: list[int] = field(default_factory=list)
 
     @property
@@ -93,7 +90,9 @@ class GenerateStats:
             "output_tok_per_s": self.output_tok_per_s, "kv_bytes_peak": self.kv_bytes_peak,
             "kv_bytes_arena": self.kv_bytes_arena,
             "kv_bytes_static_peak": self.kv_bytes_static_peak, "max_batch_size": max(self.batch_sizes, default=0),
-            "decode_steps": self.decode_steps,
+            "decode_steps": self.decode_steps, "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefill_tokens_computed": self.input_tokens - self.cached_prompt_tokens,
+            "prefix_hit_rate": self.cached_prompt_tokens / self.input_tokens if self.input_tokens else 0.0,
         }
 
 
@@ -138,6 +137,13 @@ class Engine:
         self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window)
         arena = self._build_arena()
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
+        self.prefix_cache: PrefixCache | None = None
+        self.trash_slot = (arena.num_segments - 1) * arena.segment_size  # padding writes land here
+        if options.prefix_cache_tokens:
+            first = arena.max_rows * arena.segments_per_row
+            self.prefix_cache = PrefixCache(arena.allocator, range(first, arena.num_segments - 1),
+                                            arena.num_segments - 1 - first)
+            arena.allocator.take([arena.num_segments - 1])  # the trash segment is never handed out
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = tuple(dict.fromkeys(self.config.eos_token_ids + _read_generation_eos(self.model_dir)))
@@ -151,6 +157,8 @@ class Engine:
         a few spare segments hold the last row's prompt before it is merged down."""
         o, cfg = self.options, self.config
         rows, capacity, extra = o.max_batch_size, o.row_capacity, 0
+        if o.prefix_cache_tokens:  # cache region + one trash segment after the stripes
+            extra = -(-o.prefix_cache_tokens // o.segment_size) + 1
         if o.cache_policy == "segment_sparse":
             seg = o.segment_size
             capacity = -(-(compressed_length(o.max_input_len, self.merge) + o.max_output_len) // seg) * seg
@@ -214,7 +222,9 @@ class Engine:
         token_lists = [self.encode(p) for p in prompts]
         token_lists, truncated = self._fit_inputs(token_lists)
         order = list(range(len(prompts)))
-        if self.options.sort_by_length:
+        if self.prefix_cache is not None:  # rows sharing a prefix become neighbours, then batch-mates
+            order.sort(key=lambda i: token_lists[i])
+        elif self.options.sort_by_length:
             order.sort(key=lambda i: -len(token_lists[i]))
         stats = GenerateStats(kv_bytes_arena=self.runner.arena.nbytes)
         results: dict[int, RequestOutput] = {}
@@ -269,56 +279,39 @@ class Engine:
 
     def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams],
                    stats: GenerateStats) -> list[RowState]:
-        runner, arena, sync = self.runner, self.runner.arena, self.backend.synchronize
-        allocator = arena.allocator
+        """Prefill, then decode until every row has stopped; finished rows leave the batch at once."""
+        sync = self.backend.synchronize
         rows = [RowState.start(p, self.eos_token_ids) for p in params]
         decode_text = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
-        held: list[list[int]] = []
+        started = time.perf_counter()
+        batch = self._make_batch(prompts, params, stats)
         try:
-            started = time.perf_counter()
-            logits, slots = self._prefill(prompts, stats)
-            # segments held per row: its (possibly merged) prompt plus room for every new token
-            held = [allocator.take(arena.stripe_segments(i)[: allocator.segments_for(n + p.max_new_tokens)])
-                    for i, (n, p) in enumerate(zip(slots, params))]
-            token_bytes = arena.segment_size * arena.bytes_per_token()
-            stats.kv_bytes_peak = max(stats.kv_bytes_peak, sum(map(len, held)) * token_bytes)
-            static_need = sum(allocator.segments_for(len(t) + p.max_new_tokens) for t, p in zip(prompts, params))
-            stats.kv_bytes_static_peak = max(stats.kv_bytes_static_peak, static_need * token_bytes)
+            logits = batch.prefill()
             sampling = SamplingBatch.build(params, logits.shape[-1], self.device)
             steps = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
             tokens = sample(logits, sampling, steps)
             sync()
             stats.prefill_s += time.perf_counter() - started
             started = time.perf_counter()
-            # active[j] = index into `rows` of the row in batch position (= stripe) j
-            active = list(range(len(prompts)))
-            positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-            merged = slots != [len(p) for p in prompts]  # RoPE positions and cache slots part ways
-            write_slots = torch.tensor(slots, dtype=torch.long, device=self.device) if merged else None
+            active = list(range(len(prompts)))  # batch position -> index into `rows`
             while True:
                 finished = [j for j, tok in enumerate(tokens.tolist()) if rows[active[j]].append(tok, decode_text)]
                 if finished:
-                    keep = self._compact(active, slots, held, finished)
-                    if not active:
+                    keep = batch.drop(finished)
+                    if not keep:
                         break
-                    keep_t = torch.tensor(keep, device=self.device)
-                    tokens, positions, steps = tokens[keep_t], positions[keep_t], steps[keep_t]
-                    write_slots = write_slots[keep_t] if merged else None
-                    sampling = sampling.select(keep_t)
-                logits = runner.decode(tokens, positions, max(slots) + 1, write_slots)
+                    active = [active[j] for j in keep]
+                    keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+                    tokens, steps, sampling = tokens[keep_t], steps[keep_t], sampling.select(keep_t)
+                logits = batch.step(tokens)
                 steps += 1
                 tokens = sample(logits, sampling, steps)
-                positions += 1
-                if merged:
-                    write_slots += 1
-                slots = [n + 1 for n in slots]
                 stats.decode_steps += 1
                 stats.computed_slots += len(active)
             sync()
             stats.decode_s += time.perf_counter() - started
         finally:
-            for segments in held:
-                allocator.release(segments)
+            batch.release()
         stats.rows += len(prompts)
         stats.batches += 1
         stats.batch_sizes.append(len(prompts))
@@ -326,36 +319,18 @@ class Engine:
         stats.output_tokens += sum(len(r.token_ids) for r in rows)
         return rows
 
-    def _prefill(self, prompts: list[list[int]], stats: GenerateStats) -> tuple[torch.Tensor, list[int]]:
-        """Fill stripes 0..B-1 with the prompts' KV -> (last-token logits [B, V], cache slots per row).
+    def _make_batch(self, prompts: list[list[int]], params: list[SamplingParams],
+                    stats: GenerateStats) -> StripedBatch | PagedBatch:
+        if self.prefix_cache is not None and all(len(p) <= self.options.max_input_len for p in prompts):
+            shared = share_prefixes(self, prompts, stats)
+            if shared is not None:
+                return PagedBatch(self, prompts, params, stats, shared)
+        return StripedBatch(self, prompts, params, stats)
 
-        Plain static rows share one right-padded batched prefill. Segment-sparse rows and rows longer
-        than max_input_len (rolling merge) are prefilled one at a time into their own region, then
-        merged down, so a row never needs more than its stripe once its prefill is done.
-        """
-        arena, limit = self.runner.arena, self.options.max_input_len
-        arena.bias.zero_()
-        sparse = self.options.cache_policy == "segment_sparse"
-        if not sparse and all(len(p) <= limit for p in prompts):
-            stats.computed_slots += len(prompts) * max(map(len, prompts))
-            return self.runner.prefill(prompts), [len(p) for p in prompts]
-        budget = compressed_length(limit, self.merge) if sparse else limit
-        last_logits, slots = [], []
-        for i, prompt in enumerate(prompts):
-            start = i * arena.row_capacity
-            if len(prompt) > limit:
-                logits, used = self.rolling_prefill(prompt, start, budget)
-            else:
-                observe = self.merge.window if sparse else 0
-                logits, scores = self.runner.extend(prompt, start, 0, 0, observe=observe)
-                used = len(prompt)
-                if sparse:
-                    plan = plan_groups(used, choose_groups(scores, used, self.merge, "segment_sparse"))
-                    used = apply_plan(arena, start, used, start, plan)
-            stats.computed_slots += len(prompt)
-            last_logits.append(logits[-1])
-            slots.append(used)
-        return torch.stack(last_logits), slots
+    def _record_kv(self, stats: GenerateStats, segments_held: int, static_segments: int) -> None:
+        segment_bytes = self.runner.arena.segment_size * self.runner.arena.bytes_per_token()
+        stats.kv_bytes_peak = max(stats.kv_bytes_peak, segments_held * segment_bytes)
+        stats.kv_bytes_static_peak = max(stats.kv_bytes_static_peak, static_segments * segment_bytes)
 
     def rolling_prefill(self, prompt: list[int], start: int, budget: int) -> tuple[torch.Tensor, int]:
         """long_input=rolling_merge: prefill segment by segment; before a segment would overflow
@@ -384,26 +359,3 @@ class Engine:
             logits, _ = self.runner.extend(piece, start, len(counts), begin)
             counts += [1] * len(piece)
         return logits, len(counts)
-
-    def _compact(self, active: list[int], lengths: list[int], held: list[list[int]],
-                 finished: list[int]) -> list[int]:
-        """Drop finished batch positions; the last active rows move into the holes.
-
-        Mutates `active`, `lengths` and `held` (segments per batch position); returns, for each new
-        position, its old position. A moved row re-takes the same number of segments in its new stripe.
-        """
-        arena, allocator = self.runner.arena, self.runner.arena.allocator
-        old_of = list(range(len(active)))
-        for j in sorted(finished, reverse=True):
-            last = len(active) - 1
-            allocator.release(held[j])
-            if j != last:
-                self.runner.move_row(last, j, lengths[last])
-                allocator.release(held[last])
-                held[j] = allocator.take(arena.stripe_segments(j)[: len(held[last])])
-                active[j], lengths[j], old_of[j] = active[last], lengths[last], old_of[last]
-            held.pop()
-            active.pop()
-            lengths.pop()
-            old_of.pop()
-        return old_of

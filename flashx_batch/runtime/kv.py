@@ -16,21 +16,11 @@ not a re-layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 
 class ArenaFullError(RuntimeError):
     """More segments were requested than the arena has free (a scheduler bug, not a user error)."""
-
-
-@dataclass
-class SegmentTable:
-    """The segments one row owns, in position order, and how many tokens it holds."""
-
-    segments: list[int] = field(default_factory=list)
-    num_tokens: int = 0
 
 
 class SegmentAllocator:
@@ -59,12 +49,12 @@ class SegmentAllocator:
             self.refcount[s] = 1
         return list(segment_ids)
 
-    def allocate(self, count: int) -> list[int]:
-        """Claim any `count` free segments, lowest ids first (keeps stripes contiguous when possible)."""
-        if count > len(self._free):
-            raise ArenaFullError(f"need {count} segments, {len(self._free)} free of {self.num_segments}")
-        chosen = sorted(self._free)[:count]
-        return self.take(chosen)
+    def allocate(self, count: int, within: range | None = None) -> list[int]:
+        """Claim any `count` free segments (inside `within` if given), lowest ids first."""
+        free = sorted(s for s in self._free if within is None or s in within)
+        if count > len(free):
+            raise ArenaFullError(f"need {count} segments, {len(free)} free of {self.num_segments}")
+        return self.take(free[:count])
 
     def share(self, segment_id: int) -> None:
         """Another row now reads this segment (prefix reuse)."""

@@ -62,7 +62,7 @@ class ModelRunner:
             visible = self._slot_range[:kv_len][None, :] <= write_slots[:, None]
             bias = self.arena.stripe_bias()[: len(tokens), :kv_len]
             mask = bias.masked_fill(~visible, float("-inf")).to(self.arena.storage.dtype)[:, None, None, :]
-        ctx = ForwardContext("decode", cos, sin, write_slots, kv_len, mask)
+        ctx = ForwardContext("decode", cos, sin, write_slots=write_slots, kv_len=kv_len, attn_mask=mask)
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])
 
@@ -89,6 +89,23 @@ class ModelRunner:
         hidden = self.model.hidden_states(ids, ctx, self.arena)[0]  # [C, hidden]
         self.arena.bias[start + cached : start + cached + count] = 0.0
         return self.model.logits(hidden if all_logits else hidden[-1:]), ctx.scores
+
+    @torch.inference_mode()
+    def paged(self, tokens: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+              slot_table: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Rows reading through slot tables (shared prefix segments): tokens / positions / write_slots
+        [B, T], slot_table [B, L] with L > every position; returns logits at column `last` [B] -> [B, V]."""
+        cos, sin = self.model.rotary.lookup(positions)
+        kv_len = slot_table.shape[1]
+        mask = (self._range(kv_len)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        ctx = ForwardContext("paged", cos, sin, write_slots=write_slots, slot_table=slot_table, attn_mask=mask)
+        hidden = self.model.hidden_states(tokens, ctx, self.arena)
+        return self.model.logits(hidden[torch.arange(len(tokens), device=self.device), last])
+
+    def _range(self, n: int) -> torch.Tensor:
+        if n > len(self._slot_range):
+            self._slot_range = torch.arange(n, device=self.device)
+        return self._slot_range[:n]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.arena.move_stripe(src, dst, length)

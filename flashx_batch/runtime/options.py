@@ -32,6 +32,7 @@ class EngineOptions:
     sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
     kv_merge_fraction: float = 0.6  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups
+    prefix_cache_tokens: int = 0  # prefix reuse: KV tokens kept for shared prefixes (0 = off)
 
     def __post_init__(self) -> None:
         checks = [
@@ -47,6 +48,9 @@ class EngineOptions:
             (0.0 <= self.kv_merge_fraction <= 1.0,
              f"kv_merge_fraction must be in [0, 1], got {self.kv_merge_fraction}"),
             (self.kv_observe_window >= 1, f"kv_observe_window must be >= 1, got {self.kv_observe_window}"),
+            (self.prefix_cache_tokens >= 0, f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}"),
+            (not (self.prefix_cache_tokens and self.cache_policy == "segment_sparse"),
+             "prefix_cache_tokens (prefix reuse) does not combine with cache_policy=segment_sparse yet; pick one"),
             (self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
         ]
         for ok, message in checks:

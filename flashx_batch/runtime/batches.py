@@ -1,0 +1,237 @@
+"""One static batch on the device: how its prompts get into the KV arena and how it steps.
+
+`Engine._run_batch` drives either kind through the same four calls — `prefill()`, `step(tokens)`,
+`drop(finished)`, `release()` — and keeps the sampling and stop bookkeeping to itself.
+
+- `StripedBatch`: row i lives in stripe i (static cache, segment-sparse merging, rolling merge).
+  Attention reads the stripes as one strided view; a finished row's stripe is refilled by the
+  last active row so the active rows stay a dense prefix.
+- `PagedBatch`: rows share read-only prefix segments from the `PrefixCache`; each row's slot table
+  is its shared segments followed by its own, and attention gathers through the table.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashx_batch.runtime.kv_merge import apply_plan, choose_groups, compressed_length, plan_groups
+from flashx_batch.runtime.prefix_cache import block_keys
+from flashx_batch.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from flashx_batch.runtime.engine import Engine, GenerateStats
+
+
+class StripedBatch:
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                 stats: GenerateStats) -> None:
+        self.engine, self.prompts, self.params, self.stats = engine, prompts, params, stats
+        self.runner, self.arena = engine.runner, engine.runner.arena
+        self.held: list[list[int]] = []
+        self.slots: list[int] = []  # cache slots per batch position
+        self.positions = self.write_slots = None
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    def prefill(self) -> torch.Tensor:
+        logits, self.slots = self._fill()
+        allocator, device = self.arena.allocator, self.engine.device
+        # segments held per row: its (possibly merged) prompt plus room for every new token
+        self.held = [allocator.take(self.arena.stripe_segments(i)[: allocator.segments_for(n + p.max_new_tokens)])
+                     for i, (n, p) in enumerate(zip(self.slots, self.params))]
+        static_need = sum(allocator.segments_for(len(t) + p.max_new_tokens) for t, p in zip(self.prompts, self.params))
+        self.engine._record_kv(self.stats, sum(map(len, self.held)), static_need)
+        lengths = [len(p) for p in self.prompts]
+        self.positions = torch.tensor(lengths, dtype=torch.long, device=device)
+        # merged rows: RoPE positions (true token counts) and cache slots part ways
+        if self.slots != lengths:
+            self.write_slots = torch.tensor(self.slots, dtype=torch.long, device=device)
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.runner.decode(tokens, self.positions, max(self.slots) + 1, self.write_slots)
+        self.positions += 1
+        if self.write_slots is not None:
+            self.write_slots += 1
+        self.slots = [n + 1 for n in self.slots]
+        return logits
+
+    def drop(self, finished: list[int]) -> list[int]:
+        """Free finished positions; the last active rows move into the holes. Returns, for each new
+        position, its old position. A moved row re-takes as many segments in its new stripe."""
+        allocator = self.arena.allocator
+        old_of = list(range(self.size))
+        for j in sorted(finished, reverse=True):
+            last = self.size - 1
+            allocator.release(self.held[j])
+            if j != last:
+                self.runner.move_row(last, j, self.slots[last])
+                allocator.release(self.held[last])
+                self.held[j] = allocator.take(self.arena.stripe_segments(j)[: len(self.held[last])])
+                self.slots[j], old_of[j] = self.slots[last], old_of[last]
+            for seq in (self.held, self.slots, old_of):
+                seq.pop()
+        keep = torch.tensor(old_of, dtype=torch.long, device=self.engine.device)
+        self.positions = self.positions[keep]
+        if self.write_slots is not None:
+            self.write_slots = self.write_slots[keep]
+        return old_of
+
+    def release(self) -> None:
+        for segments in self.held:
+            self.arena.allocator.release(segments)
+        self.held = []
+
+    def _fill(self) -> tuple[torch.Tensor, list[int]]:
+        """Prompts' KV into stripes 0..B-1 -> (last-token logits [B, V], cache slots per row).
+
+        Plain static rows share one right-padded batched prefill. Segment-sparse rows and rows
+        longer than max_input_len (rolling merge) are prefilled one at a time into their own
+        region, then merged down, so a row never needs more than its stripe once it is done.
+        """
+        engine, prompts, limit = self.engine, self.prompts, self.engine.options.max_input_len
+        self.arena.bias.zero_()
+        sparse = engine.options.cache_policy == "segment_sparse"
+        if not sparse and all(len(p) <= limit for p in prompts):
+            self.stats.computed_slots += len(prompts) * max(map(len, prompts))
+            return self.runner.prefill(prompts), [len(p) for p in prompts]
+        budget = compressed_length(limit, engine.merge) if sparse else limit
+        last_logits, slots = [], []
+        for i, prompt in enumerate(prompts):
+            start = i * self.arena.row_capacity
+            if len(prompt) > limit:
+                logits, used = engine.rolling_prefill(prompt, start, budget)
+            else:
+                observe = engine.merge.window if sparse else 0
+                logits, scores = self.runner.extend(prompt, start, 0, 0, observe=observe)
+                used = len(prompt)
+                if sparse:
+                    plan = plan_groups(used, choose_groups(scores, used, engine.merge, "segment_sparse"))
+                    used = apply_plan(self.arena, start, used, start, plan)
+            self.stats.computed_slots += len(prompt)
+            last_logits.append(logits[-1])
+            slots.append(used)
+        return torch.stack(last_logits), slots
+
+
+class PagedBatch:
+    """Rows whose prompts start with blocks already in (or just added to) the prefix cache."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                 stats: GenerateStats, shared: list[list[int]]) -> None:
+        self.engine, self.prompts, self.params, self.stats = engine, prompts, params, stats
+        self.runner, self.arena, self.cache = engine.runner, engine.runner.arena, engine.prefix_cache
+        self.seg = self.arena.segment_size
+        self.shared = shared  # per row: cache segments it reads (one reference each, held by the row)
+        self.own: list[list[int]] = []
+        self.device = engine.device
+
+    @property
+    def size(self) -> int:
+        return len(self.shared)
+
+    def prefill(self) -> torch.Tensor:
+        seg, allocator, trash = self.seg, self.arena.allocator, self.engine.trash_slot
+        stripes = range(self.arena.max_rows * self.arena.segments_per_row)
+        cached = [len(s) * seg for s in self.shared]
+        self.own = [allocator.allocate(allocator.segments_for(len(p) - c + q.max_new_tokens), within=stripes)
+                    for p, c, q in zip(self.prompts, cached, self.params)]
+        self.engine._record_kv(self.stats, sum(map(len, self.own)) + len({s for r in self.shared for s in r}),
+                               sum(allocator.segments_for(len(p) + q.max_new_tokens)
+                                   for p, q in zip(self.prompts, self.params)))
+        width = max(len(s) + len(o) for s, o in zip(self.shared, self.own)) * seg
+        table = torch.full((self.size, width), trash, dtype=torch.long)
+        for i, segments in enumerate(self.shared[i] + self.own[i] for i in range(self.size)):
+            flat = (torch.tensor(segments)[:, None] * seg + torch.arange(seg)[None, :]).reshape(-1)
+            table[i, : len(flat)] = flat
+        self.table = table.to(self.device)
+        suffixes = [p[c:] for p, c in zip(self.prompts, cached)]
+        span = max(map(len, suffixes))
+        tokens = torch.zeros(self.size, span, dtype=torch.long)
+        positions = torch.zeros(self.size, span, dtype=torch.long)
+        writes = torch.full((self.size, span), trash, dtype=torch.long)
+        for i, (suffix, start) in enumerate(zip(suffixes, cached)):
+            tokens[i, : len(suffix)] = torch.tensor(suffix)
+            positions[i] = torch.arange(start, start + span)
+            writes[i, : len(suffix)] = table[i, start : start + len(suffix)]
+        positions = positions.clamp_max(width - 1)  # padding columns: any in-range position will do
+        kv_len = max(len(p) for p in self.prompts)
+        last = torch.tensor([len(s) - 1 for s in suffixes], device=self.device)
+        logits = self.runner.paged(tokens.to(self.device), positions.to(self.device), writes.to(self.device),
+                                   self.table[:, :kv_len], last)
+        self.stats.computed_slots += self.size * span
+        self.stats.cached_prompt_tokens += sum(cached)
+        self.positions = torch.tensor([len(p) for p in self.prompts], device=self.device)
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = self.positions[:, None]
+        writes = self.table.gather(1, positions)
+        kv_len = int(self.positions.max().item()) + 1
+        last = torch.zeros(self.size, dtype=torch.long, device=self.device)
+        logits = self.runner.paged(tokens[:, None], positions, writes, self.table[:, :kv_len], last)
+        self.positions = self.positions + 1
+        return logits
+
+    def drop(self, finished: list[int]) -> list[int]:
+        gone = set(finished)
+        keep = [i for i in range(self.size) if i not in gone]
+        for i in finished:  # a finished row gives its memory back at once
+            self.arena.allocator.release(self.own[i] + self.shared[i])
+        self.own = [self.own[i] for i in keep]
+        self.shared = [self.shared[i] for i in keep]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.table, self.positions = self.table[index], self.positions[index]
+        return keep
+
+    def release(self) -> None:
+        for own, shared in zip(self.own, self.shared):
+            self.arena.allocator.release(own + shared)
+        self.own, self.shared = [], []
+
+
+def share_prefixes(engine: Engine, prompts: list[list[int]], stats: GenerateStats) -> list[list[int]] | None:
+    """Per row, the prefix-cache segments it can read instead of recomputing (one reference each).
+
+    A block is shared when it is already cached or when two rows of this batch start with it; the
+    first time it is needed it is computed once (reading the blocks before it) and cached. Each row
+    keeps at least one token of its own to prefill. Returns None when no row shares anything.
+    """
+    cache, seg, runner = engine.prefix_cache, engine.runner.arena.segment_size, engine.runner
+    allocator = engine.runner.arena.allocator
+    keys = [block_keys(p, seg, len(p) - 1) for p in prompts]
+    seen: dict[bytes, int] = {}
+    for row in keys:
+        for key in row:
+            seen[key] = seen.get(key, 0) + 1
+    shared: list[list[int]] = []
+    for prompt, row_keys in zip(prompts, keys):
+        segments = cache.match(row_keys)
+        wanted = len(segments)
+        while wanted < len(row_keys) and seen[row_keys[wanted]] > 1:
+            wanted += 1
+        if wanted > len(segments):
+            new = cache.reserve(wanted - len(segments))
+            if new is not None:
+                start = len(segments) * seg
+                table = torch.tensor([s * seg + o for s in segments + new for o in range(seg)],
+                                     device=engine.device)[None, : wanted * seg]
+                tokens = prompt[start : wanted * seg]
+                runner.paged(torch.tensor([tokens], device=engine.device),
+                             torch.arange(start, wanted * seg, device=engine.device)[None],
+                             table[:, start:], table, torch.tensor([len(tokens) - 1], device=engine.device))
+                stats.computed_slots += len(tokens)
+                stats.prefix_tokens_computed += len(tokens)
+                for key, segment in zip(row_keys[len(segments) : wanted], new):
+                    cache.insert(key, segment)
+                segments = segments + new
+        for segment in segments:
+            allocator.share(segment)  # the row's own reference, released when the row finishes
+        shared.append(segments)
+    if not any(shared):
+        return None
+    return shared

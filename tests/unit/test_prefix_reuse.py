@@ -1,0 +1,77 @@
+"""Prefix reuse: lossless, reference counts return to the cache's own, the arena is whole after."""
+
+import pytest
+import torch
+from model_factory import ARCHS
+
+from flashx_batch import Engine, SamplingParams
+from flashx_batch.runtime.prefix_cache import block_keys
+
+
+def _engine(model_dir, **kw):
+    opts = dict(backend="cpu", dtype="float32", max_batch_size=4, max_input_len=96, max_output_len=16,
+                segment_size=8)
+    opts.update(kw)
+    return Engine.from_pretrained(model_dir, **opts)
+
+
+def _few_shot(seed=3, groups=2, per_group=5, prefix_len=50):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(groups):
+        prefix = torch.randint(3, 256, (prefix_len,), generator=g).tolist()
+        for _ in range(per_group):
+            rows.append(prefix + torch.randint(3, 256, (int(torch.randint(1, 20, (1,), generator=g)),),
+                                               generator=g).tolist())
+    return rows
+
+
+def _only_cache_holds_segments(engine):
+    alloc, cache = engine.runner.arena.allocator, engine.prefix_cache
+    cached = set(cache._blocks.values())
+    trash = engine.runner.arena.num_segments - 1
+    for s, count in enumerate(alloc.refcount):
+        expected = 1 if s in cached or s == trash else 0
+        assert count == expected, (s, count, expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_reuse_is_token_identical(arch, tiny_models):
+    model_dir = tiny_models[arch][0]
+    rows = _few_shot()
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (16, 3, 9, 1, 16, 12, 16, 2, 7, 16)]
+    plain = _engine(model_dir).generate(rows, params)
+    reuse = _engine(model_dir, prefix_cache_tokens=256)
+    outs = reuse.generate(rows, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = reuse.last_stats.as_dict()
+    # 48 of each 50-token prefix are whole 8-token blocks: computed once per group, read by every row
+    assert stats["cached_prompt_tokens"] == 10 * 48
+    assert reuse.last_stats.prefix_tokens_computed == 2 * 48
+    _only_cache_holds_segments(reuse)
+    reuse.prefix_cache.clear()
+    assert reuse.runner.arena.allocator.refcount.count(0) == reuse.runner.arena.num_segments - 1  # trash only
+
+
+def test_cache_survives_batches_and_evicts_under_its_cap(tiny_models):
+    model_dir = tiny_models["llama"][0]
+    rows = _few_shot(seed=9, groups=3, per_group=4, prefix_len=40)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = _engine(model_dir).generate(rows, params)
+    small = _engine(model_dir, prefix_cache_tokens=48)  # room for one group's 40-token prefix (5 blocks)
+    first = small.generate(rows[:4], params)  # group 0 fills the cache
+    assert len(small.prefix_cache) == 5
+    again = small.generate(rows[:4], params)  # a later call hits without computing anything
+    assert small.last_stats.prefix_tokens_computed == 0 and small.last_stats.cached_prompt_tokens == 4 * 40
+    rest = small.generate(rows[4:], params)  # groups 1 and 2 evict group 0's blocks
+    assert [o.token_ids for o in first + rest] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in again] == [o.token_ids for o in plain[:4]]
+    assert len(small.prefix_cache) <= 6
+    _only_cache_holds_segments(small)
+
+
+def test_block_keys_chain_the_prefix():
+    a = block_keys(list(range(40)), 8, 39)
+    b = block_keys([99] + list(range(1, 40)), 8, 39)
+    assert len(a) == 4 and a[0] != b[0] and a[1] != b[1]  # a different first block changes every later key
+    assert block_keys(list(range(40)), 8, 39) == a
