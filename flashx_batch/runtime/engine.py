@@ -75,6 +75,11 @@ class GenerateStats:
         return useful / self.computed_slots if self.computed_slots else 1.0
 
     @property
+    def prefill_tokens_computed(self) -> int:
+        """Prompt tokens run through the model: each row's own part plus shared prefixes once."""
+        return self.input_tokens - self.cached_prompt_tokens + self.prefix_tokens_computed
+
+    @property
     def wall_s(self) -> float:
         return self.prefill_s + self.decode_s
 
@@ -91,7 +96,7 @@ class GenerateStats:
             "kv_bytes_arena": self.kv_bytes_arena,
             "kv_bytes_static_peak": self.kv_bytes_static_peak, "max_batch_size": max(self.batch_sizes, default=0),
             "decode_steps": self.decode_steps, "cached_prompt_tokens": self.cached_prompt_tokens,
-            "prefill_tokens_computed": self.input_tokens - self.cached_prompt_tokens,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
             "prefix_hit_rate": self.cached_prompt_tokens / self.input_tokens if self.input_tokens else 0.0,
         }
 
