@@ -28,12 +28,16 @@ class ForwardContext:
     extend: one row, a chunk of C tokens appended after `cached` slots of a flat region starting at
       slot `start` (segment-sparse prefill, rolling merge, teacher-forced scoring). `extend_mask`
       [1, 1, C, cached + C] is None for a plain causal chunk with nothing cached.
+    paged: rows read through per-row slot tables (shared prefix segments + their own), any T:
+      token t of row b is written to flat slot `write_slots[b, t]`; keys are gathered from
+      `slot_table` [B, L] (position j -> flat slot) and `attn_mask` [B, 1, T, L] hides the rest.
     """
 
     mode: str
     cos: torch.Tensor  # [B, T, 1, rotary_dim]
     sin: torch.Tensor
-    write_slots: torch.Tensor | None = None  # decode: [B]
+    write_slots: torch.Tensor | None = None  # decode: [B] stripe slots; paged: [B, T] flat slots
+    slot_table: torch.Tensor | None = None  # paged: [B, L]
     kv_len: int = 0
     attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, kv_len]
     start: int = 0  # extend
@@ -60,20 +64,27 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.flags.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.flags.qk_norm else None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> post-RoPE q [B, T, H, D], k and v [B, T, Hkv, D] (also the ONNX export's)."""
         batch, seq = x.shape[:2]
         q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim)  # [B, T, H, D]
-        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = v.view(batch, seq, self.num_kv_heads, self.head_dim)
+        q = q.reshape(batch, seq, self.num_heads, self.head_dim)
+        k = k.reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, ctx.cos, ctx.sin, self.interleaved)
-        k = apply_rotary(k, ctx.cos, ctx.sin, self.interleaved)
+        return apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved), v
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        q, k, v = self.project(x, ctx.cos, ctx.sin)
         if ctx.mode == "prefill":
             out = self._prefill(q, k, v, arena)
         elif ctx.mode == "decode":
             out = self._decode(q, k, v, ctx, arena)
+        elif ctx.mode == "paged":
+            out = self._paged(q, k, v, ctx, arena)
         else:
             out = self._extend(q, k, v, ctx, arena)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
@@ -101,6 +112,17 @@ class Attention(nn.Module):
             v_cache[:batch, : ctx.kv_len].transpose(1, 2),
             attn_mask=ctx.attn_mask, scale=self.scale, enable_gqa=True,
         )
+
+    def _paged(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+        batch, seq = q.shape[:2]
+        k_flat, v_flat = arena.flat(self.layer)  # [slots, Hkv, D]
+        slots = ctx.write_slots.reshape(-1)
+        k_flat[slots] = k.reshape(batch * seq, self.num_kv_heads, self.head_dim)
+        v_flat[slots] = v.reshape(batch * seq, self.num_kv_heads, self.head_dim)
+        keys = k_flat[ctx.slot_table].transpose(1, 2)  # gather: [B, Hkv, L, D]
+        values = v_flat[ctx.slot_table].transpose(1, 2)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.attn_mask,
+                                              scale=self.scale, enable_gqa=True)
 
     def _extend(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
         seq = q.shape[1]

@@ -44,7 +44,8 @@ PACKED = {
     "mlp.gate_proj.weight": ("mlp.gate_up.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up.weight", 1),
 }
-TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm.weight",
+             "lm_head.weight": "lm_head.weight"}
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from flashx_batch.models.decoder import Attention, DecoderLayer, DecoderModel
-from flashx_batch.models.layers import apply_rotary
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +39,7 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
                past: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention block without the arena -> (output [B, T, hidden], present [2, B, Hkv, S, D])."""
     batch, seq = x.shape[0], x.shape[1]
-    q, k, v = attn.qkv(x).split(attn.split, dim=-1)
-    q = q.reshape(batch, seq, attn.num_heads, attn.head_dim)  # [B, T, H, D]
-    k = k.reshape(batch, seq, attn.num_kv_heads, attn.head_dim)
-    v = v.reshape(batch, seq, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rotary(q, cos, sin, attn.interleaved).transpose(1, 2)  # [B, H, T, D]
-    k = apply_rotary(k, cos, sin, attn.interleaved).transpose(1, 2)  # [B, Hkv, T, D]
-    v = v.transpose(1, 2)
+    q, k, v = (t.transpose(1, 2) for t in attn.project(x, cos, sin))  # [B, H or Hkv, T, D]
     if past is not None:
         k = torch.cat((past[0], k), dim=2)  # [B, Hkv, P+T, D]
         v = torch.cat((past[1], v), dim=2)
