@@ -80,9 +80,11 @@ class ExecutorSection:
     num_actors: int | None = None  # None = one per accelerator (cpu: cores // cpus_per_actor)
     cpus_per_actor: int = 1
     resources: dict[str, float] = field(default_factory=dict)  # extra custom resources per actor
-    max_attempts: int = 3  # tries per shard before the job fails (resumable)
+    max_attempts: int = 3  # tries per shard before the job fails (resumable) or its rows become error rows
+    shard_timeout_s: float | None = 3600.0  # watchdog (ray): a shard running longer has its actor killed
     grace_period_s: float = 60.0  # after SIGINT/SIGTERM, how long in-flight shards may take to commit
     progress_interval_s: float = 10.0  # log-line period when stderr is not a TTY
+    faults: list[str] = field(default_factory=list)  # fault injection for tests (runner/faults.py); [] = off
 
 
 @dataclass
@@ -134,6 +136,8 @@ def validate(job: JobConfig) -> None:
         (job.executor.num_actors is None or job.executor.num_actors >= 1,
          f"executor.num_actors must be >= 1 or null, got {job.executor.num_actors}"),
         (job.executor.cpus_per_actor >= 1, f"executor.cpus_per_actor must be >= 1, got {job.executor.cpus_per_actor}"),
+        (job.executor.shard_timeout_s is None or job.executor.shard_timeout_s > 0,
+         f"executor.shard_timeout_s must be > 0 or null, got {job.executor.shard_timeout_s}"),
         (job.runtime.shard_size >= 1, f"runtime.shard_size must be >= 1, got {job.runtime.shard_size}"),
         (job.data.format in ("auto", "parquet", "jsonl", "csv", "arrow"),
          f"data.format={job.data.format!r} is not one of auto, parquet, jsonl, csv, arrow"),

@@ -31,3 +31,7 @@ class FingerprintMismatchError(ConfigError):
 
 class ShardFailedError(FlashxError):
     """A shard failed `executor.max_attempts` times; the job stops (exit 1) and a rerun resumes it."""
+
+
+class FatalEngineError(FlashxError):
+    """The engine (its device) cannot run another batch: the worker holding it must be replaced, not retried."""

@@ -115,3 +115,8 @@ def tiny_model_dir() -> Path:
 
         _TINY["dir"] = build_tiny_model(Path(tempfile.mkdtemp(prefix="fx-tiny-model-")))
     return _TINY["dir"]
+
+
+def faults_override(specs: list[str]) -> str:
+    """`executor.faults=[...]` as a Hydra override (each spec quoted: `:` and `=` are Hydra syntax)."""
+    return "executor.faults=[" + ",".join(f"'{s}'" for s in specs) + "]"

@@ -74,6 +74,7 @@ class Plan:
     row_errors: dict[str, list[RowError]]  # error-shard id -> its rows
     buckets: list[BucketSummary]
     error_counts: Counter = field(default_factory=Counter)
+    ref_ids: dict[Ref, Any] = field(default_factory=dict)  # every planned row's id (error rows written by the driver)
     padding_bucketed: float = 1.0
     padding_unbucketed: float = 1.0
 
@@ -179,8 +180,9 @@ def _assemble(job: JobConfig, loaded: LoadedInput, ids: list[Any], valid: list[t
         error_shards.append(spec)
         row_errors[spec.shard_id] = chunk
     in_order = [r[2] for r in sorted(valid, key=lambda r: r[0])]
+    ref_ids = {r[0]: r[1] for r in valid} | {e.ref: e.id for e in errors}
     plan = Plan(loaded.files, loaded.id_kind, ids, shards, error_shards, row_errors, buckets,
-                Counter(e.code for e in errors),
+                Counter(e.code for e in errors), ref_ids,
                 padding_bucketed=_weighted_padding(shards, batch, valid),
                 padding_unbucketed=padding_efficiency(in_order, batch, presorted=False))
     log.info("plan: %d rows, %d valid in %d shards, %d error rows; padding efficiency %.3f bucketed vs %.3f not",

@@ -8,10 +8,12 @@ retry a failing shard up to `executor.max_attempts`, and report progress.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
+from flashx_batch.runner.failures import FATAL, Work, decide, kind_of
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.signals import StopFlag
 from flashx_batch.runner.worker import ShardWorker, WorkerContext
@@ -22,31 +24,43 @@ log = logging.getLogger(__name__)
 @dataclass
 class ExecResult:
     done: list[str] = field(default_factory=list)  # shard ids committed by this run
-    failed: dict[str, str] = field(default_factory=dict)  # shard id -> last error, after max_attempts
+    failed: dict[str, str] = field(default_factory=dict)  # piece id -> last error, after max_attempts
     interrupted: bool = False
 
 
 def run_local(job: JobConfig, ctx: WorkerContext, shards: list[ShardSpec], stop: StopFlag,
               progress: Progress) -> ExecResult:
-    """Run every shard in this process, one after another, with one engine."""
+    """Run every shard in this process, one after another, with one engine.
+
+    Failures follow `runner.failures.decide`; a fatal engine error builds a new worker (a new engine)
+    before the retry. There is no process to kill here: a worker crash is the driver's crash (a
+    rerun resumes) and a hang is not cut short — the watchdog and poison-row isolation need
+    `executor.kind=ray` (docs/reliability.md).
+    """
     result = ExecResult()
     if not shards:
         return result
     worker = ShardWorker(job, ctx, name="local")
     progress.restart_clock()
-    for spec in shards:
+    queue = deque(Work(spec, 1) for spec in shards)
+    while queue:
         if stop.requested:
             result.interrupted = True
             break
-        for attempt in range(1, job.executor.max_attempts + 1):
-            try:
-                summary = worker.run_shard(spec, attempt)
-            except Exception as exc:  # any failure of one shard is retried, then reported, never swallowed
-                log.warning("shard %s attempt %d failed: %s", spec.shard_id, attempt, exc, exc_info=True)
-                if attempt == job.executor.max_attempts:
-                    result.failed[spec.shard_id] = f"{type(exc).__name__}: {exc}"
-                continue
-            result.done.append(spec.shard_id)
-            progress.advance(summary["rows"], summary["output_tokens"])
-            break
+        work = queue.popleft()
+        try:
+            summary = worker.run_shard(work.spec, work.attempt)
+        except Exception as exc:  # any failure of one shard is retried, then reported, never swallowed
+            kind = kind_of(exc)
+            log.warning("shard %s attempt %d failed (%s): %s", work.spec.shard_id, work.attempt, kind, exc,
+                        exc_info=kind != FATAL)
+            if kind == FATAL:
+                worker = ShardWorker(job, ctx, name=f"local-{work.spec.shard_id}-{work.attempt}")
+            decision = decide(work, kind, job.executor.max_attempts)
+            queue.extendleft(reversed(decision.retry))
+            if decision.fail:
+                result.failed[work.spec.shard_id] = f"{type(exc).__name__}: {exc}"
+            continue
+        result.done.append(work.spec.shard_id)
+        progress.advance(summary["rows"], summary["output_tokens"])
     return result

@@ -3,7 +3,8 @@
 Who calls it: `flashx_batch.cli` (once per Hydra run, multirun included), `jobs/*.py` and tests.
 Steps: plan (read, check, tokenize, shard) → dry run stops here → open the output directory
 (fingerprint check, lock, clean orphans) → commit plan-time error rows → execute pending shards →
-verify the invariant → report → `_SUCCESS`. Exit codes (DESIGN.md): 0 done, 2 bad job (nothing
+verify the invariant → report → `_SUCCESS`. Every run, however it ends, records its row accounting
+(in = generated + errors + pending) in job.json. Exit codes (DESIGN.md): 0 done, 2 bad job (nothing
 written), 130 / 143 interrupted (resumable), 1 anything else.
 """
 
@@ -25,8 +26,9 @@ from flashx_batch.data.plan import Plan, build_plan, format_plan
 from flashx_batch.data.preflight import LoadedInput, load_inputs
 from flashx_batch.errors import ConfigError, FlashxError, ModelLoadError
 from flashx_batch.job_errors import FingerprintMismatchError, ShardFailedError
-from flashx_batch.runner import fingerprint
+from flashx_batch.runner import faults, fingerprint, pieces
 from flashx_batch.runner.executor import ExecResult, run_local
+from flashx_batch.runner.failures import FailedRows
 from flashx_batch.runner.layout import SUCCESS, OutputDir, write_atomic
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.signals import StopFlag
@@ -60,6 +62,7 @@ def run(job: JobConfig, *, out: TextIO | None = None,
 def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     """Validate the config, check the input and build the shard plan (writes nothing)."""
     validate(job)
+    faults.load(job.executor.faults, quiet=True)  # a malformed fault spec: a bad job (exit 2) before anything runs
     model_dir = resolve_model_dir(job.model.path)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path={job.model.path}: {model_dir} is not a model directory (no config.json).")
@@ -108,52 +111,71 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
         "runs": [*(previous or {}).get("runs", []), {"started_at": time.time(), "resumed_shards": len(committed)}],
     }
     output.write_job(record)
-    log.info("%s: %d of %d shard(s) already committed", output.root,
-             sum(s.shard_id in committed for s in plan.shards), len(plan.shards))
+    # A shard split by an earlier run (poison-row isolation) resumes as its uncommitted pieces only.
+    pending = [p for s in plan.shards for p in pieces.uncovered(s, committed)]
+    if pending or any(s.shard_id not in committed for s in plan.error_shards):
+        (output.root / SUCCESS).unlink(missing_ok=True)  # files removed since it finished: not finished now
     _commit_plan_errors(plan, output, set(committed))
-    pending = [s for s in plan.shards if s.shard_id not in committed]
-    done_rows = sum(s.num_rows for s in plan.shards if s.shard_id in committed)
-    progress = Progress(plan.num_valid, done_rows, job.executor.progress_interval_s)
+    log.info("%s: %d of %d shard(s) already committed, %d piece(s) to run", output.root,
+             sum(not pieces.uncovered(s, committed) for s in plan.shards), len(plan.shards), len(pending))
+    progress = Progress(plan.num_valid, plan.num_valid - sum(p.num_rows for p in pending),
+                        job.executor.progress_interval_s)
     ctx = WorkerContext(str(model_dir), str(output.root), loaded.files, loaded.id_kind,
-                        _passthrough_types(job, loaded))
+                        _passthrough_types(job, loaded), faults=faults.load(job.executor.faults))
     del loaded  # the frames are the job's largest objects; workers re-read what they need
 
-    def on_force(code: int) -> None:
-        output.write_job({**record, "status": "interrupted", "exit_code": code})
+    def on_force(code: int) -> None:  # the second signal / grace expiry: last words before os._exit
+        output.write_job({**record, "status": "interrupted", "exit_code": code,
+                          "accounting": accounting(plan, output.committed())})
 
     with StopFlag(job.executor.grace_period_s, on_force) as stop:
-        result = _dispatch(job, ctx, pending, stop, progress, on_dispatch)
+        result = _dispatch(job, ctx, pending, stop, progress, on_dispatch, FailedRows(output, plan.ref_ids,
+                                                                                       plan.id_kind))
     progress.close()
-    if result.interrupted or (stop.requested and len(result.done) < len(pending)):
-        output.write_job({**record, "status": "interrupted", "exit_code": stop.exit_code})
-        log.warning("interrupted: %d shard(s) committed this run, %d left; rerun the same command to resume",
-                    len(result.done), len(pending) - len(result.done))
+    committed = output.committed()
+    remaining = [p for s in plan.shards for p in pieces.uncovered(s, committed)]
+    counts = accounting(plan, committed)
+    log.info("rows: %(input_rows)d in = %(generated_rows)d generated + %(error_rows)d error rows "
+             "+ %(pending_rows)d not yet run", counts)
+    if remaining and stop.requested:
+        output.write_job({**record, "status": "interrupted", "exit_code": stop.exit_code, "accounting": counts})
+        log.warning("interrupted: %d piece(s) committed this run, %d left; rerun the same command to resume",
+                    len(result.done), len(remaining))
         return stop.exit_code
-    if result.failed:
-        output.write_job({**record, "status": "failed", "failed_shards": result.failed})
-        raise ShardFailedError(f"{len(result.failed)} shard(s) failed {job.executor.max_attempts} time(s): "
-                               + "; ".join(f"{k}: {v}" for k, v in sorted(result.failed.items())[:5])
+    if remaining:
+        failed = result.failed or {p.shard_id: "not run" for p in remaining}
+        output.write_job({**record, "status": "failed", "failed_shards": failed, "accounting": counts})
+        raise ShardFailedError(f"{len(failed)} shard(s) failed {job.executor.max_attempts} time(s): "
+                               + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items())[:5])
                                + ". Rerun the same command to retry them (committed shards are kept).")
     totals = _verify(plan, output)
-    output.drop_attempts_dir()
     if job.output.report:
         from flashx_batch.report import write_report
 
         write_report(output.root, totals, plan)
-    output.write_job({**record, "status": "succeeded", "totals": totals, "finished_at": time.time()})
+    output.write_job({**record, "status": "succeeded", "totals": totals, "accounting": accounting(plan, committed),
+                      "finished_at": time.time()})
     write_atomic(output.root / SUCCESS, _json(totals))
     log.info("done: %d generated, %d error rows, %d output tokens -> %s", totals["generated_rows"],
              totals["error_rows"], totals["output_tokens"], output.root)
     return EXIT_OK
 
 
+def accounting(plan: Plan, committed: dict[str, dict]) -> dict[str, int]:
+    """Row accounting from the manifests (cheap: no Parquet read): in = generated + errors + pending."""
+    gen = sum(m.get("rows", 0) for m in committed.values())
+    err = sum(m.get("rows_failed", 0) for m in committed.values())
+    return {"input_rows": plan.num_rows, "generated_rows": gen, "error_rows": err,
+            "pending_rows": plan.num_rows - gen - err, "committed_pieces": len(committed)}
+
+
 def _dispatch(job: JobConfig, ctx: WorkerContext, pending: list, stop: StopFlag, progress: Progress,
-              on_dispatch: Callable | None) -> ExecResult:
+              on_dispatch: Callable | None, failed_rows: FailedRows) -> ExecResult:
     if job.executor.kind == "local":
         return run_local(job, ctx, pending, stop, progress)
     from flashx_batch.runner.ray_executor import RayExecutor  # Ray is imported only when used
 
-    return RayExecutor(job, ctx, on_dispatch).run(pending, stop, progress)
+    return RayExecutor(job, ctx, failed_rows, on_dispatch).run(pending, stop, progress)
 
 
 def _commit_plan_errors(plan: Plan, output: OutputDir, committed: set[str]) -> None:
@@ -169,29 +191,53 @@ def _commit_plan_errors(plan: Plan, output: OutputDir, committed: set[str]) -> N
 
 
 def _verify(plan: Plan, output: OutputDir) -> dict[str, Any]:
-    """Check the invariant over committed shards; returns the job totals for _SUCCESS and the report."""
+    """Check the invariant shard by shard; remove orphans; returns the job totals for _SUCCESS and the report.
+
+    For every planned shard: its committed pieces do not overlap and cover it, and the ids they hold
+    (generations + errors) are exactly the shard's ids, once each. Nothing else may be committed.
+    """
+    import pyarrow.parquet as pq
+
     committed = output.committed()
-    expected = {s.shard_id for s in plan.shards + plan.error_shards}
-    if set(committed) != expected:
-        missing, extra = sorted(expected - set(committed)), sorted(set(committed) - expected)
-        raise InvariantError(f"committed shards differ from the plan: missing {missing[:5]}, unexpected {extra[:5]}")
-    gen = output.read_ids("generations", expected)
-    err = output.read_ids("errors", expected)
-    seen = gen + err
-    want = Counter(plan.ids)
-    if seen != want:
-        dup = [i for i, n in seen.items() if n > 1][:5]
-        lost = [i for i in want if i not in seen][:5]
-        raise InvariantError(f"output ids differ from input ids: duplicated {dup}, missing {lost}")
+    gen: Counter = Counter()
+    err: Counter = Counter()
+    codes: Counter = Counter()
+    claimed: set[str] = set()
+    for spec in plan.shards + plan.error_shards:
+        mine = pieces.pieces_of(spec.shard_id, committed)
+        clash = [(a, b) for i, a in enumerate(mine) for b in mine[i + 1:] if pieces.overlaps(a, b)]
+        if clash or pieces.uncovered(spec, mine):
+            raise InvariantError(f"shard {spec.shard_id}: committed pieces {mine} overlap {clash[:3]} or leave rows "
+                                 "uncovered")
+        seen: Counter = Counter()
+        for pid in mine:
+            for kind, counter in (("generations", gen), ("errors", err)):
+                if kind in committed[pid]["files"]:
+                    cols = ["id", "error_code"] if kind == "errors" else ["id"]
+                    table = pq.read_table(output.part(kind, pid), columns=cols)
+                    ids = table.column("id").to_pylist()
+                    counter.update(ids)
+                    seen.update(ids)
+                    if kind == "errors":
+                        codes.update(table.column("error_code").to_pylist())
+        want = Counter(plan.ref_ids[r] for r in spec.refs)
+        if seen != want:
+            raise InvariantError(f"shard {spec.shard_id}: {sum(seen.values())} ids committed for {spec.num_rows} "
+                                 f"rows in (duplicated {[i for i, n in seen.items() if n > 1][:5]}, missing "
+                                 f"{[i for i in want if i not in seen][:5]})")
+        claimed.update(mine)
+    if set(committed) - claimed:
+        raise InvariantError(f"committed pieces outside the plan: {sorted(set(committed) - claimed)[:5]}")
+    if gen + err != Counter(plan.ids):
+        raise InvariantError("output ids differ from input ids")  # unreachable when every shard checks out
+    output.clean_orphans(set(committed))  # a half-published piece of a shard that was later split
+    output.drop_attempts_dir()
     stats = output.read_stats()
     sums = {c: (sum(stats.column(c).to_pylist()) if stats is not None else 0)
             for c in ("input_tokens", "output_tokens", "wall_s")}
-    error_codes = Counter()
-    for s in plan.error_shards:
-        error_codes.update(r.code for r in plan.row_errors[s.shard_id])
     return {"input_rows": plan.num_rows, "generated_rows": sum(gen.values()), "error_rows": sum(err.values()),
-            "error_counts": dict(error_codes), "shards": len(plan.shards), "error_shards": len(plan.error_shards),
-            "input_tokens": sums["input_tokens"], "output_tokens": sums["output_tokens"],
+            "error_counts": dict(codes), "shards": len(plan.shards), "error_shards": len(plan.error_shards),
+            "pieces": len(committed), "input_tokens": sums["input_tokens"], "output_tokens": sums["output_tokens"],
             "shard_wall_s": sums["wall_s"], "padding_efficiency_bucketed": plan.padding_bucketed,
             "padding_efficiency_unbucketed": plan.padding_unbucketed, "finished_at": time.time()}
 

@@ -5,10 +5,13 @@ Who calls it: the driver (`runner.job`) to open, lock, resume, clean and finish 
 `_manifest/<shard>.json` exists; the manifest is hard-linked into place last, which is atomic and
 exclusive (EEXIST if another attempt won), so a crash at any instant leaves either a committed
 shard or files that `clean_orphans` removes on resume. That is the whole of exactly-once.
+A commit is `stage` (write + fsync in a private attempt directory) then `publish` (rename + link,
+under a lock on `_manifest/`, refusing any piece that overlaps a committed one: see runner.pieces).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -17,13 +20,18 @@ import os
 import shutil
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flashx_batch.job_errors import OutputDirError
+from flashx_batch.runner import pieces
+
+if TYPE_CHECKING:
+    from flashx_batch.runner.faults import Faults
 
 log = logging.getLogger(__name__)
 KINDS = ("generations", "errors", "stats")
@@ -51,8 +59,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 class OutputDir:
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, faults: Faults | None = None) -> None:
+        """`faults`: armed fault hooks (tests); None in production, and then no hook is called."""
         self.root = Path(root)
+        self.faults = faults
         self._lock_fd: int | None = None
 
     # ---- paths ------------------------------------------------------------------------------
@@ -136,7 +146,7 @@ class OutputDir:
         for tmp in self.root.glob(".*.tmp"):
             tmp.unlink()
         if removed:
-            log.info("resume: removed %d orphaned file(s) / attempt dir(s) of uncommitted shards", removed)
+            log.info("removed %d orphaned file(s) / attempt dir(s) of uncommitted shards", removed)
         return removed
 
     def drop_attempts_dir(self) -> None:
@@ -157,17 +167,30 @@ class OutputDir:
 
     # ---- worker side ------------------------------------------------------------------------
     def start_attempt(self, shard_id: str, attempt: int) -> Path:
-        """The private directory one attempt of a shard writes into before committing."""
+        """The private directory one attempt of a shard writes into before committing.
+
+        Refused once the job has `_SUCCESS`: a zombie attempt outliving its job must not leave even an
+        empty staging directory in a finished layout (a rerun with work to do removes `_SUCCESS` first)."""
+        if (self.root / SUCCESS).exists():
+            raise OutputDirError(f"{self.root} is finished (_SUCCESS); attempt {attempt} of {shard_id} is a zombie")
         staging = self.root / ATTEMPTS_DIR / f"{shard_id}.{attempt}.{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
         return staging
 
     def commit(self, shard_id: str, attempt: int, tables: dict[str, pa.Table], manifest: dict[str, Any],
                staging: Path | None = None) -> bool:
-        """Write `tables` (kind -> table) for a shard and commit them; False if it was already committed."""
+        """Write `tables` (kind -> table) for a piece and commit them; False if it was already committed."""
+        staging = self.stage(shard_id, attempt, tables, manifest, staging)
+        return self.publish(shard_id, attempt, staging)
+
+    def stage(self, shard_id: str, attempt: int, tables: dict[str, pa.Table], manifest: dict[str, Any],
+              staging: Path | None = None) -> Path:
+        """Write and fsync the files of one attempt in its private directory (the slow, unlocked half)."""
         staging = staging or self.start_attempt(shard_id, attempt)
         for kind, table in tables.items():
             path = staging / f"{kind}.parquet"
+            if self.faults is not None:
+                self._fire_write(shard_id, attempt, kind, path, table)
             pq.write_table(table, path)
             fsync_path(path)
         record = {**manifest, "shard_id": shard_id, "attempt": attempt, "files": sorted(tables)}
@@ -176,18 +199,56 @@ class OutputDir:
             fh.flush()
             os.fsync(fh.fileno())
         fsync_path(staging)
-        target = self.manifest(shard_id)
-        if target.exists():  # a duplicate attempt finished second: keep the winner's files untouched
-            shutil.rmtree(staging, ignore_errors=True)
-            return False
-        for kind in tables:
-            os.replace(staging / f"{kind}.parquet", self.part(kind, shard_id))
-        for kind in tables:
-            fsync_path(self.root / kind)
-        won = _link_exclusive(staging / "manifest.json", target)
-        fsync_path(target.parent)
+        return staging
+
+    def publish(self, shard_id: str, attempt: int, staging: Path) -> bool:
+        """Move a staged attempt into place and link its manifest; False if it lost to another attempt.
+
+        Under the `_manifest/` lock, so a check-then-rename cannot interleave with another publisher:
+        the attempt loses if this piece, or any piece sharing its rows (a split half, or the whole
+        shard it was split from, finished by a zombie attempt), is already committed.
+        """
+        files = json.loads((staging / "manifest.json").read_text())["files"]
+        with self._publish_lock():
+            if self._overlapping(shard_id):  # keep the winner's files untouched
+                shutil.rmtree(staging, ignore_errors=True)
+                return False
+            for i, kind in enumerate(files):
+                os.replace(staging / f"{kind}.parquet", self.part(kind, shard_id))
+                if i == 0 and self.faults is not None:  # a crash here leaves a half-published piece
+                    self.faults.fire("after_publish", shard_id, attempt)
+            for kind in files:
+                fsync_path(self.root / kind)
+            if self.faults is not None:
+                self.faults.fire("before_manifest", shard_id, attempt)
+            won = _link_exclusive(staging / "manifest.json", self.manifest(shard_id))
+            fsync_path(self.root / MANIFEST_DIR)
         shutil.rmtree(staging, ignore_errors=True)
         return won
+
+    def _overlapping(self, shard_id: str) -> list[str]:
+        root = pieces.root_of(shard_id)
+        mdir = self.root / MANIFEST_DIR
+        present = [p.stem for p in [mdir / f"{root}.json", *mdir.glob(f"{root}{pieces.SEP}*.json")] if p.is_file()]
+        return [c for c in present if pieces.overlaps(c, shard_id)]
+
+    @contextlib.contextmanager
+    def _publish_lock(self) -> Iterator[None]:
+        # flock on the directory itself: no lock file in the layout, and the kernel drops it when a
+        # publisher is SIGKILLed, so a crash mid-publish never blocks the retry.
+        fd = os.open(self.root / MANIFEST_DIR, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _fire_write(self, shard_id: str, attempt: int, kind: str, path: Path, table: pa.Table) -> None:
+        try:
+            self.faults.fire("write", shard_id, attempt, kind=kind)
+        except OSError:
+            path.write_bytes(b"PAR1" + b"\0" * 64)  # what a disk that filled mid-write leaves: a torn file
+            raise
 
 
 def _link_exclusive(src: Path, dst: Path) -> bool:

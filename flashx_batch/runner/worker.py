@@ -13,12 +13,13 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shutil
 import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -27,8 +28,13 @@ from flashx_batch.data.plan import ShardSpec
 from flashx_batch.data.preflight import data_columns
 from flashx_batch.data.readers import Frame, InputFile, read_frame
 from flashx_batch.data.validate import RowProblem, build_prompt
+from flashx_batch.job_errors import FatalEngineError
+from flashx_batch.runner.failures import FATAL, kind_of
 from flashx_batch.runner.layout import OutputDir
 from flashx_batch.runner.tables import generations_table, stats_table
+
+if TYPE_CHECKING:
+    from flashx_batch.runner.faults import Faults
 
 log = logging.getLogger(__name__)
 _FRAME_CACHE = 2  # shards of one bucket usually come from the same few files
@@ -44,6 +50,7 @@ class WorkerContext:
     id_kind: str
     passthrough_types: dict[str, pa.DataType] = field(default_factory=dict)
     num_threads: int | None = None
+    faults: Faults | None = None  # armed fault hooks (tests only); None in production
 
 
 def row_seed(job_seed: int, row_id: Any) -> int:
@@ -61,7 +68,9 @@ class ShardWorker:
         self.engine = Engine.from_pretrained(Path(ctx.model_dir), **options)
         if self.engine.tokenizer is None:
             raise RuntimeError(f"{ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")
-        self.out = OutputDir(ctx.output_dir)
+        self.out = OutputDir(ctx.output_dir, ctx.faults)
+        self.faults = ctx.faults
+        self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()
         self._columns = data_columns(job.data)
 
@@ -70,19 +79,39 @@ class ShardWorker:
         return {"name": self.name, "device": str(self.engine.device), "pid": os.getpid()}
 
     def run_shard(self, spec: ShardSpec, attempt: int) -> dict[str, Any]:
-        """Generate and commit one shard; returns its summary (committed=False if another attempt won)."""
+        """Generate and commit one shard (or piece of one); returns its summary (committed=False if
+        another attempt won). On failure the attempt's staging directory is removed before raising;
+        a fatal engine error also retires this worker (`dead`): every later call raises at once, and
+        the executors replace it rather than retry on it."""
+        if self.dead is not None:
+            raise FatalEngineError(f"{self.name}: the engine failed earlier ({self.dead}); replace this worker")
+        staging = self.out.start_attempt(spec.shard_id, attempt)  # visible while the shard runs
+        try:
+            return self._run(spec, attempt, staging)
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)  # a full disk gets its space back at once
+            if isinstance(exc, Exception) and kind_of(exc) == FATAL:
+                self.dead = f"{type(exc).__name__}: {exc}"
+                if not isinstance(exc, FatalEngineError):
+                    raise FatalEngineError(self.dead) from exc  # a type the driver recognises through Ray
+            raise
+
+    def _run(self, spec: ShardSpec, attempt: int, staging: Path) -> dict[str, Any]:
         from flashx_batch.runtime.sampling import SamplingParams
 
         started = time.perf_counter()
         job = self.job
-        staging = self.out.start_attempt(spec.shard_id, attempt)  # visible while the shard runs
         ids, texts, passthrough = self._rows(spec)
+        if self.faults is not None:
+            self.faults.fire("before_generate", spec.shard_id, attempt, ids)
         token_lists = self.engine.tokenizer.encode_batch(texts)
         s = job.sampling
         params = [SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                                  top_p=s.top_p, seed=row_seed(s.seed, i), stop=tuple(s.stop), ignore_eos=s.ignore_eos)
                   for i in ids]
         outs = self.engine.generate(token_lists, params)
+        if self.faults is not None:
+            self.faults.fire("after_generate", spec.shard_id, attempt, ids)
         g = self.engine.last_stats
         wall = time.perf_counter() - started
         gen = generations_table(ids, self.ctx.id_kind, [o.text or "" for o in outs], [o.finish_reason for o in outs],
