@@ -13,10 +13,10 @@ import argparse
 import json
 import logging
 import statistics
-import time
 from pathlib import Path
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.bench.timing import seconds as timed_seconds
 from flashx_batch.quality.heldout import token_windows
 from flashx_batch.runtime.options import bundled_model_dir
 
@@ -36,9 +36,7 @@ def run(model_dir: Path, rows: int, prompt_len: int, new_tokens: int, repeats: i
     stats = {}
     for _ in range(repeats):
         for name, engine in engines.items():
-            started = time.perf_counter()
-            engine.generate(prompts, params)
-            seconds[name].append(time.perf_counter() - started)
+            seconds[name].append(timed_seconds(engine.generate, prompts, params))
             stats[name] = engine.last_stats.as_dict()
     tok_s = {name: len(prompts) * new_tokens / statistics.median(s) for name, s in seconds.items()}
     return {

@@ -13,22 +13,17 @@ import argparse
 import json
 import logging
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.bench.models import LLAMA_27M, parameter_count, random_llama
+from flashx_batch.bench.timing import seconds
+from flashx_batch.bench.variants import hf_greedy
 from flashx_batch.runtime.options import bundled_model_dir
 
 log = logging.getLogger(__name__)
-
-
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def compare(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
@@ -45,15 +40,13 @@ def compare(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, repea
         return engine.generate(prompts.tolist(), params)
 
     def theirs():
-        with torch.inference_mode():
-            return hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return hf_greedy(hf, prompts, torch.ones_like(prompts), new_tokens, pad_id=0)
 
     same = [o.token_ids for o in ours()] == theirs()[:, prompt_len:].tolist()  # warm-up + correctness gate
     times: dict[str, list[float]] = {"ours": [], "transformers": []}
     for _ in range(repeats):
-        times["ours"].append(_timed(ours))
-        times["transformers"].append(_timed(theirs))
+        times["ours"].append(seconds(ours))
+        times["transformers"].append(seconds(theirs))
     tokens = batch * new_tokens
     tok_s = {k: tokens / statistics.median(v) for k, v in times.items()}
     return {

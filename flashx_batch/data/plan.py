@@ -18,10 +18,12 @@ from flashx_batch.config import JobConfig
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import InputFile
 from flashx_batch.data.validate import PROMPT_TOO_LONG, RowProblem, build_prompt
+from flashx_batch.runtime.prefix_cache import block_keys
 from flashx_batch.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _ENCODE_CHUNK = 1024
+_SIGNATURE_BLOCKS = 64  # prefix blocks remembered per row for grouping (8 bytes each)
 
 Ref = tuple[int, int]  # (file index, row index)
 
@@ -77,6 +79,7 @@ class Plan:
     ref_ids: dict[Ref, Any] = field(default_factory=dict)  # every planned row's id (error rows written by the driver)
     padding_bucketed: float = 1.0
     padding_unbucketed: float = 1.0
+    shared_token_fraction: float = 0.0  # prefix reuse: prompt tokens in blocks another row of the shard shares
 
     @property
     def num_rows(self) -> int:
@@ -90,6 +93,7 @@ class Plan:
         """The plan as job.json records it (no refs: those are recomputed from the input)."""
         return {
             "rows": self.num_rows, "valid_rows": self.num_valid, "error_rows": sum(self.error_counts.values()),
+            "expected_shared_token_fraction": self.shared_token_fraction,
             "error_counts": dict(self.error_counts), "shards": len(self.shards), "error_shards": len(self.error_shards),
             "padding_efficiency_bucketed": self.padding_bucketed,
             "padding_efficiency_unbucketed": self.padding_unbucketed,
@@ -128,10 +132,11 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
                 errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
             else:
                 pending.append(((fi, ri), row_id, text))
-    lengths = _token_lengths([t for _, _, t in pending], tokenizer)
+    segment = job.runtime.segment_size if job.runtime.prefix_cache_tokens else 0
+    lengths, signatures = _token_lengths([t for _, _, t in pending], tokenizer, segment)
     limit, truncate = job.runtime.max_input_len, job.runtime.long_input != "error"
     valid: list[tuple[Ref, Any, int]] = []
-    for (ref, row_id, _), n in zip(pending, lengths, strict=True):
+    for (ref, row_id, _), n, signature in zip(pending, lengths, signatures, strict=True):
         if n > limit and not truncate:
             errors.append(RowError(ref, row_id, PROMPT_TOO_LONG,
                                    f"prompt has {n} tokens, more than runtime.max_input_len={limit} "
@@ -139,15 +144,21 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
         elif n == 0:
             errors.append(RowError(ref, row_id, "empty_prompt", "prompt has no tokens", "tokenize"))
         else:
-            valid.append((ref, row_id, min(n, limit)))
+            valid.append((ref, row_id, min(n, limit), signature))
     return _assemble(job, loaded, ids, valid, errors)
 
 
-def _token_lengths(texts: list[str], tokenizer: Tokenizer) -> list[int]:
-    out: list[int] = []
+def _token_lengths(texts: list[str], tokenizer: Tokenizer, segment: int) -> tuple[list[int], list[tuple]]:
+    """Token counts, and (when prefix reuse is on, `segment` > 0) each row's prefix signature: the
+    chain keys of its first `_SIGNATURE_BLOCKS` segment-sized blocks, as the engine's cache keys them."""
+    lengths: list[int] = []
+    signatures: list[tuple] = []
     for start in range(0, len(texts), _ENCODE_CHUNK):
-        out.extend(len(ids) for ids in tokenizer.encode_batch(texts[start : start + _ENCODE_CHUNK]))
-    return out
+        for ids in tokenizer.encode_batch(texts[start : start + _ENCODE_CHUNK]):
+            lengths.append(len(ids))
+            limit = min(len(ids) - 1, segment * _SIGNATURE_BLOCKS)
+            signatures.append(tuple(k[:8] for k in block_keys(ids, segment, limit)) if segment else ())
+    return lengths, signatures
 
 
 def _assemble(job: JobConfig, loaded: LoadedInput, ids: list[Any], valid: list[tuple[Ref, Any, int]],
@@ -159,7 +170,9 @@ def _assemble(job: JobConfig, loaded: LoadedInput, ids: list[Any], valid: list[t
         members.setdefault(_bucket_of(row[2], edges), []).append(row)
     shards, buckets = [], []
     for b in sorted(members, reverse=True):  # longest buckets first: the slow shards start early
-        rows = sorted(members[b], key=lambda r: (-r[2], r[0]))  # longest first, then input order
+        # longest first, then input order; with prefix reuse, rows sharing a prefix become neighbours
+        # first, so they land in one shard and one batch (a cache hit is planned, not left to chance)
+        rows = sorted(members[b], key=lambda r: (r[3], -r[2], r[0]))
         summary = BucketSummary(b, edges[b - 1] + 1 if b else 1, edges[b], rows=len(rows),
                                 input_tokens=sum(r[2] for r in rows),
                                 est_padding_efficiency=padding_efficiency([r[2] for r in rows], batch, presorted=True))
@@ -184,10 +197,23 @@ def _assemble(job: JobConfig, loaded: LoadedInput, ids: list[Any], valid: list[t
     plan = Plan(loaded.files, loaded.id_kind, ids, shards, error_shards, row_errors, buckets,
                 Counter(e.code for e in errors), ref_ids,
                 padding_bucketed=_weighted_padding(shards, batch, valid),
-                padding_unbucketed=padding_efficiency(in_order, batch, presorted=False))
+                padding_unbucketed=padding_efficiency(in_order, batch, presorted=False),
+                shared_token_fraction=_shared_fraction(shards, valid, job.runtime.segment_size))
     log.info("plan: %d rows, %d valid in %d shards, %d error rows; padding efficiency %.3f bucketed vs %.3f not",
              plan.num_rows, len(valid), len(shards), len(errors), plan.padding_bucketed, plan.padding_unbucketed)
     return plan
+
+
+def _shared_fraction(shards: list[ShardSpec], valid: list[tuple], segment: int) -> float:
+    """Prompt tokens in blocks that another row of the same shard also starts with."""
+    by_ref = {r[0]: r for r in valid}
+    shared = total = 0
+    for s in shards:
+        rows = [by_ref[ref] for ref in s.refs]
+        counts = Counter(key for r in rows for key in r[3])
+        total += sum(r[2] for r in rows)
+        shared += sum(segment * sum(1 for key in r[3] if counts[key] > 1) for r in rows)
+    return shared / total if total else 0.0
 
 
 def _weighted_padding(shards: list[ShardSpec], batch: int, valid: list[tuple[Ref, Any, int]]) -> float:
@@ -244,4 +270,6 @@ def format_plan(plan: Plan) -> str:
                     if plan.error_counts else ""))
     lines.append(f"padding efficiency (prefill, estimated): with bucketing {plan.padding_bucketed:.3f}, "
                  f"without bucketing {plan.padding_unbucketed:.3f}")
+    if plan.shared_token_fraction:
+        lines.append(f"prefix reuse: {plan.shared_token_fraction:.1%} of prompt tokens in blocks shared within a shard")
     return "\n".join(lines)

@@ -62,6 +62,7 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         "runtime.segment_size": r.segment_size,
         "runtime.kv_merge_fraction": r.kv_merge_fraction if r.cache_policy == "segment_sparse" else None,
         "runtime.kv_observe_window": r.kv_observe_window if r.cache_policy == "segment_sparse" else None,
+        "runtime.prefix_reuse": bool(r.prefix_cache_tokens),  # regroups rows into shards: new shard ids
         "runtime.shard_size": r.shard_size,
         "runtime.bucket_edges": bucket_edges(job),
         "input.files": _digest([f.manifest() for f in plan.files]),

@@ -1,0 +1,253 @@
+"""Issue-5 harness: ours vs `transformers` on mixed, equal and few-shot workloads, side by side.
+
+    python -m flashx_batch.bench --out DIR [--quick] [--model PATH ...] [--threads N] [--repeats N]
+
+Per model (default: the bundled tiny model and a random ~27 M-parameter Llama): load every variant,
+run the correctness gate on a sample of each workload (also the warm-up), then time every variant on
+W1, W2, W3, interleaved, `--repeats` times (rotating who goes first), re-checking the gate on the
+timed outputs; then sweep the batch size on W1 for the plots. The machine's bandwidth and matmul
+FLOP/s are measured at the start and the end of the run.
+
+Writes DIR/results.json, DIR/results.md, DIR/throughput_vs_batch_size.png and
+DIR/latency_vs_throughput.png. Exit status: 0 done (targets missed included — see the ratios),
+1 the correctness gate failed (DIR/gate_failure.json written, no results), 2 bad arguments / model.
+
+Threads default to 1: on a shared CPU, OpenMP threads that wait for a descheduled sibling make
+timings erratic for both sides; pass --threads N on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flashx_batch.bench import report
+from flashx_batch.bench.gate import GateCheck, GateFailure
+from flashx_batch.bench.models import LLAMA_27M, parameter_count, random_llama
+from flashx_batch.bench.roofline import Machine, ModelCost, best_of, floor_seconds, measure_machine
+from flashx_batch.bench.timing import rotated
+from flashx_batch.bench.variants import VariantSet, build_variants
+from flashx_batch.bench.workloads import FULL, QUICK, Workload, WorkloadSizes, build_all
+from flashx_batch.runtime.options import bundled_model_dir
+
+log = logging.getLogger("flashx_batch.bench")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SMOKE_MODEL = REPO_ROOT / "build" / "smoke-model"  # same architecture, used until the bundled one has weights
+SWEEP_VARIANTS = ("transformers_arrival", "ours_unbucketed", "ours_bucketed")
+
+
+@dataclass(frozen=True)
+class Settings:
+    sizes: WorkloadSizes
+    batch_size: int
+    repeats: int
+    sweep_batch_sizes: tuple[int, ...]
+    sweep_repeats: int
+    gate_rows: int
+    sweep_variants: tuple[str, ...]
+    threads: int
+    seed: int
+    quick: bool
+
+
+QUICK_SETTINGS = dict(sizes=QUICK, batch_size=8, repeats=3, sweep_batch_sizes=(4, 8, 16), sweep_repeats=1,
+                      gate_rows=2, sweep_variants=("transformers_arrival", "ours_bucketed"))
+FULL_SETTINGS = dict(sizes=FULL, batch_size=8, repeats=5, sweep_batch_sizes=(2, 4, 8, 16, 32), sweep_repeats=3,
+                     gate_rows=6, sweep_variants=SWEEP_VARIANTS)
+
+
+@dataclass
+class ModelResult:
+    runs: dict[str, dict[str, report.VariantRuns]]  # workload -> variant -> repeats
+    sweep: list[dict]
+    skipped: dict[str, str]
+    workloads: dict[str, Workload]
+    cost: ModelCost
+    gate_checked: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def set_rooflines(self, machine: Machine) -> None:
+        for w, by_variant in self.runs.items():
+            for v in by_variant.values():
+                v.roofline = floor_seconds(self.workloads[w], v.batch_size, self.cost, machine)
+
+
+def default_models(scratch: Path) -> dict[str, Path]:
+    """The bundled tiny model (or the smoke model of the same architecture while it has no weights)
+    and a freshly saved random ~27 M-parameter Llama."""
+    bundled = bundled_model_dir()
+    if not (bundled / "config.json").is_file():
+        if not (SMOKE_MODEL / "config.json").is_file():
+            raise FileNotFoundError(f"{bundled} has no config.json yet and {SMOKE_MODEL} does not exist; "
+                                    "pass --model PATH")
+        log.info("bundled model %s has no weights yet: using %s (same architecture)", bundled, SMOKE_MODEL)
+        bundled = SMOKE_MODEL
+    return {"bundled-tiny": bundled, "llama-27m": random_llama(LLAMA_27M, out_dir=scratch / "llama-27m")}
+
+
+def _round_up(n: int, k: int = 16) -> int:
+    return -(-n // k) * k
+
+
+def _load_hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _variants(model_dir: Path, hf, batch_size: int, s: Settings, include: tuple[str, ...] | None = None) -> VariantSet:
+    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    return build_variants(model_dir, hf, batch_size, _round_up(s.sizes.max_prompt_len), s.sizes.max_output_len,
+                          s.threads, pad_id, include)
+
+
+def _timed_rounds(variants: VariantSet, workloads: dict[str, Workload], gates: dict[str, GateCheck],
+                  repeats: int) -> dict[str, dict[str, report.VariantRuns]]:
+    """Interleaved repeats: each round runs every workload with every variant, order rotating."""
+    runs = {w: {v.name: report.VariantRuns(v.name, v.batch_size, v.gated) for v in variants.variants}
+            for w in workloads}
+    for turn in range(repeats):
+        started = time.perf_counter()
+        for name, workload in workloads.items():
+            for variant in rotated(variants.variants, turn):
+                result = variant.run(workload)
+                gates[name].after(variant, result)
+                runs[name][variant.name].add(result)
+        log.info("  repeat %d/%d done in %.1fs", turn + 1, repeats, time.perf_counter() - started)
+    return runs
+
+
+def bench_model(name: str, model_dir: Path, s: Settings) -> ModelResult:
+    """Gate, time and sweep one model. Raises `GateFailure` on a token mismatch."""
+    started = time.perf_counter()
+    hf = _load_hf(model_dir)
+    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    workloads = build_all(s.sizes, hf.config.vocab_size, s.seed)
+    variants = _variants(model_dir, hf, s.batch_size, s)
+    gates = {w: GateCheck.prepare(hf, workload, s.gate_rows, pad_id, s.seed) for w, workload in workloads.items()}
+    for gate in gates.values():
+        gate.before(variants.variants)  # the gate first; it is also every variant's warm-up
+    log.info("%s: gate passed on %d sampled rows per workload, %.1fs", name, s.gate_rows, time.perf_counter() - started)
+    runs = _timed_rounds(variants, workloads, gates, s.repeats)
+    sweep = [report.sweep_point(name, runs["W1"][v]) for v in s.sweep_variants if v in runs["W1"]]
+    w1 = {"W1": workloads["W1"]}
+    for batch_size in s.sweep_batch_sizes:
+        if batch_size == s.batch_size:
+            continue
+        extra = _variants(model_dir, hf, batch_size, s, s.sweep_variants)
+        gates["W1"].before(extra.variants)
+        sweep += [report.sweep_point(name, r) for r in _timed_rounds(extra, w1, gates, s.sweep_repeats)["W1"].values()]
+        log.info("%s: sweep B=%d done", name, batch_size)
+    checked = {w: dict(g.checked) for w, g in gates.items()}
+    log.info("%s: done in %.1fs", name, time.perf_counter() - started)
+    cost = ModelCost.from_hf_dir(model_dir, parameter_count(model_dir))
+    return ModelResult(runs, sweep, variants.skipped, workloads, cost, checked)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m flashx_batch.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--quick", action="store_true", help="small workloads, 3 repeats (a few minutes)")
+    parser.add_argument("--model", type=Path, action="append",
+                        help="Hugging Face model directory to benchmark instead of the default two (repeatable)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for every variant (default 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="override the interleaved repeat count")
+    parser.add_argument("--batch-size", type=int, default=None, help="override the main batch size (default 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    base = dict(QUICK_SETTINGS if args.quick else FULL_SETTINGS)
+    if args.repeats is not None:
+        base["repeats"] = args.repeats
+    if args.batch_size is not None:
+        base["batch_size"] = args.batch_size
+    return Settings(threads=args.threads, seed=args.seed, quick=args.quick, **base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    s = settings_from(args)
+    torch.set_num_threads(s.threads)
+    scratch = Path(tempfile.mkdtemp(prefix="flashx-bench-"))
+    try:
+        models = {p.name: p for p in args.model} if args.model else default_models(scratch)
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        return 2
+    missing = [str(p) for p in models.values() if not (p / "config.json").is_file()]
+    if missing:
+        log.error("not a Hugging Face model directory (no config.json): %s", ", ".join(missing))
+        return 2
+    started = time.perf_counter()
+    machine_start = measure_machine("cpu")
+    log.info("machine: %.1f GB/s copy bandwidth, %.1f GFLOP/s float32 matmul, %d thread(s)",
+             machine_start.mem_bandwidth_gb_s, machine_start.matmul_gflop_s, machine_start.threads)
+    results: dict[str, ModelResult] = {}
+    try:
+        for name, path in models.items():
+            log.info("model %s (%s)", name, path)
+            results[name] = bench_model(name, path, s)
+    except GateFailure as exc:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gate_failure.json").write_text(json.dumps(
+            [{"variant": m.variant, "workload": m.workload, "row": m.row, "first_diff": m.first_diff,
+              "ours": m.ours, "reference": m.reference} for m in exc.mismatches], indent=2))
+        log.error("%s", exc)
+        return 1
+    machine_end = measure_machine("cpu")
+    ceiling = best_of(machine_start, machine_end)
+    for r in results.values():
+        r.set_rooflines(ceiling)
+    doc = _document(results, models, s, machine_start, machine_end, time.perf_counter() - started)
+    sweep = [p for r in results.values() for p in r.sweep]
+    for path in report.write(doc, sweep, args.out):
+        log.info("wrote %s", path)
+    for key, r in doc["ratios"].items():
+        if "target" in r:
+            log.info("%s = %.2f (min %.2f, max %.2f), target %s: %s", key, r["median"], r["min"], r["max"],
+                     r["target"], "met" if r["met"] else "NOT met")
+    return 0
+
+
+def _document(results: dict[str, ModelResult], models: dict[str, Path], s: Settings, start: Machine, end: Machine,
+              wall_s: float) -> dict:
+    workloads, ratio_table, skipped = {}, {}, {}
+    for name, r in results.items():
+        for w, by_variant in r.runs.items():
+            workloads[f"{name}/{w}"] = by_variant
+        ratio_table.update(report.ratios(name, r.runs))
+        skipped.update({f"{name}/{k}": v for k, v in r.skipped.items()})
+    machine = best_of(start, end).as_dict()
+    machine["probes"] = {when: {"mem_bandwidth_gb_s": m.mem_bandwidth_gb_s, "matmul_gflop_s": m.matmul_gflop_s}
+                         for when, m in (("start", start), ("end", end))}
+    machine["roofline_note"] = ("ceilings are the best of the start and end probes; roofline_fraction = floor_s / "
+                                "median wall, floor from roofline.floor_seconds (attention FLOPs left out)")
+    descriptions = build_all(s.sizes, 256, s.seed)  # descriptions only depend on the sizes
+    checked = {f"{m}/{w}": c for m, r in results.items() for w, c in r.gate_checked.items()}
+    run = {
+        "quick": s.quick, "repeats": s.repeats, "batch_size": s.batch_size, "threads": s.threads, "seed": s.seed,
+        "sweep_batch_sizes": list(s.sweep_batch_sizes), "sweep_repeats": s.sweep_repeats,
+        "models": {k: {"path": str(v), "parameters": parameter_count(v)} for k, v in models.items()},
+        "workloads": {k: w.description for k, w in descriptions.items()},
+        "rows": {k: w.rows for k, w in descriptions.items()},
+        "skipped": skipped, "wall_s": wall_s,
+        "gate": (f"passed: greedy tokens of every gated variant equal transformers (one row at a time, unpadded) on "
+                 f"{s.gate_rows} sampled rows per workload, before timing and again on every timed run. "
+                 f"Rows compared per variant: {json.dumps(checked)}"),
+    }
+    return report.results_document(workloads, ratio_table, machine, run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

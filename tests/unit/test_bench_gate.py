@@ -1,0 +1,153 @@
+"""Issue-5 harness: the correctness gate catches a wrong variant; workloads are seeded and have the
+stated mix; the written results follow the issue's schema. Tiny random model: a few seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flashx_batch.bench import __main__ as harness
+from flashx_batch.bench import report
+from flashx_batch.bench.gate import GateCheck, GateFailure
+from flashx_batch.bench.roofline import Machine
+from flashx_batch.bench.variants import RunResult, build_variants
+from flashx_batch.bench.workloads import (
+    MIN_GROUP_ROWS,
+    MIN_SHARED_FRACTION,
+    QUICK,
+    WorkloadSizes,
+    build_all,
+    class_counts,
+    shared_prefix_len,
+)
+
+SMALL = WorkloadSizes(rows=20, short=(4, 12), medium=(20, 40), long=(60, 80), output=(2, 8), equal_prompt=24,
+                      equal_output=4, group_rows=16, groups=1, prefix=36, suffix=(4, 12), fewshot_output=(2, 4))
+
+
+class WrongVariant:
+    """Wraps a correct variant and flips one generated token of one row: what the gate must catch."""
+
+    lossless = True
+    gated = True
+
+    def __init__(self, inner, row: int = 0) -> None:
+        self.inner, self.row = inner, row
+        self.name, self.batch_size = f"wrong({inner.name})", inner.batch_size
+
+    def run(self, workload) -> RunResult:
+        result = self.inner.run(workload)
+        tokens = result.outputs[self.row]
+        tokens[-1] = (tokens[-1] + 1) % 256
+        return result
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from model_factory import build
+
+    path = tmp_path_factory.mktemp("bench") / "llama"
+    return path, build("llama", path)
+
+
+@pytest.fixture(scope="module")
+def small_variants(tiny_llama):
+    path, hf = tiny_llama
+    return build_variants(path, hf, batch_size=4, max_input_len=96, max_output_len=8, threads=1,
+                          include=("transformers_arrival", "ours_unbucketed", "ours_bucketed")).by_name()
+
+
+def test_gate_passes_ours_and_fails_a_wrong_variant(tiny_llama, small_variants):
+    _, hf = tiny_llama
+    workload = build_all(SMALL, vocab_size=256, seed=1)["W1"]
+    gate = GateCheck.prepare(hf, workload, count=4)
+    ours = [small_variants["ours_unbucketed"], small_variants["ours_bucketed"]]
+    gate.before(ours)  # no raise: our lossless paths equal transformers greedy
+    assert gate.checked == {"ours_unbucketed": 4, "ours_bucketed": 4}
+    wrong = WrongVariant(small_variants["ours_bucketed"], row=0)
+    with pytest.raises(GateFailure, match=r"wrong\(ours_bucketed\)"):
+        gate.before([wrong])
+    timed = small_variants["ours_bucketed"].run(workload)
+    gate.after(small_variants["ours_bucketed"], timed)
+    wrong_timed = WrongVariant(small_variants["ours_bucketed"], row=gate.rows[0])
+    with pytest.raises(GateFailure):
+        gate.after(wrong_timed, wrong_timed.run(workload))
+
+
+def test_baseline_mismatch_is_logged_not_fatal(tiny_llama, small_variants, caplog):
+    _, hf = tiny_llama
+    workload = build_all(SMALL, vocab_size=256, seed=2)["W2"]
+    gate = GateCheck.prepare(hf, workload, count=2)
+    baseline = WrongVariant(small_variants["transformers_arrival"], row=0)
+    baseline.gated = False
+    gate.before([baseline])  # no raise
+    assert "baseline differs" in caplog.text
+
+
+def test_workloads_are_seeded_and_have_the_stated_mix():
+    a, b, c = (build_all(QUICK, vocab_size=4096, seed=s) for s in (0, 0, 1))
+    assert all(a[w].prompts == b[w].prompts and a[w].max_new_tokens == b[w].max_new_tokens for w in a)
+    assert a["W1"].prompts != c["W1"].prompts
+    w1 = a["W1"]
+    counts = {label: w1.labels.count(label) for label in ("short", "medium", "long")}
+    assert counts == class_counts(w1.rows) and counts == {"short": 5, "medium": 8, "long": 3}
+    ranges = {"short": QUICK.short, "medium": QUICK.medium, "long": QUICK.long}
+    assert all(ranges[lab][0] <= len(p) <= ranges[lab][1] for p, lab in zip(w1.prompts, w1.labels))
+    assert len(set(w1.max_new_tokens)) > 3 and all(QUICK.output[0] <= n <= QUICK.output[1] for n in w1.max_new_tokens)
+    assert w1.labels != sorted(w1.labels, key=["short", "medium", "long"].index)  # arrival order is mixed
+    assert all(3 <= t < 4096 for p in w1.prompts for t in p)
+    assert {len(p) for p in a["W2"].prompts} == {QUICK.equal_prompt} and len(set(a["W2"].max_new_tokens)) == 1
+    w3 = a["W3"]
+    for group in set(w3.labels):
+        rows = [p for p, lab in zip(w3.prompts, w3.labels) if lab == group]
+        assert len(rows) >= MIN_GROUP_ROWS
+        assert all(shared_prefix_len(rows[0], p) / len(p) >= MIN_SHARED_FRACTION for p in rows)
+    assert max(w3.max_new_tokens) <= QUICK.fewshot_output[1]
+    assert class_counts(50) == {"short": 15, "medium": 25, "long": 10}
+
+
+def test_results_follow_the_issue_schema(tmp_path):
+    runs = {}
+    for name, rate in (("transformers_arrival", 1.0), ("ours_unbucketed", 2.5), ("ours_bucketed", 3.0)):
+        v = report.VariantRuns(name, 8, name.startswith("ours"))
+        for _ in range(3):
+            v.walls.append(10.0 / rate)
+            v.output_tokens.append(100)
+            v.total_tokens.append(400)
+            v.latencies += [1.0 / rate, 2.0 / rate]
+        runs[name] = v
+    doc = report.results_document({"m/W1": runs}, report.ratios("m", {"W1": runs}), {"threads": 1},
+                                  {"quick": True, "repeats": 3, "workloads": {}, "gate": "passed"})
+    sweep = [report.sweep_point("m", v) for v in runs.values()]
+    paths = report.write(doc, sweep, tmp_path)
+    data = json.loads((tmp_path / "results.json").read_text())
+    fields = {"output_tok_per_s", "total_tok_per_s", "p50_batch_latency_s", "p95_batch_latency_s",
+              "padding_efficiency"}
+    assert {"workloads", "ratios", "machine"} <= set(data)
+    assert all(fields <= set(v) for v in data["workloads"]["m/W1"]["variants"].values())
+    ratio = data["ratios"]["m/W1/ours_bucketed_over_transformers_arrival"]
+    assert ratio["median"] == pytest.approx(3.0) and ratio["met"] is True
+    assert not data["ratios"]["m/W1/ours_bucketed_over_ours_unbucketed"]["met"]  # 1.2 < 1.5
+    assert {p.name for p in paths} >= {"results.json", "results.md", "throughput_vs_batch_size.png",
+                                       "latency_vs_throughput.png"}
+
+
+def test_harness_exits_nonzero_and_writes_no_results_when_the_gate_fails(tiny_llama, tmp_path, monkeypatch):
+    path, _ = tiny_llama
+
+    def failing(*args, **kwargs):
+        from flashx_batch.bench.gate import Mismatch
+
+        raise GateFailure([Mismatch("ours_bucketed", "W1", 0, 1, [5, 6], [5, 7])])
+
+    monkeypatch.setattr(harness, "bench_model", failing)
+    fake = Machine("cpu", 1, 1.0, 1.0, "float32", "test", torch.__version__, "3")
+    monkeypatch.setattr(harness, "measure_machine", lambda device: fake)
+    torch_threads = torch.get_num_threads()
+    try:
+        assert harness.main(["--out", str(tmp_path), "--quick", "--model", str(path)]) == 1
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert (tmp_path / "gate_failure.json").is_file() and not (tmp_path / "results.json").exists()
