@@ -64,7 +64,7 @@ class RuntimeSection:
     max_input_len: int = 512
     max_output_len: int = 128
     cache_policy: str = "static"
-    segment_size: int = 128
+    segment_size: int = 16  # tokens per KV segment: small segments waste little when merged rows shrink
     long_input: str = "error"  # error | truncate | rolling_merge
     kv_merge_fraction: float = 0.6  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: queries whose attention scores the groups

@@ -3,7 +3,7 @@
     python -m flashx_batch.bench.kv_sparse --out results/kv_sparse [--rows 48] [--repeats 3]
 
 Both engines get `max_batch_size=8` worth of arena bytes; segment_sparse merges prompt KV and so
-admits more rows per static batch. Workload: prompts of `max_input_len` held-out tokens, 32 new
+admits more rows per static batch. Workload: prompts of `max_input_len` held-out tokens, 64 new
 tokens each, EOS ignored, greedy. Runs interleaved; medians; writes OUT/kv_sparse.json.
 """
 
@@ -25,7 +25,7 @@ log = logging.getLogger("flashx_batch.bench.kv_sparse")
 
 def run(model_dir: Path, rows: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
     common = dict(backend="cpu", dtype="float32", max_batch_size=8, max_input_len=prompt_len,
-                  max_output_len=new_tokens, segment_size=32)
+                  max_output_len=new_tokens, segment_size=16)
     engines = {"static": Engine.from_pretrained(model_dir, **common),
                "segment_sparse": Engine.from_pretrained(model_dir, cache_policy="segment_sparse", **common)}
     prompts = token_windows(engines["static"].tokenizer, prompt_len, rows)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -3,7 +3,8 @@
 1. Sweep `kv_merge_fraction` for segment_sparse; choose the largest fraction that saves >= 35 %
    of prompt KV while keeping top-1 >= 0.90 and mean KL <= 0.05 (the default in EngineOptions is
    set from this run's result, written down in the README).
-2. At the chosen fraction, compare segment_sparse with evict-only (same mask), random groups,
+2. At the chosen fraction, compare segment_sparse with evict-only (same mask; and the lowest 3/4 as many
+   groups, which keeps as many slots), random groups,
    merge without the log-count bias, and StreamingLLM (sinks + recent, same slot budget).
 3. Long input: a prompt of 3 x the budget under rolling_merge versus truncate.
 Writes DIR/quality.json and DIR/quality.md.

@@ -32,11 +32,14 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int, se
         reference = _full_logits(engine, prompt + cont, prompt_len)
         _, scores = runner.extend(prompt, 0, 0, 0, observe=settings.window)
         mask = choose_groups(scores, prompt_len, settings, "segment_sparse")
+        # evicting a group frees 4 slots, merging frees 3: evict 3/4 as many to keep as many slots
+        same_ratio = choose_groups(scores, prompt_len, settings, "segment_sparse", count=round(0.75 * len(mask)))
         kept_by_merge = plan_groups(prompt_len, mask).num_slots
         plans = {
             "segment_sparse": (plan_groups(prompt_len, mask), True),
             "merge_no_bias": (plan_groups(prompt_len, mask), False),
             "evict": (plan_groups(prompt_len, mask, drop=True), True),
+            "evict_same_ratio": (plan_groups(prompt_len, same_ratio, drop=True), True),
             "random": (plan_groups(prompt_len, choose_groups(None, prompt_len, settings, "random", seed=index)), True),
             "streaming": (plan_streaming(prompt_len, kept_by_merge, settings.sinks), True),
         }

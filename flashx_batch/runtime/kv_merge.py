@@ -19,7 +19,7 @@ import torch
 from flashx_batch.runtime.kv import KVArena
 
 GROUP = 4
-POLICIES = ("segment_sparse", "evict", "random", "merge_no_bias", "streaming")
+POLICIES = ("segment_sparse", "evict", "evict_same_ratio", "random", "merge_no_bias", "streaming")
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,11 @@ def compressed_length(length: int, settings: MergeSettings) -> int:
 
 
 def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSettings, policy: str,
-                  seed: int = 0) -> list[int]:
-    """The groups to merge: lowest pooled attention score (or random, for the ablation)."""
+                  seed: int = 0, count: int | None = None) -> list[int]:
+    """The `count` groups (default: the fraction's) with the lowest pooled attention score, or
+    random ones for the ablation."""
     groups = eligible_groups(length, settings)
-    count = merge_count(length, settings)
+    count = merge_count(length, settings) if count is None else count
     if count == 0:
         return []
     if policy == "random":

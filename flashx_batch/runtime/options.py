@@ -26,7 +26,7 @@ class EngineOptions:
     max_input_len: int = 512
     max_output_len: int = 128
     cache_policy: str = "static"
-    segment_size: int = 128
+    segment_size: int = 16  # small segments: merged rows and shared prefixes waste less of the arena
     long_input: str = "error"
     num_threads: int | None = None  # CPU only; None = every core this process may run on
     sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
