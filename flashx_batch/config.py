@@ -69,6 +69,7 @@ class RuntimeSection:
     kv_merge_fraction: float = 0.6  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: queries whose attention scores the groups
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens an actor keeps for shared prefixes (0 = off)
+    precision_map: str | None = None  # weight formats per tensor, from `python -m flashx_batch.quantize`
     num_threads: int | None = None  # CPU threads per engine; None = the actor's CPUs
     shard_size: int = 64  # rows per shard (the unit of commit and retry)
     bucket_edges: list[int] = field(default_factory=list)  # token-length bucket upper bounds; [] = powers of 2
@@ -112,7 +113,7 @@ class JobConfig:
                              max_input_len=r.max_input_len, max_output_len=r.max_output_len,
                              cache_policy=r.cache_policy, segment_size=r.segment_size, long_input=r.long_input,
                              kv_merge_fraction=r.kv_merge_fraction, kv_observe_window=r.kv_observe_window,
-                             prefix_cache_tokens=r.prefix_cache_tokens,
+                             prefix_cache_tokens=r.prefix_cache_tokens, precision_map=r.precision_map,
                              num_threads=r.num_threads or num_threads, sort_by_length=True)
 
 

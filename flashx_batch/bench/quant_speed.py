@@ -2,7 +2,7 @@
 
     python -m flashx_batch.bench.quant_speed --map results/quant/precision_map.json --out results/quant
         [--model PATH] [--dtypes float32,bfloat16] [--batch-sizes 1,8] [--prompt-len 64] [--new-tokens 32]
-        [--repeats 5] [--threads N]
+        [--repeats 7] [--threads 1]
 
 For each dtype, two engines over the same checkpoint: unquantized, and the same engine with the map
 applied (`apply_precision_map`, exactly what `runtime.precision_map=PATH` does). Workload: `batch`
@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (1: on a shared CPU, waiting OpenMP siblings make timings erratic)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model_dir = args.model or bundled_model_dir()

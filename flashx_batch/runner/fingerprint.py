@@ -63,6 +63,7 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         "runtime.kv_merge_fraction": r.kv_merge_fraction if r.cache_policy == "segment_sparse" else None,
         "runtime.kv_observe_window": r.kv_observe_window if r.cache_policy == "segment_sparse" else None,
         "runtime.prefix_reuse": bool(r.prefix_cache_tokens),  # regroups rows into shards: new shard ids
+        "runtime.precision_map": _file_digest(r.precision_map) if r.precision_map else None,
         "runtime.shard_size": r.shard_size,
         "runtime.bucket_edges": bucket_edges(job),
         "input.files": _digest([f.manifest() for f in plan.files]),
@@ -92,3 +93,8 @@ def _digest(value: Any) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of a small file (a precision map): a different map is a different job."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -139,6 +139,10 @@ class Engine:
         self._check_context(self.config, options)
         started = time.perf_counter()
         model = load_model(self.model_dir, self.dtype, self.device, options.row_capacity)
+        if options.precision_map:
+            from flashx_batch.quant import apply_precision_map, load_precision_map
+
+            apply_precision_map(model, load_precision_map(options.precision_map), self.model_dir)
         self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window)
         arena = self._build_arena()
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
@@ -187,6 +191,9 @@ class Engine:
         if opts.backend == "onnx":
             from flashx_batch.onnx import OnnxEngine
 
+            if opts.precision_map:
+                raise ConfigError("runtime.precision_map does not apply to backend=onnx (the export needs float "
+                                  "weights); drop one of the two.")
             return OnnxEngine(model_dir, opts)
         return cls(model_dir, opts)
 

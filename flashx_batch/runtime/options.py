@@ -33,6 +33,7 @@ class EngineOptions:
     kv_merge_fraction: float = 0.6  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens kept for shared prefixes (0 = off)
+    precision_map: str | None = None  # JSON from `python -m flashx_batch.quantize`: per-tensor weight formats
 
     def __post_init__(self) -> None:
         checks = [

@@ -1,0 +1,201 @@
+"""Weight formats as pure tensor functions: quantize, pack, unpack, dequantize, matmul.
+
+No modules and no model knowledge here (gpt-fast's bottom layer): `quant.linear` builds modules
+from these, `quant.sensitivity` and the tests call them directly.
+
+Formats (one name each, used in precision maps):
+  fp32 / bf16 / fp16  the weight stored in that float dtype.
+  int8  symmetric per output channel: w ~= q * scale, q in [-127, 127], one scale per row.
+  int4  asymmetric per group of `group_size` input channels along each row:
+        w ~= (q - 8) * scale + zero, q in [0, 15]. The "zero" is a float offset (the weight value
+        that q = 8 stands for), which is the convention PyTorch's int4 kernels dequantize with.
+
+Our storage layout, independent of any kernel: int4 values packed two per byte along K,
+element 2j in the low nibble and 2j+1 in the high nibble: `[N, K/2] uint8`. Scales and zeros are
+`[N, K/G]` float32. Kernel layouts are derived from it at load time by `int4_kernel_operands`.
+
+PyTorch kernel rules, found by experiment on torch 2.13 (CPU) and from the CUDA kernel's checks:
+  `_weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])`: x 2-D, contiguous last dim; scales
+      in x's dtype; fp32 / bf16 / fp16 on CPU.
+  `_convert_weight_to_int4pack_for_cpu(q int32 [N, K] values 0..15, inner_k_tiles)` -> uint8
+      [N, K/2] in a blocked, opaque order; needs N % 16 == 0; inner_k_tiles is ignored.
+  `_weight_int4pack_mm_for_cpu(x [M, K], packed, G, scale_and_zero [K/G, N, 2])`: x in fp32 / bf16 /
+      fp16, scale_and_zero in x's dtype, K % G == 0.
+  CUDA `_convert_weight_to_int4pack(uint8 [N, K/2] (even << 4 | odd), inner_k_tiles)` and
+      `_weight_int4pack_mm(x bf16 [M, K], packed, G, scale_and_zero bf16 [K/G, N, 2])`: N % 8 == 0,
+      K % (inner_k_tiles * 16) == 0, G in {32, 64, 128, 256}. Not verified on a GPU in this repo yet;
+      `quant.linear` probes every kernel against the dequantized reference before using it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT_FORMATS = ("int8", "int4")
+FORMATS = (*INT_FORMATS, *FLOAT_FORMATS)
+INT4_GROUP_SIZES = (256, 128, 64, 32)
+# Higher precision first: the planner upgrades a unit by moving one step left.
+PRECISION_ORDER = ("fp32", "bf16", "fp16", "int8", "int4")
+
+
+def format_of_dtype(dtype: torch.dtype) -> str:
+    """The float format name of a torch dtype (the "unquantized" format of a model)."""
+    for name, value in FLOAT_FORMATS.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"no weight format for dtype {dtype}; use one of {list(FLOAT_FORMATS.values())}")
+
+
+def int4_group_size(in_features: int, preferred: int) -> int | None:
+    """The group size int4 uses for a row of `in_features`: `preferred` if it divides the row, else the
+    largest standard size below it that does; None when none does (int4 is then unavailable)."""
+    for size in (preferred, *(g for g in INT4_GROUP_SIZES if g < preferred)):
+        if size in INT4_GROUP_SIZES and in_features % size == 0:
+            return size
+    return None
+
+
+def format_bits(fmt: str) -> int:
+    return {"int4": 4, "int8": 8}.get(fmt) or torch.finfo(FLOAT_FORMATS[fmt]).bits
+
+
+def weight_bytes(fmt: str, out_features: int, in_features: int, group_size: int | None,
+                 scale_dtype: torch.dtype) -> int:
+    """Bytes a weight occupies in memory in `fmt`, scales and zeros included (kept in `scale_dtype`,
+    the compute dtype, because that is what the kernels read)."""
+    itemsize = torch.empty((), dtype=scale_dtype).element_size()
+    if fmt == "int8":
+        return out_features * in_features + out_features * itemsize
+    if fmt == "int4":
+        if group_size is None:
+            raise ValueError("int4 needs a group size")
+        groups = in_features // group_size
+        return out_features * in_features // 2 + 2 * out_features * groups * itemsize
+    return out_features * in_features * (format_bits(fmt) // 8)
+
+
+# ---- int8, per output channel ----------------------------------------------------------------
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (q int8 [N, K], scales float32 [N]); symmetric, round to nearest."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # an all-zero row keeps a finite scale
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q int8 [N, K], scales [N]) -> weight [N, K] in `dtype`."""
+    return (q.float() * scales.float()[:, None]).to(dtype)
+
+
+# ---- int4, group-wise with float zeros ---------------------------------------------------------
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (q uint8 [N, K] values 0..15, scales [N, K/G], zeros [N, K/G]) float32.
+
+    Each group's [min, max] maps onto 0..15; `zero` is the value q = 8 decodes to."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}")
+    w = weight.float().reshape(out_features, in_features // group_size, group_size)  # [N, K/G, G]
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    zeros = lo + 8.0 * scales
+    return q.reshape(out_features, in_features), scales, zeros
+
+
+def dequantize_int4_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q [N, K] values 0..15, scales / zeros [N, K/G]) -> weight [N, K], computed in `dtype`."""
+    out_features, in_features = q.shape
+    w = q.reshape(out_features, scales.shape[1], -1).to(dtype)  # [N, K/G, G], one allocation
+    w.sub_(8.0).mul_(scales.to(dtype)[..., None]).add_(zeros.to(dtype)[..., None])
+    return w.reshape(out_features, in_features)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] values 0..15 -> uint8 [N, K/2]: element 2j in the low nibble, 2j+1 in the high one."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even row length, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> q uint8 [N, K] values 0..15 (inverse of `pack_int4`)."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return dequantize_int4_values(unpack_int4(packed), scales, zeros, dtype)
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Int4Operands:
+    """What an int4 kernel reads: its own packed weight layout and the [K/G, N, 2] scale/zero table."""
+
+    weight: torch.Tensor
+    scale_and_zero: torch.Tensor
+    group_size: int
+
+
+def int4_kernel_supported(kernel: str, out_features: int, in_features: int, group_size: int,
+                          dtype: torch.dtype) -> bool:
+    """Shape and dtype rules of the two int4 kernels (see the module docstring)."""
+    if group_size not in INT4_GROUP_SIZES or in_features % group_size:
+        return False
+    if kernel == "int4pack_mm_cpu":
+        return out_features % 16 == 0 and dtype in FLOAT_FORMATS.values()
+    if kernel == "int4pack_mm_cuda":
+        return dtype == torch.bfloat16 and out_features % 8 == 0 and cuda_inner_k_tiles(in_features) is not None
+    return False
+
+
+def cuda_inner_k_tiles(in_features: int) -> int | None:
+    for tiles in (8, 4, 2):
+        if in_features % (tiles * 16) == 0:
+            return tiles
+    return None
+
+
+def int4_kernel_operands(kernel: str, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         group_size: int, dtype: torch.dtype) -> Int4Operands:
+    """Convert our storage layout into `kernel`'s layout on `packed`'s device."""
+    scale_and_zero = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/G, N, 2]
+    if kernel == "int4pack_mm_cpu":
+        values = unpack_int4(packed).to(torch.int32)
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 2)
+    elif kernel == "int4pack_mm_cuda":
+        values = unpack_int4(packed)
+        cuda_packed = ((values[:, 0::2] << 4) | values[:, 1::2]).to(torch.uint8).contiguous()
+        weight = torch.ops.aten._convert_weight_to_int4pack(cuda_packed, cuda_inner_k_tiles(values.shape[1]))
+    else:
+        raise ValueError(f"unknown int4 kernel {kernel!r}")
+    return Int4Operands(weight, scale_and_zero, group_size)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> contiguous [M, K] (the kernels take 2-D inputs only)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (q * scales)^T -> [..., N] via `_weight_int8pack_mm`; scales already in x.dtype."""
+    out = torch.ops.aten._weight_int8pack_mm(_as_rows(x), q, scales)
+    return out.reshape(*x.shape[:-1], q.shape[0])
+
+
+def int4_matmul(x: torch.Tensor, kernel: str, ops: Int4Operands, out_features: int) -> torch.Tensor:
+    """x [..., K] @ dequantized int4 weight^T -> [..., N] via the CPU or CUDA int4 kernel."""
+    rows = _as_rows(x)
+    if kernel == "int4pack_mm_cpu":
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, ops.weight, ops.group_size, ops.scale_and_zero)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm(rows, ops.weight, ops.group_size, ops.scale_and_zero)
+    return out.reshape(*x.shape[:-1], out_features)

@@ -1,0 +1,242 @@
+"""Load-time modules that replace `models.layers.Linear` with a weight-only format (gpt-fast's top layer).
+
+`QuantLinear` holds one format over a whole weight or a row range of it; `SplitLinear` concatenates
+several row ranges (a fused `qkv` whose q rows are int4 and k / v rows int8). The decoder only ever
+calls `module(x)`, so it never learns which format runs.
+
+Kernels (`choose_kernel`, per format, device and compute dtype), chosen from measurements on CPU
+(torch 2.13, one thread; see the report of issue 9):
+  native / cast      float weights; `cast` converts a bf16 / fp16 weight to the compute dtype per call.
+  int8pack_mm        `_weight_int8pack_mm` for bf16 / fp16 activations (CPU, CUDA), at most `SMALL_M`
+                     rows per call (decode): 1.8x faster than bf16 F.linear at one row. Above that the
+                     same int8 tensors run `x @ q^T * scales` through float BLAS (10x faster at 256 rows).
+                     For fp32 activations the CPU kernel has no vector path (4x slower than fp32
+                     F.linear at one row), so fp32 always takes the BLAS route (`dequant`).
+  int4pack_mm_cpu    `_weight_int4pack_mm_for_cpu` for bf16 / fp16 activations: 2-4x faster than bf16
+                     F.linear at one row, ~10x slower at 256 rows (prefill). Its packed layout is
+                     blocked by the CPU's vector width (opaque, machine specific), so no float copy is
+                     kept for a BLAS route: an int4 prefill on CPU is slow, reported, not hidden.
+  int4pack_mm_cuda   `_weight_int4pack_mm` (bf16 activations only).
+  dequant            fallback anywhere else: dequantize in the compute dtype per call, then F.linear.
+                     Memory saving kept, speed not.
+  simulated          measurement only (`quant.sensitivity`): the dequantized weight, precomputed,
+                     through F.linear. Bit-identical weight values to the real formats; the real kernels
+                     differ from it only by accumulation order (tests bound it; the map records a check).
+A kernel is probed once per (kernel, device, dtype) against the dequantized reference before it is
+trusted; a failing or missing kernel falls back to `dequant` with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashx_batch.quant import formats as fm
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("native", "cast", "int8pack_mm", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant", "simulated")
+SMALL_M = 16  # int8pack_mm runs calls of at most this many rows; larger ones take float BLAS
+_HALF = (torch.bfloat16, torch.float16)
+_probed: dict[tuple[str, str, torch.dtype], bool] = {}
+
+
+def _preferred_kernel(fmt: str, device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+                      group_size: int | None) -> str:
+    if fmt in fm.FLOAT_FORMATS:
+        return "native" if fm.FLOAT_FORMATS[fmt] == dtype else "cast"
+    if fmt == "int8":
+        return "int8pack_mm" if device.type in ("cpu", "cuda") and dtype in _HALF else "dequant"
+    kernel = {"cpu": "int4pack_mm_cpu", "cuda": "int4pack_mm_cuda"}.get(device.type)
+    if (kernel and group_size and dtype in _HALF
+            and fm.int4_kernel_supported(kernel, out_features, in_features, group_size, dtype)):
+        return kernel
+    return "dequant"
+
+
+def choose_kernel(fmt: str, device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+                  group_size: int | None) -> str:
+    """The kernel a weight of this format and shape runs on `device` with activations in `dtype`."""
+    kernel = _preferred_kernel(fmt, device, dtype, out_features, in_features, group_size)
+    if kernel in ("native", "cast", "dequant", "simulated"):
+        return kernel
+    key = (kernel, device.type, dtype)
+    if key not in _probed:
+        _probed[key] = _probe(fmt, kernel, device, dtype)
+    return kernel if _probed[key] else "dequant"
+
+
+def _probe(fmt: str, kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Run `kernel` once on a small random weight and compare with the dequantized float matmul."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 256, generator=generator)
+    x = torch.randn(3, 256, generator=generator).to(device=device, dtype=dtype)
+    try:
+        module = QuantLinear.from_float(weight.to(device), fmt, dtype, group_size=64, kernel=kernel)
+        reference = x.float() @ module.reference_weight().float().T
+        err = ((module(x).float() - reference).norm() / reference.norm()).item()
+    except (RuntimeError, NotImplementedError) as exc:
+        log.warning("%s kernel %s unavailable on %s (%s): falling back to dequantize-per-call; %s",
+                    fmt, kernel, device.type, dtype, str(exc).splitlines()[0])
+        return False
+    if err > 2e-2:
+        log.warning("%s kernel %s on %s (%s) disagrees with the dequantized reference (rel err %.3g): "
+                    "falling back to dequantize-per-call", fmt, kernel, device.type, dtype, err)
+        return False
+    return True
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W [N, K] held in one weight format; built by `from_float`."""
+
+    def __init__(self, fmt: str, kernel: str, out_features: int, in_features: int, group_size: int | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fmt, self.kernel, self.group_size, self.dtype = fmt, kernel, group_size, dtype
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("bias", None)
+        self._int4: fm.Int4Operands | None = None
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, fmt: str, dtype: torch.dtype, group_size: int | None = None,
+                   bias: torch.Tensor | None = None, kernel: str | None = None) -> QuantLinear:
+        """Quantize `weight` [N, K] (any float dtype, on its device) into `fmt`; activations run in `dtype`.
+
+        Called by `apply_precision_map` at load and by the sensitivity scan; `kernel=None` chooses one."""
+        out_features, in_features = weight.shape
+        if fmt == "int4":
+            group_size = fm.int4_group_size(in_features, group_size or 64)
+            if group_size is None:
+                raise ValueError(f"int4 needs in_features divisible by 32, got {in_features}")
+        else:
+            group_size = None
+        if kernel is None:
+            kernel = choose_kernel(fmt, weight.device, dtype, out_features, in_features, group_size)
+        module = cls(fmt, kernel, out_features, in_features, group_size, dtype)
+        with torch.no_grad():
+            module._store(weight.detach(), dtype)
+        if bias is not None:
+            module.bias = bias.detach().to(dtype).clone()
+        return module
+
+    def _store(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        if self.kernel == "simulated":
+            self.register_buffer("weight", _simulate(weight, self.fmt, self.group_size, dtype))
+        elif self.fmt in fm.FLOAT_FORMATS:
+            self.register_buffer("weight", weight.to(fm.FLOAT_FORMATS[self.fmt]).contiguous().clone())
+        elif self.fmt == "int8":
+            q, scales = fm.quantize_int8(weight)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scales.to(dtype))
+        else:
+            q, scales, zeros = fm.quantize_int4(weight, self.group_size)
+            packed = fm.pack_int4(q)
+            if self.kernel == "dequant":
+                self.register_buffer("packed", packed)
+                self.register_buffer("scales", scales.to(dtype))
+                self.register_buffer("zeros", zeros.to(dtype))
+            else:
+                self._int4 = fm.int4_kernel_operands(self.kernel, packed, scales, zeros, self.group_size, dtype)
+                self.register_buffer("kweight", self._int4.weight)
+                self.register_buffer("scale_and_zero", self._int4.scale_and_zero)
+
+    def _apply(self, fn, recurse=True):  # keep the int4 operand view in step with moved buffers
+        out = super()._apply(fn, recurse)
+        if self._int4 is not None:
+            self._int4 = fm.Int4Operands(self.kweight, self.scale_and_zero, self.group_size)
+        return out
+
+    def reference_weight(self) -> torch.Tensor:
+        """The float weight [N, K] this module computes with (what its kernel should reproduce)."""
+        if self.fmt in fm.FLOAT_FORMATS or self.kernel == "simulated":
+            return self.weight
+        if self.fmt == "int8":
+            return fm.dequantize_int8(self.qweight, self.scales, torch.float32)
+        if self.kernel == "dequant":
+            return fm.dequantize_int4(self.packed, self.scales, self.zeros, torch.float32)
+        # the kernel's own layout is opaque: read the weight back through the kernel itself
+        eye = torch.eye(self.in_features, dtype=torch.float32, device=self.kweight.device)
+        return fm.int4_matmul(eye.to(self.dtype), self.kernel, self._int4, self.out_features).float().T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel
+        if kernel in ("native", "simulated"):
+            out = F.linear(x, self.weight)
+        elif kernel == "cast":
+            out = F.linear(x, self.weight.to(x.dtype))
+        elif self.fmt == "int8":
+            if kernel == "int8pack_mm" and x.numel() <= SMALL_M * self.in_features:
+                out = fm.int8_matmul(x, self.qweight, self.scales)
+            else:  # per-row scales factor out of the dot product: scale the output, not the weight
+                out = F.linear(x, self.qweight.to(x.dtype)) * self.scales
+        elif kernel == "dequant":
+            out = F.linear(x, fm.dequantize_int4(self.packed, self.scales, self.zeros, x.dtype))
+        else:
+            out = fm.int4_matmul(x, kernel, self._int4, self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def nbytes(self) -> int:
+        """Resident bytes of this module's weight (bias excluded: it is never quantized)."""
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}{group}, kernel={self.kernel}"
+
+
+def _simulate(weight: torch.Tensor, fmt: str, group_size: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as `fmt` represents it, back in `dtype` (fake quantization for measurements)."""
+    if fmt == "int8":
+        return fm.dequantize_int8(*fm.quantize_int8(weight), dtype)
+    if fmt == "int4":
+        return fm.dequantize_int4_values(*fm.quantize_int4(weight, group_size), dtype)
+    return weight.to(fm.FLOAT_FORMATS[fmt]).to(dtype).contiguous()
+
+
+class SplitLinear(nn.Module):
+    """A fused projection whose row ranges use different formats: outputs are concatenated in row order."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def reference_weight(self) -> torch.Tensor:
+        return torch.cat([p.reference_weight().float() for p in self.parts], dim=0)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+
+def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, pieces: list[tuple[int, int, str]],
+                 dtype: torch.dtype, group_size: int, kernel: str | None = None) -> nn.Module:
+    """A module for `weight` [N, K] whose rows [start, stop) use the format of each piece.
+
+    Adjacent pieces with the same format are quantized as one (int8 and int4 are per row, so the
+    result is identical) and so run as one kernel; a single remaining piece needs no `SplitLinear`.
+    `kernel` forces one kernel for every piece (`simulated` for measurements); None chooses per piece.
+    """
+    merged: list[list] = []
+    for start, stop, fmt in sorted(pieces):
+        if merged and merged[-1][2] == fmt and merged[-1][1] == start:
+            merged[-1][1] = stop
+        else:
+            merged.append([start, stop, fmt])
+    if merged[0][0] != 0 or merged[-1][1] != weight.shape[0] or any(
+            a[1] != b[0] for a, b in zip(merged, merged[1:])):
+        raise ValueError(f"pieces {pieces} do not tile the {weight.shape[0]} rows of the weight exactly")
+    bias = None if bias is None else bias.detach().to(dtype).clone()
+    if len(merged) == 1:
+        return QuantLinear.from_float(weight, merged[0][2], dtype, group_size, bias=bias, kernel=kernel)
+    parts = [QuantLinear.from_float(weight[start:stop], fmt, dtype, group_size, kernel=kernel)
+             for start, stop, fmt in merged]
+    return SplitLinear(parts, bias)

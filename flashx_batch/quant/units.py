@@ -1,0 +1,162 @@
+"""Quantization units of a `DecoderModel` and the module swap that gives each unit its format.
+
+A *unit* is what the issue names q / k / v / o / gate / up / down / lm_head. Our loader fuses q, k, v
+into one `attn.qkv` weight and gate, up into one `mlp.gate_up` weight, so a unit is a **row range of a
+fused weight** (`layers.3.attn.qkv.weight[0:256]` is layer 3's q), not a separate tensor. int8 and
+int4 scale each output row independently, so quantizing a row range is exactly quantizing the
+unfused projection; when neighbouring units share a format they are packed into one kernel again
+(`quant.linear.build_linear`), so an all-int8 layer still runs one qkv matmul.
+
+Embeddings and norms are never units: they keep the model's precision. A tied `lm_head` gets its own
+quantized copy; the embedding table it shared stays untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flashx_batch.models.decoder import DecoderModel
+from flashx_batch.models.layers import Linear
+from flashx_batch.quant import formats as fm
+from flashx_batch.quant.linear import build_linear
+
+UNIT_KINDS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One quantizable projection: rows [start, stop) of the weight of module `module`."""
+
+    name: str  # "layers.3.attn.q", "lm_head"
+    module: str  # dotted path of the Linear holding it: "layers.3.attn.qkv"
+    start: int
+    stop: int
+    in_features: int
+    layer: int | None  # None for lm_head (after every layer)
+
+    @property
+    def out_features(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def tensor(self) -> str:
+        return f"{self.module}.weight"
+
+    @property
+    def params(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def kind(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+
+def model_units(model: DecoderModel) -> list[Unit]:
+    """Every unit of `model`, in forward order (layer 0 q, k, v, o, gate, up, down, ..., lm_head)."""
+    cfg = model.config
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    units: list[Unit] = []
+    for i in range(cfg.num_layers):
+        attn, mlp = f"layers.{i}.attn", f"layers.{i}.mlp"
+        q, kv = cfg.q_size, cfg.kv_size
+        units += [
+            Unit(f"{attn}.q", f"{attn}.qkv", 0, q, hidden, i),
+            Unit(f"{attn}.k", f"{attn}.qkv", q, q + kv, hidden, i),
+            Unit(f"{attn}.v", f"{attn}.qkv", q + kv, q + 2 * kv, hidden, i),
+            Unit(f"{attn}.o", f"{attn}.o_proj", 0, hidden, q, i),
+            Unit(f"{mlp}.gate", f"{mlp}.gate_up", 0, inter, hidden, i),
+            Unit(f"{mlp}.up", f"{mlp}.gate_up", inter, 2 * inter, hidden, i),
+            Unit(f"{mlp}.down", f"{mlp}.down", 0, hidden, inter, i),
+        ]
+    units.append(Unit("lm_head", "lm_head", 0, cfg.vocab_size, hidden, None))
+    return units
+
+
+def available_formats(unit: Unit, formats: list[str], group_size: int) -> list[str]:
+    """`formats` minus int4 where the row length admits no group size."""
+    return [f for f in formats if f != "int4" or fm.int4_group_size(unit.in_features, group_size) is not None]
+
+
+def get_module(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path)
+
+
+def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+class FormatSwap:
+    """Give some units a format by swapping their modules; `restore()` puts the originals back.
+
+    Used by the sensitivity scan and the planner's validation (many short-lived assignments) and by
+    `apply_precision_map` (one permanent one). Units whose module keeps the model's own float format
+    in every row are left untouched (a tied lm_head then still shares the embedding table).
+    `simulate=True` builds `simulated` modules (precomputed dequantized weights, float matmul): the
+    measurements' weights are the real formats' values, at float speed for any batch shape.
+    """
+
+    def __init__(self, model: DecoderModel, assignment: dict[str, str], group_size: int,
+                 units: list[Unit] | None = None, simulate: bool = False) -> None:
+        self.model = model
+        self.originals: dict[str, nn.Module] = {}
+        dtype = model.embed.dtype
+        native = fm.format_of_dtype(dtype)
+        by_module: dict[str, list[Unit]] = {}
+        for unit in units or model_units(model):
+            by_module.setdefault(unit.module, []).append(unit)
+        for path, members in by_module.items():
+            formats = [assignment.get(u.name, native) for u in members]
+            if all(f == native for f in formats):
+                continue
+            original = get_module(model, path)
+            if not isinstance(original, Linear):
+                raise ValueError(f"{path} is already {type(original).__name__}: a precision map is applied once, "
+                                 "to a freshly loaded float model")
+            pieces = [(u.start, u.stop, f) for u, f in zip(members, formats)]
+            rows = original.weight.shape[0]
+            covered = sum(u.out_features for u in members)
+            if covered != rows:
+                raise ValueError(f"{path}: units cover {covered} of {rows} rows")
+            replacement = build_linear(original.weight, original.bias, pieces, dtype, group_size,
+                                       kernel="simulated" if simulate else None)
+            set_module(model, path, replacement)
+            self.originals[path] = original
+
+    def restore(self) -> None:
+        for path, module in self.originals.items():
+            set_module(self.model, path, module)
+        self.originals.clear()
+
+    def __enter__(self) -> FormatSwap:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def unit_bytes(unit: Unit, fmt: str, group_size: int, dtype: torch.dtype) -> int:
+    """Bytes unit `unit` holds in `fmt` (its own rows only; what a decode step streams)."""
+    group = fm.int4_group_size(unit.in_features, group_size) if fmt == "int4" else None
+    return fm.weight_bytes(fmt, unit.out_features, unit.in_features, group, dtype)
+
+
+def resident_unit_bytes(unit: Unit, fmt: str, group_size: int, dtype: torch.dtype, tied: bool) -> int:
+    """Bytes the unit adds to resident memory: a tied lm_head in the model's own format shares the
+    embedding table and adds nothing; quantized, it is an extra copy."""
+    if unit.name == "lm_head" and tied and fmt == fm.format_of_dtype(dtype):
+        return 0
+    return unit_bytes(unit, fmt, group_size, dtype)
+
+
+def kept_tensors(model: DecoderModel) -> dict[str, tuple[list[int], int]]:
+    """Tensors that are never quantized (embedding, norms, biases): name -> (shape, bytes)."""
+    unit_weights = {u.tensor for u in model_units(model)}
+    kept = {}
+    for name, tensor in model.named_parameters(remove_duplicate=True):
+        if name not in unit_weights:
+            kept[name] = (list(tensor.shape), tensor.numel() * tensor.element_size())
+    return kept

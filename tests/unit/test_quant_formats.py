@@ -1,0 +1,138 @@
+"""Weight formats and the quantized linear modules against dequantized float references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashx_batch.quant import formats as fm
+from flashx_batch.quant.linear import QuantLinear, SplitLinear, build_linear
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: on a shared CPU, OpenMP siblings waiting on each other cost more than they add."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+def test_int4_pack_unpack_round_trip():
+    q = torch.randint(0, 16, (48, 130), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    packed = fm.pack_int4(q)
+    assert packed.shape == (48, 65) and packed.dtype == torch.uint8
+    assert torch.equal(fm.unpack_int4(packed), q)
+    assert int(packed[0, 0]) == int(q[0, 0]) | (int(q[0, 1]) << 4)  # documented nibble order
+
+
+def test_int4_pack_rejects_odd_rows():
+    with pytest.raises(ValueError, match="even"):
+        fm.pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
+
+
+def test_int8_quantize_round_trip_error_bounded():
+    w = _weight()
+    q, scales = fm.quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (96,)
+    err = (fm.dequantize_int8(q, scales) - w).abs()
+    assert (err <= scales[:, None] / 2 + 1e-6).all()  # round to nearest: at most half a step
+
+
+def test_int4_quantize_round_trip_error_bounded():
+    w = _weight()
+    q, scales, zeros = fm.quantize_int4(w, 64)
+    assert int(q.max()) <= 15 and scales.shape == zeros.shape == (96, 4)
+    back = fm.dequantize_int4(fm.pack_int4(q), scales, zeros)
+    step = scales.repeat_interleave(64, dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-5).all()
+    # already-quantized values survive a second round trip exactly
+    q2, s2, z2 = fm.quantize_int4(back, 64)
+    assert torch.allclose(fm.dequantize_int4_values(q2, s2, z2), back, atol=1e-5)
+
+
+def test_int4_group_size_falls_back_to_a_divisor():
+    assert fm.int4_group_size(256, 128) == 128
+    assert fm.int4_group_size(704, 128) == 64  # 704 = 11 x 64
+    assert fm.int4_group_size(40, 64) is None
+
+
+def _independent_reference(w: torch.Tensor, fmt: str, group: int) -> torch.Tensor:
+    """The float weight `fmt` should compute with, derived from the pure functions only."""
+    if fmt == "int8":
+        return fm.dequantize_int8(*fm.quantize_int8(w))
+    if fmt == "int4":
+        return fm.dequantize_int4_values(*fm.quantize_int4(w, group))
+    return w.to(fm.FLOAT_FORMATS[fmt]).float()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bf16", "fp16", "fp32"])
+def test_quant_linear_matches_dequantized_reference(fmt, dtype, tol):
+    w = _weight()
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(2)).to(dtype)  # [B, T, K]
+    module = QuantLinear.from_float(w, fmt, dtype, group_size=64)
+    reference = x.float() @ _independent_reference(w, fmt, 64).T
+    out = module(x)
+    assert out.shape == (2, 5, 96) and out.dtype == dtype
+    assert _rel(out, reference) <= tol, module.kernel
+    assert module.nbytes() == fm.weight_bytes(fmt, 96, 256, module.group_size, dtype)
+
+
+def test_cpu_kernel_policy():
+    """PyTorch's int kernels for half-precision activations; fp32 takes float BLAS (measured faster)."""
+    assert QuantLinear.from_float(_weight(), "int8", torch.bfloat16).kernel == "int8pack_mm"
+    assert QuantLinear.from_float(_weight(), "int4", torch.bfloat16, 64).kernel == "int4pack_mm_cpu"
+    assert QuantLinear.from_float(_weight(), "int8", torch.float32).kernel == "dequant"
+    assert QuantLinear.from_float(_weight(), "int4", torch.float32, 64).kernel == "dequant"
+    # 40 rows is not a multiple of 16: the CPU int4 kernel cannot take it, the fallback must
+    odd = QuantLinear.from_float(_weight(40, 128), "int4", torch.float32, 64)
+    assert odd.kernel == "dequant"
+    x = torch.randn(3, 128)
+    assert _rel(odd(x), x @ _independent_reference(_weight(40, 128), "int4", 64).T) <= 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 16, 40])  # around SMALL_M: int8pack_mm below, scaled BLAS above
+def test_int8_kernel_and_blas_routes_agree(rows):
+    w = _weight()
+    module = QuantLinear.from_float(w, "int8", torch.bfloat16)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert _rel(module(x), x.float() @ _independent_reference(w, "int8", 64).T) <= 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
+def test_simulated_kernel_uses_the_same_weight_values(fmt):
+    w = _weight()
+    real = QuantLinear.from_float(w, fmt, torch.float32, 64)
+    fake = QuantLinear.from_float(w, fmt, torch.float32, 64, kernel="simulated")
+    x = torch.randn(7, 256)
+    assert torch.equal(fake.reference_weight(), real.reference_weight().float())
+    assert _rel(fake(x), real(x)) <= 1e-6
+
+
+def test_split_linear_concatenates_formats_and_adds_bias():
+    w, bias = _weight(), torch.randn(96)
+    module = build_linear(w, bias, [(0, 32, "int4"), (32, 64, "int8"), (64, 96, "int8")], torch.float32, 64)
+    assert isinstance(module, SplitLinear) and len(module.parts) == 2  # the two int8 pieces run as one
+    x = torch.randn(4, 256)
+    ref = torch.cat([_independent_reference(w[:32], "int4", 64), _independent_reference(w[32:], "int8", 64)])
+    assert _rel(module(x), x @ ref.T + bias) <= 1e-5
+    single = build_linear(w, None, [(0, 48, "int8"), (48, 96, "int8")], torch.float32, 64)
+    assert isinstance(single, QuantLinear)
+    with pytest.raises(ValueError, match="tile"):
+        build_linear(w, None, [(0, 48, "int8")], torch.float32, 64)
+
+
+def test_quant_linear_does_not_alias_its_source():
+    w = _weight()
+    module = QuantLinear.from_float(w, "fp32", torch.float32)
+    module.weight.add_(1.0)
+    assert torch.equal(w, _weight())
