@@ -32,6 +32,7 @@ from flashx_batch.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PAGED_GROWTH = 4  # a batch of rows sharing cached prefixes may hold up to 4 x max_batch_size rows
 
 
 @dataclass
@@ -240,10 +241,11 @@ class Engine:
             order.sort(key=lambda i: -len(token_lists[i]))
         stats = GenerateStats(kv_bytes_arena=self.runner.arena.nbytes)
         results: dict[int, RequestOutput] = {}
-        size = self.admitted_batch_size
-        for start in range(0, len(order), size):
-            batch = order[start : start + size]
-            rows = self._run_batch([token_lists[i] for i in batch], [params[i] for i in batch], stats)
+        queue = order
+        while queue:
+            batch, runner = self._next_batch(queue, token_lists, params, stats)
+            queue = queue[len(batch) :]
+            rows = self._run_batch(runner, [params[i] for i in batch], stats)
             for i, row in zip(batch, rows):
                 results[i] = RequestOutput(i, row.token_ids, self._final_text(row), row.finish_reason or "length",
                                            len(token_lists[i]), truncated[i])
@@ -289,14 +291,14 @@ class Engine:
     def _final_text(self, row: RowState) -> str | None:
         return row.final_text(self.tokenizer.decode) if self.tokenizer is not None else None
 
-    def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams],
+    def _run_batch(self, batch: StripedBatch | PagedBatch, params: list[SamplingParams],
                    stats: GenerateStats) -> list[RowState]:
         """Prefill, then decode until every row has stopped; finished rows leave the batch at once."""
         sync = self.backend.synchronize
+        prompts = batch.prompts
         rows = [RowState.start(p, self.eos_token_ids) for p in params]
         decode_text = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
         started = time.perf_counter()
-        batch = self._make_batch(prompts, params, stats)
         try:
             logits = batch.prefill()
             sampling = SamplingBatch.build(params, logits.shape[-1], self.device)
@@ -331,13 +333,41 @@ class Engine:
         stats.output_tokens += sum(len(r.token_ids) for r in rows)
         return rows
 
-    def _make_batch(self, prompts: list[list[int]], params: list[SamplingParams],
-                    stats: GenerateStats) -> StripedBatch | PagedBatch:
-        if self.prefix_cache is not None and all(len(p) <= self.options.max_input_len for p in prompts):
-            shared = share_prefixes(self, prompts, stats)
-            if shared is not None:
-                return PagedBatch(self, prompts, params, stats, shared)
-        return StripedBatch(self, prompts, params, stats)
+    def _next_batch(self, queue: list[int], token_lists: list[list[int]], params: list[SamplingParams],
+                    stats: GenerateStats) -> tuple[list[int], StripedBatch | PagedBatch]:
+        """The next batch from the front of `queue` (indices into token_lists / params).
+
+        Striped: `admitted_batch_size` rows. Paged (rows share cached prefix segments): a row only
+        needs segments for its own suffix and new tokens, so as many rows as the stripe region can
+        hold join — up to PAGED_GROWTH x max_batch_size — which is where prefix sharing saves memory.
+        """
+        size = self.admitted_batch_size
+        if self.prefix_cache is not None:
+            candidates = queue[: size * PAGED_GROWTH]
+            prompts = [token_lists[i] for i in candidates]
+            if all(len(p) <= self.options.max_input_len for p in prompts):
+                shared = share_prefixes(self, prompts, stats)
+                if shared is not None:
+                    fit = self._paged_fit(prompts, [params[i] for i in candidates], shared, size)
+                    for segments in shared[fit:]:  # rows left for the next batch drop their references
+                        self.runner.arena.allocator.release(segments)
+                    batch = candidates[:fit]
+                    return batch, PagedBatch(self, prompts[:fit], [params[i] for i in batch], stats, shared[:fit])
+        batch = queue[:size]
+        return batch, StripedBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats)
+
+    def _paged_fit(self, prompts: list[list[int]], params: list[SamplingParams], shared: list[list[int]],
+                   at_least: int) -> int:
+        """How many leading rows' own segments fit in the stripe region (at least `at_least`)."""
+        arena = self.runner.arena
+        free = sum(1 for s in range(arena.max_rows * arena.segments_per_row) if arena.allocator.refcount[s] == 0)
+        need, fit = 0, 0
+        for prompt, p, segments in zip(prompts, params, shared):
+            need += arena.allocator.segments_for(len(prompt) - len(segments) * arena.segment_size + p.max_new_tokens)
+            if need > free:
+                break
+            fit += 1
+        return max(fit, min(at_least, len(prompts)))
 
     def _record_kv(self, stats: GenerateStats, segments_held: int, static_segments: int) -> None:
         segment_bytes = self.runner.arena.segment_size * self.runner.arena.bytes_per_token()
