@@ -20,9 +20,9 @@ from flashx_batch.runner.job import plan_job
 from flashx_batch.runner.worker import ShardWorker, WorkerContext
 
 N_ROWS = 36
-# Small shards and fixed-length generations: many commits, each a few hundred ms, so a kill can land
-# in the middle of a shard, between a rename and its manifest, or between shards.
-SLOW = ("runtime.shard_size=2", "runtime.max_batch_size=2", "sampling.max_new_tokens=12",
+# Small shards and fixed-length generations: many commits, each tens to hundreds of ms depending on the
+# machine, so a kill can land in the middle of a shard, between a rename and its manifest, or between shards.
+SLOW = ("runtime.shard_size=2", "runtime.max_batch_size=2", "runtime.max_output_len=24", "sampling.max_new_tokens=24",
         "sampling.ignore_eos=true")
 
 
@@ -86,7 +86,8 @@ def test_sigkill_at_random_points_then_resume(job_args, tmp_path):
     for _ in range(8):  # at least 5 kills land before the job can finish on its own
         target = _manifests(out) + rng.randint(1, 2)  # 1-2 more commits in this run, then a random delay
         proc = cli(job_args(out), cwd=tmp_path, background=True)
-        if _kill_after(proc, out, target, rng.uniform(0.0, 0.25)):
+        # the delay stays short: on a fast machine a shard commits in a few tens of ms
+        if _kill_after(proc, out, target, rng.uniform(0.0, 0.03)):
             kills += 1
         if kills >= 5:
             break
