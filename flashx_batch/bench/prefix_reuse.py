@@ -46,7 +46,8 @@ def chat_rows(tokenizer: Tokenizer, conversations: int, turns: int = 5, turn_tok
         messages = [{"role": "system", "content": "You answer questions about software licences. " + next(text)}]
         for _ in range(turns):
             messages.append({"role": "user", "content": next(text)})
-            rows.append(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            rows.append(tokenizer.encode(rendered, add_special_tokens=False))
             messages.append({"role": "assistant", "content": next(text)})
     return rows
 

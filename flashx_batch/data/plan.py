@@ -133,7 +133,8 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
             else:
                 pending.append(((fi, ri), row_id, text))
     segment = job.runtime.segment_size if job.runtime.prefix_cache_tokens else 0
-    lengths, signatures = _token_lengths([t for _, _, t in pending], tokenizer, segment)
+    lengths, signatures = _token_lengths([t for _, _, t in pending], tokenizer, segment,
+                                         add_special_tokens=not data.messages_column)
     limit, truncate = job.runtime.max_input_len, job.runtime.long_input != "error"
     valid: list[tuple[Ref, Any, int]] = []
     for (ref, row_id, _), n, signature in zip(pending, lengths, signatures, strict=True):
@@ -148,13 +149,14 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
     return _assemble(job, loaded, ids, valid, errors)
 
 
-def _token_lengths(texts: list[str], tokenizer: Tokenizer, segment: int) -> tuple[list[int], list[tuple]]:
+def _token_lengths(texts: list[str], tokenizer: Tokenizer, segment: int,
+                   add_special_tokens: bool = True) -> tuple[list[int], list[tuple]]:
     """Token counts, and (when prefix reuse is on, `segment` > 0) each row's prefix signature: the
     chain keys of its first `_SIGNATURE_BLOCKS` segment-sized blocks, as the engine's cache keys them."""
     lengths: list[int] = []
     signatures: list[tuple] = []
     for start in range(0, len(texts), _ENCODE_CHUNK):
-        for ids in tokenizer.encode_batch(texts[start : start + _ENCODE_CHUNK]):
+        for ids in tokenizer.encode_batch(texts[start : start + _ENCODE_CHUNK], add_special_tokens=add_special_tokens):
             lengths.append(len(ids))
             limit = min(len(ids) - 1, segment * _SIGNATURE_BLOCKS)
             signatures.append(tuple(k[:8] for k in block_keys(ids, segment, limit)) if segment else ())

@@ -52,20 +52,30 @@ class RotaryTable:
 
     def __init__(self, rope: RopeConfig, rotary_dim: int, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        inv_freq = rope_inv_freq(rope, rotary_dim)
-        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rotary_dim]
-        cos, sin = emb.cos(), emb.sin()
-        if rope.interleaved:
-            # GLM pairs adjacent channels: channel 2i and 2i+1 share frequency i.
-            half = rotary_dim // 2
-            cos = cos[:, :half].repeat_interleave(2, dim=-1)
-            sin = sin[:, :half].repeat_interleave(2, dim=-1)
-        self.cos = cos.to(dtype=dtype, device=device)
-        self.sin = sin.to(dtype=dtype, device=device)
+        self.inv_freq = rope_inv_freq(rope, rotary_dim)
         self.rotary_dim = rotary_dim
         self.interleaved = rope.interleaved
         self.max_positions = max_positions
+        cos, sin = self.angles(torch.arange(max_positions, dtype=torch.int64).float())
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin [P, rotary_dim] for any (also fractional) positions [P]."""
+        freqs = positions.float().cpu()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.interleaved:
+            # GLM pairs adjacent channels: channel 2i and 2i+1 share frequency i.
+            half = self.rotary_dim // 2
+            cos = cos[:, :half].repeat_interleave(2, dim=-1)
+            sin = sin[:, :half].repeat_interleave(2, dim=-1)
+        return cos, sin
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate float32 keys x [..., P, H, D] to `positions` [P] (or back from them, `inverse`)."""
+        cos, sin = (t.to(x.device)[:, None, :] for t in self.angles(positions))  # [P, 1, rotary_dim]
+        return apply_rotary(x, cos, -sin if inverse else sin, self.interleaved)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, 1, rotary_dim] (broadcast over heads)."""

@@ -35,18 +35,21 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int, se
         # evicting a group frees 4 slots, merging frees 3: evict 3/4 as many to keep as many slots
         same_ratio = choose_groups(scores, prompt_len, settings, "segment_sparse", count=round(0.75 * len(mask)))
         kept_by_merge = plan_groups(prompt_len, mask).num_slots
-        plans = {
-            "segment_sparse": (plan_groups(prompt_len, mask), True),
-            "merge_no_bias": (plan_groups(prompt_len, mask), False),
-            "evict": (plan_groups(prompt_len, mask, drop=True), True),
-            "evict_same_ratio": (plan_groups(prompt_len, same_ratio, drop=True), True),
-            "random": (plan_groups(prompt_len, choose_groups(None, prompt_len, settings, "random", seed=index)), True),
-            "streaming": (plan_streaming(prompt_len, kept_by_merge, settings.sinks), True),
+        rotary = engine.runner.model.rotary if settings.rerotate else None
+        plans = {  # name: (plan, log-count bias, rotary for merged keys)
+            "segment_sparse": (plan_groups(prompt_len, mask), True, rotary),
+            "merge_post_rope": (plan_groups(prompt_len, mask), True, None),
+            "merge_no_bias": (plan_groups(prompt_len, mask), False, rotary),
+            "evict": (plan_groups(prompt_len, mask, drop=True), True, None),
+            "evict_same_ratio": (plan_groups(prompt_len, same_ratio, drop=True), True, None),
+            "random": (plan_groups(prompt_len, choose_groups(None, prompt_len, settings, "random", seed=index)), True,
+                       rotary),
+            "streaming": (plan_streaming(prompt_len, kept_by_merge, settings.sinks), True, None),
         }
         for name in policies:
-            plan, with_bias = plans[name]
+            plan, with_bias, merge_rotary = plans[name]
             runner.extend(prompt, 0, 0, 0)  # fresh prompt KV: the previous policy rewrote it
-            used = apply_plan(arena, 0, prompt_len, 0, plan, with_bias=with_bias)
+            used = apply_plan(arena, 0, prompt_len, 0, plan, with_bias=with_bias, rotary=merge_rotary)
             logits, _ = runner.extend(cont, 0, used, prompt_len, all_logits=True)
             results[name].add(reference, logits, targets)
             slots[name] += used

@@ -104,7 +104,8 @@ class ShardWorker:
         ids, texts, passthrough = self._rows(spec)
         if self.faults is not None:
             self.faults.fire("before_generate", spec.shard_id, attempt, ids)
-        token_lists = self.engine.tokenizer.encode_batch(texts)
+        # chat rows are template-rendered text that already carries BOS / role tokens
+        token_lists = self.engine.tokenizer.encode_batch(texts, add_special_tokens=not job.data.messages_column)
         s = job.sampling
         params = [SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
                                  top_p=s.top_p, seed=row_seed(s.seed, i), stop=tuple(s.stop), ignore_eos=s.ignore_eos)

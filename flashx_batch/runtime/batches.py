@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashx_batch.runtime.kv_merge import apply_plan, choose_groups, compressed_length, plan_groups
+from flashx_batch.runtime.kv_merge import apply_plan, choose_groups, max_compressed_length, plan_groups
 from flashx_batch.runtime.prefix_cache import block_keys
 from flashx_batch.runtime.sampling import SamplingParams
 
@@ -99,7 +99,7 @@ class StripedBatch:
         if not sparse and all(len(p) <= limit for p in prompts):
             self.stats.computed_slots += len(prompts) * max(map(len, prompts))
             return self.runner.prefill(prompts), [len(p) for p in prompts]
-        budget = compressed_length(limit, engine.merge) if sparse else limit
+        budget = max_compressed_length(limit, engine.merge) if sparse else limit
         last_logits, slots = [], []
         for i, prompt in enumerate(prompts):
             start = i * self.arena.row_capacity
@@ -111,7 +111,7 @@ class StripedBatch:
                 used = len(prompt)
                 if sparse:
                     plan = plan_groups(used, choose_groups(scores, used, engine.merge, "segment_sparse"))
-                    used = apply_plan(self.arena, start, used, start, plan)
+                    used = apply_plan(self.arena, start, used, start, plan, rotary=engine.merge_rotary)
             self.stats.computed_slots += len(prompt)
             last_logits.append(logits[-1])
             slots.append(used)
@@ -138,8 +138,9 @@ class PagedBatch:
         seg, allocator, trash = self.seg, self.arena.allocator, self.engine.trash_slot
         stripes = range(self.arena.max_rows * self.arena.segments_per_row)
         cached = [len(s) * seg for s in self.shared]
-        self.own = [allocator.allocate(allocator.segments_for(len(p) - c + q.max_new_tokens), within=stripes)
-                    for p, c, q in zip(self.prompts, cached, self.params)]
+        self.own = []  # filled row by row, so `release` frees exactly what was taken if this fails
+        for p, c, q in zip(self.prompts, cached, self.params):
+            self.own.append(allocator.allocate(allocator.segments_for(len(p) - c + q.max_new_tokens), within=stripes))
         self.engine._record_kv(self.stats, sum(map(len, self.own)) + len({s for r in self.shared for s in r}),
                                sum(allocator.segments_for(len(p) + q.max_new_tokens)
                                    for p, q in zip(self.prompts, self.params)))
@@ -189,8 +190,8 @@ class PagedBatch:
         return keep
 
     def release(self) -> None:
-        for own, shared in zip(self.own, self.shared):
-            self.arena.allocator.release(own + shared)
+        for segments in self.own + self.shared:
+            self.arena.allocator.release(segments)
         self.own, self.shared = [], []
 
 
@@ -209,29 +210,39 @@ def share_prefixes(engine: Engine, prompts: list[list[int]], stats: GenerateStat
         for key in row:
             seen[key] = seen.get(key, 0) + 1
     shared: list[list[int]] = []
-    for prompt, row_keys in zip(prompts, keys):
-        segments = cache.match(row_keys)
-        wanted = len(segments)
-        while wanted < len(row_keys) and seen[row_keys[wanted]] > 1:
-            wanted += 1
-        if wanted > len(segments):
-            new = cache.reserve(wanted - len(segments))
-            if new is not None:
-                start = len(segments) * seg
-                table = torch.tensor([s * seg + o for s in segments + new for o in range(seg)],
-                                     device=engine.device)[None, : wanted * seg]
-                tokens = prompt[start : wanted * seg]
+    try:
+        for prompt, row_keys in zip(prompts, keys):
+            segments = cache.match(row_keys)
+            shared.append(segments)
+            for segment in segments:  # the row's reference, taken at once: eviction must not pick them
+                allocator.share(segment)
+            wanted = len(segments)
+            while wanted < len(row_keys) and seen[row_keys[wanted]] > 1:
+                wanted += 1
+            new = cache.reserve(wanted - len(segments)) if wanted > len(segments) else None
+            if new is None:
+                continue
+            start = len(segments) * seg
+            table = torch.tensor([s * seg + o for s in segments + new for o in range(seg)],
+                                 device=engine.device)[None, : wanted * seg]
+            tokens = prompt[start : wanted * seg]
+            try:
                 runner.paged(torch.tensor([tokens], device=engine.device),
                              torch.arange(start, wanted * seg, device=engine.device)[None],
                              table[:, start:], table, torch.tensor([len(tokens) - 1], device=engine.device))
-                stats.computed_slots += len(tokens)
-                stats.prefix_tokens_computed += len(tokens)
-                for key, segment in zip(row_keys[len(segments) : wanted], new):
-                    cache.insert(key, segment)
-                segments = segments + new
-        for segment in segments:
-            allocator.share(segment)  # the row's own reference, released when the row finishes
-        shared.append(segments)
+            except BaseException:
+                allocator.release(new)
+                raise
+            stats.computed_slots += len(tokens)
+            stats.prefix_tokens_computed += len(tokens)
+            for key, segment in zip(row_keys[len(segments) : wanted], new):
+                cache.insert(key, segment)  # the reservation's reference becomes the cache's
+                allocator.share(segment)
+            segments.extend(new)
+    except BaseException:
+        for segments in shared:
+            allocator.release(segments)
+        raise
     if not any(shared):
         return None
     return shared

@@ -19,10 +19,11 @@ import torch
 from flashx_batch.backends import Backend, get_backend
 from flashx_batch.errors import ConfigError, PromptTooLongError
 from flashx_batch.models.config import ModelConfig
+from flashx_batch.models.layers import RotaryTable
 from flashx_batch.models.loader import load_model
 from flashx_batch.runtime.batches import PagedBatch, StripedBatch, share_prefixes
 from flashx_batch.runtime.kv import KVArena
-from flashx_batch.runtime.kv_merge import MergeSettings, apply_plan, compressed_length, plan_oldest
+from flashx_batch.runtime.kv_merge import MergeSettings, apply_plan, max_compressed_length, plan_oldest
 from flashx_batch.runtime.model_runner import ModelRunner
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.prefix_cache import PrefixCache
@@ -171,7 +172,7 @@ class Engine:
             extra = -(-o.prefix_cache_tokens // o.segment_size) + 1
         if o.cache_policy == "segment_sparse":
             seg = o.segment_size
-            capacity = -(-(compressed_length(o.max_input_len, self.merge) + o.max_output_len) // seg) * seg
+            capacity = -(-(max_compressed_length(o.max_input_len, self.merge) + o.max_output_len) // seg) * seg
             extra = -(-max(0, o.max_input_len - capacity) // seg)
             rows = max(1, (o.max_batch_size * o.row_capacity - extra * seg) // capacity)
         return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, rows, capacity, o.segment_size,
@@ -254,13 +255,17 @@ class Engine:
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Teacher-forced float32 logits [T_i, V] for each prompt (quality measurements, parity tests)."""
+        """Teacher-forced float32 logits [T_i, V] for each whole sequence (quality measurements, parity
+        tests). Sequences are never truncated or merged: each must fit a row of the arena."""
+        capacity = self.runner.arena.row_capacity
+        too_long = [i for i, p in enumerate(prompts) if not 0 < len(p) <= capacity]
+        if too_long:
+            raise ConfigError(f"score: sequences {too_long[:5]} are empty or longer than a row of the KV arena "
+                              f"({capacity} tokens); raise max_input_len + max_output_len.")
         out: list[torch.Tensor] = []
-        size = self.options.max_batch_size
+        size = self.admitted_batch_size
         for start in range(0, len(prompts), size):
-            chunk = prompts[start : start + size]
-            self._fit_inputs(chunk)
-            out.extend(self.runner.score(chunk))
+            out.extend(self.runner.score(prompts[start : start + size]))
         return out
 
     # ---- internals --------------------------------------------------------------------------
@@ -387,17 +392,25 @@ class Engine:
         # positions run on past the slots: the RoPE table must cover the true token count
         self.runner.model.build_rotary(len(prompt) + self.options.max_output_len)
         counts: list[int] = []
+        positions: list[float] = []
         logits = None
         for begin in range(0, len(prompt), chunk):
             piece = prompt[begin : begin + chunk]
             overflow = len(counts) + len(piece) - budget
             if overflow > 0:
-                plan = plan_oldest(counts, overflow, self.merge)
+                plan = plan_oldest(counts, positions, overflow, self.merge)
                 if plan.num_slots + len(piece) > budget:
                     raise ConfigError(f"rolling merge cannot fit a {len(prompt)}-token prompt into {budget} slots; "
                                       "raise max_input_len or shorten the prompt.")
-                apply_plan(self.runner.arena, start, len(counts), start, plan)
-                counts = plan.counts
+                apply_plan(self.runner.arena, start, len(counts), start, plan, rotary=self.merge_rotary,
+                           src_positions=positions)
+                counts, positions = plan.counts, plan.positions
             logits, _ = self.runner.extend(piece, start, len(counts), begin)
             counts += [1] * len(piece)
+            positions += [float(p) for p in range(begin, begin + len(piece))]
         return logits, len(counts)
+
+    @property
+    def merge_rotary(self) -> RotaryTable | None:
+        """The RoPE table merges re-rotate keys with (None: average rotated keys as they are)."""
+        return self.runner.model.rotary if self.merge.rerotate else None

@@ -137,3 +137,4 @@ class KVArena:
         view[:, :, dst, :length] = view[:, :, src, :length]
         bias = self.stripe_bias()
         bias[dst, :length] = bias[src, :length]
+        bias[dst, length:] = 0.0  # the slots the moved row writes next must not keep the old row's bias

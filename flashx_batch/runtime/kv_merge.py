@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from flashx_batch.models.layers import RotaryTable
 from flashx_batch.runtime.kv import KVArena
 
 GROUP = 4
-POLICIES = ("segment_sparse", "evict", "evict_same_ratio", "random", "merge_no_bias", "streaming")
+POLICIES = ("segment_sparse", "merge_post_rope", "merge_no_bias", "evict", "evict_same_ratio", "random", "streaming")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class MergeSettings:
     fraction: float = 0.6  # of eligible groups; chosen by `python -m flashx_batch.quality`
     sinks: int = 4  # first tokens never merged (attention sinks)
     window: int = 32  # last tokens: the observation window, never merged
+    rerotate: bool = True  # merge keys before RoPE and rotate to the group's mean position
 
 
 @dataclass
@@ -36,6 +38,7 @@ class MergePlan:
     target: torch.Tensor  # [L] int64
     weight: torch.Tensor  # [L] float32
     counts: list[int]  # tokens each output slot stands for
+    positions: list[float]  # the (count-weighted mean) position each output slot stands at
 
     @property
     def num_slots(self) -> int:
@@ -63,6 +66,12 @@ def compressed_length(length: int, settings: MergeSettings) -> int:
     return length - (GROUP - 1) * merge_count(length, settings)
 
 
+def max_compressed_length(limit: int, settings: MergeSettings) -> int:
+    """The most slots any prompt of up to `limit` tokens occupies once merged. Not simply the
+    value at `limit`: rounding the merge count can leave a slightly shorter prompt a slot or two longer."""
+    return max(compressed_length(n, settings) for n in range(1, limit + 1))
+
+
 def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSettings, policy: str,
                   seed: int = 0, count: int | None = None) -> list[int]:
     """The `count` groups (default: the fraction's) with the lowest pooled attention score, or
@@ -86,6 +95,7 @@ def plan_groups(length: int, groups: list[int], drop: bool = False) -> MergePlan
     target = torch.empty(length, dtype=torch.int64)
     weight = torch.ones(length, dtype=torch.float32)
     counts: list[int] = []
+    positions: list[float] = []
     token = 0
     while token < length:
         if token % GROUP == 0 and token // GROUP in merged:
@@ -95,12 +105,14 @@ def plan_groups(length: int, groups: list[int], drop: bool = False) -> MergePlan
                 target[token : token + GROUP] = len(counts)
                 weight[token : token + GROUP] = 1.0 / GROUP
                 counts.append(GROUP)
+                positions.append(token + (GROUP - 1) / 2)
             token += GROUP
         else:
             target[token] = len(counts)
             counts.append(1)
+            positions.append(float(token))
             token += 1
-    return MergePlan(target, weight, counts)
+    return MergePlan(target, weight, counts, positions)
 
 
 def plan_streaming(length: int, keep: int, sinks: int) -> MergePlan:
@@ -109,16 +121,17 @@ def plan_streaming(length: int, keep: int, sinks: int) -> MergePlan:
     recent = max(0, keep - sinks)
     kept = list(range(min(sinks, length))) + list(range(max(sinks, length - recent), length))
     target[kept] = torch.arange(len(kept))
-    return MergePlan(target, torch.ones(length), [1] * len(kept))
+    return MergePlan(target, torch.ones(length), [1] * len(kept), [float(k) for k in kept])
 
 
-def plan_oldest(counts: list[int], slots_to_free: int, settings: MergeSettings) -> MergePlan:
+def plan_oldest(counts: list[int], positions: list[float], slots_to_free: int, settings: MergeSettings) -> MergePlan:
     """Rolling merge: fold the oldest runs of 4 slots (after the sinks, before the window) into one
     until `slots_to_free` slots are free. Already-merged slots merge again, weighted by their token
     counts, so older history grows coarser while recent tokens stay exact."""
     target = torch.empty(len(counts), dtype=torch.int64)
     weight = torch.ones(len(counts), dtype=torch.float32)
     out_counts: list[int] = []
+    out_positions: list[float] = []
     freed, i, limit = 0, 0, len(counts) - settings.window
     while i < len(counts):
         if freed < slots_to_free and settings.sinks <= i and i + GROUP <= limit:
@@ -127,15 +140,18 @@ def plan_oldest(counts: list[int], slots_to_free: int, settings: MergeSettings) 
             target[i : i + GROUP] = len(out_counts)
             weight[i : i + GROUP] = torch.tensor([c / total for c in run])
             out_counts.append(total)
+            out_positions.append(sum(c * p for c, p in zip(run, positions[i : i + GROUP])) / total)
             freed += GROUP - 1
             i += GROUP
         else:
             target[i] = len(out_counts)
             out_counts.append(counts[i])
+            out_positions.append(positions[i])
             i += 1
     if 0 < freed < slots_to_free:  # one pass was not enough: fold the (now coarser) history again
-        return _compose(target, weight, plan_oldest(out_counts, slots_to_free - freed, settings))
-    return MergePlan(target, weight, out_counts)
+        again = plan_oldest(out_counts, out_positions, slots_to_free - freed, settings)
+        return _compose(target, weight, again)
+    return MergePlan(target, weight, out_counts, out_positions)
 
 
 def _compose(first_target: torch.Tensor, first_weight: torch.Tensor, second: MergePlan) -> MergePlan:
@@ -143,20 +159,34 @@ def _compose(first_target: torch.Tensor, first_weight: torch.Tensor, second: Mer
     target = torch.full_like(first_target, -1)
     target[kept] = second.target[first_target[kept]]
     weight = first_weight * torch.where(kept, second.weight[first_target.clamp_min(0)], 0.0)
-    return MergePlan(target, weight, second.counts)
+    return MergePlan(target, weight, second.counts, second.positions)
 
 
 def apply_plan(arena: KVArena, src_start: int, length: int, dst_start: int, plan: MergePlan,
-               with_bias: bool = True) -> int:
+               with_bias: bool = True, rotary: RotaryTable | None = None,
+               src_positions: list[float] | None = None) -> int:
     """Rewrite `length` slots at `src_start` (all layers, K and V) into `plan.num_slots` slots at
     `dst_start`, and set their log-count bias. The source is read fully before the write, so the
-    two regions may overlap (in-place compression). Returns the new slot count."""
+    two regions may overlap (in-place compression). Returns the new slot count.
+
+    With `rotary`, a merged slot's key is the mean of its tokens' keys *before* RoPE, rotated to
+    the slot's mean position, instead of the mean of rotated keys (whose phases partly cancel).
+    Unmerged slots are copied bit for bit either way."""
     device = arena.storage.device
     source = arena.storage[:, :, src_start : src_start + length].float()  # [layers, 2, L, Hkv, D]
     kept = (plan.target >= 0).nonzero().squeeze(1)
     out = torch.zeros(*source.shape[:2], plan.num_slots, *source.shape[3:], dtype=torch.float32, device=device)
     weights = plan.weight[kept].to(device).view(1, 1, -1, 1, 1)
-    out.index_add_(2, plan.target[kept].to(device), source[:, :, kept.to(device)] * weights)
+    targets = plan.target[kept].to(device)
+    out.index_add_(2, targets, source[:, :, kept.to(device)] * weights)
+    merged = [i for i, c in enumerate(plan.counts) if c > 1]
+    if rotary is not None and merged:
+        positions = torch.tensor(src_positions if src_positions is not None else range(length), dtype=torch.float32)
+        keys = rotary.rotate(source[:, 0], positions, inverse=True)  # [layers, L, Hkv, D] before RoPE
+        mean = torch.zeros_like(out[:, 0]).index_add_(1, targets, keys[:, kept.to(device)] * weights[:, 0])
+        index = torch.tensor(merged, device=device)
+        at = torch.tensor([plan.positions[i] for i in merged], dtype=torch.float32)
+        out[:, 0, index] = rotary.rotate(mean[:, index], at)
     end = dst_start + plan.num_slots
     arena.storage[:, :, dst_start:end] = out.to(arena.storage.dtype)
     arena.bias[dst_start:end] = plan.log_counts(with_bias).to(device)

@@ -43,7 +43,10 @@ class RowState:
         text = decode(self.token_ids)
         longest = max(len(s) for s in self.params.stop)
         # A match must end in the text the newest token added; look a stop-length back from there.
-        window_start = max(0, len(decode(self.token_ids[:-1])) - longest + 1) if len(self.token_ids) > 1 else 0
+        # Byte-level tokens can end mid-character: the earlier text's trailing U+FFFD placeholders
+        # are not stable text, so the window starts before them.
+        stable = decode(self.token_ids[:-1]).rstrip("\ufffd") if len(self.token_ids) > 1 else ""
+        window_start = max(0, len(stable) - longest + 1)
         hits = [i for s in self.params.stop if (i := text.find(s, window_start)) >= 0]
         if hits:
             self.stop_text_at = min(hits)

@@ -58,9 +58,10 @@ def test_plans_cover_every_policy():
     assert evict.num_slots == 32 and (evict.target[4:12] == -1).all()
     stream = plan_streaming(40, keep=20, sinks=4)
     assert stream.num_slots == 20 and stream.target[39] == 19 and stream.target[10] == -1
-    rolled = plan_oldest([1] * 40, 12, s)
+    rolled = plan_oldest([1] * 40, [float(i) for i in range(40)], 12, s)
     assert rolled.num_slots == 28 and rolled.counts[4:8] == [4, 4, 4, 4] and sum(rolled.counts) == 40
-    twice = plan_oldest(rolled.counts, 9, s)
+    assert rolled.positions[4:6] == [5.5, 9.5]  # tokens 4..7 and 8..11 folded, each at its mean position
+    twice = plan_oldest(rolled.counts, rolled.positions, 9, s)
     assert twice.counts[4] == 16 and sum(twice.counts) == 40
 
 
@@ -114,3 +115,41 @@ def test_rolling_merge_completes_a_prompt_three_times_max_input_len(llama_dir):
     assert engine.runner.arena.allocator.is_whole()
     reference = _engine(llama_dir).generate([long_prompt[:50]], SamplingParams(max_new_tokens=16, ignore_eos=True))
     assert out[1].token_ids == reference[0].token_ids  # a short row in the same batch is unaffected
+
+
+def test_merged_keys_are_averaged_before_rope_and_rotated_to_the_mean_position():
+    from flashx_batch.models.config import RopeConfig
+    from flashx_batch.models.layers import RotaryTable
+
+    torch.manual_seed(1)
+    rotary = RotaryTable(RopeConfig(theta=100.0), 16, 64, torch.float32, torch.device("cpu"))
+    arena = KVArena(1, 2, 16, max_rows=1, row_capacity=16, segment_size=16, dtype=torch.float32,
+                    device=torch.device("cpu"))
+    raw = torch.randn(1, 2, 16)  # one pre-RoPE key, seen at positions 0..15
+    arena.storage[0, 0, :16] = rotary.rotate(raw.expand(16, 2, 16).clone(), torch.arange(16.0))
+    plan = plan_groups(16, [2])  # tokens 8..11 -> one slot at position 9.5
+    apply_plan(arena, 0, 16, 0, plan, rotary=rotary)
+    expected = rotary.rotate(raw.clone(), torch.tensor([9.5]))[0]
+    assert torch.allclose(arena.storage[0, 0, 8], expected, atol=1e-5)
+    assert torch.equal(arena.storage[0, 0, 9], rotary.rotate(raw.clone(), torch.tensor([12.0]))[0])  # token 12: as is
+
+
+def test_a_moved_row_does_not_inherit_the_finished_rows_merge_bias(llama_dir):
+    """Segment-sparse batch: a long row finishes first, the short row moves into its stripe; its
+    new tokens must not be attended with the long row's leftover log-count bias."""
+    engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8)
+    long_row, short_row = _prompts((96, 20), seed=8)
+    params = [SamplingParams(max_new_tokens=1, ignore_eos=True), SamplingParams(max_new_tokens=16, ignore_eos=True)]
+    together = engine.generate([long_row, short_row], params)
+    alone = engine.generate([short_row], params[1:])
+    assert together[1].token_ids == alone[0].token_ids
+
+
+def test_stripes_hold_every_prompt_length_at_awkward_fractions(llama_dir):
+    """Rounding the merge count can leave a shorter prompt longer once merged; the stripe must fit it."""
+    engine = _engine(llama_dir, cache_policy="segment_sparse", kv_merge_fraction=0.4, max_input_len=64,
+                     max_output_len=9, kv_observe_window=8)
+    out = engine.generate([_prompts((63,))[0]], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
+    assert out.num_generated_tokens == 9
+    with pytest.raises(Exception, match="longer than a row"):
+        engine.score([[5] * (engine.runner.arena.row_capacity + 1)])

@@ -101,3 +101,18 @@ def test_multi_turn_chat_histories_are_computed_once(tmp_path):
     assert [o.token_ids for o in reuse.generate(rows, params)] == [o.token_ids for o in plain.generate(rows, params)]
     computed, full = reuse.last_stats.prefill_tokens_computed, plain.last_stats.prefill_tokens_computed
     assert full == sum(map(len, rows)) and computed <= 0.4 * full, (computed, full)
+
+
+def test_eviction_never_takes_blocks_the_current_row_just_matched(tiny_models):
+    """A cache full of this row's own matched blocks must not evict them to make room for its next ones."""
+    model_dir = tiny_models["llama"][0]
+    g = torch.Generator().manual_seed(21)
+    base = torch.randint(3, 256, (64,), generator=g).tolist()
+    first = [base[:32] + [7, 8, 9], base[:32] + [10, 11]]  # caches 4 blocks of 8 tokens
+    second = [base + [12, 13], base + [14, 15, 16]]  # shares 8 blocks: needs 4 more than the cap allows
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = _engine(model_dir).generate(first + second, params)
+    small = _engine(model_dir, prefix_cache_tokens=48)
+    outs = small.generate(first, params) + small.generate(second, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    _only_cache_holds_segments(small)

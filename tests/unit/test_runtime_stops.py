@@ -39,3 +39,17 @@ def test_engine_stops_on_eos_from_generation_config(tiny_models):
     first = free.token_ids.index(stop_at)
     assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
     assert engine.eos_token_ids == (2,)
+
+
+def test_multibyte_stop_strings_are_found_with_byte_level_tokens():
+    from flashx_batch.runtime.options import bundled_model_dir
+    from flashx_batch.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(bundled_model_dir())
+    ids = tok.encode("ab结束。x\n\ny")
+    for stop, text in (("。", "ab结束"), ("结束", "ab")):
+        row = RowState.start(SP(max_new_tokens=50, stop=(stop,)), eos_ids=())
+        for t in ids:
+            if row.append(t, tok.decode):
+                break
+        assert row.finish_reason == "stop" and row.final_text(tok.decode) == text
