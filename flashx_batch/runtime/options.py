@@ -49,6 +49,9 @@ class EngineOptions:
             (0.0 <= self.kv_merge_fraction <= 1.0,
              f"kv_merge_fraction must be in [0, 1], got {self.kv_merge_fraction}"),
             (self.kv_observe_window >= 1, f"kv_observe_window must be >= 1, got {self.kv_observe_window}"),
+            (self.long_input != "rolling_merge" or self.max_input_len >= 4 + self.kv_observe_window + 8,
+             f"max_input_len={self.max_input_len} is too small to roll long prompts: it must exceed the 4 sink "
+             f"and {self.kv_observe_window} window tokens by at least 8"),
             (self.prefix_cache_tokens >= 0, f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}"),
             (not (self.prefix_cache_tokens and self.cache_policy == "segment_sparse"),
              "prefix_cache_tokens (prefix reuse) does not combine with cache_policy=segment_sparse yet; pick one"),
