@@ -8,14 +8,7 @@ import torch
 from flashx_batch.quant import formats as fm
 from flashx_batch.quant.linear import QuantLinear, SplitLinear, build_linear
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: on a shared CPU, OpenMP siblings waiting on each other cost more than they add."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -20,13 +20,7 @@ from flashx_batch.quant.units import FormatSwap, Unit, model_units, unit_bytes
 BUDGET = 0.05
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: on a shared CPU, OpenMP siblings waiting on each other cost more than they add."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
