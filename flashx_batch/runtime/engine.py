@@ -71,9 +71,10 @@ class GenerateStats:
 
     @property
     def padding_efficiency(self) -> float:
-        """Useful ÷ computed token slots. A row's last sampled token is never fed back through the
-        model, so the useful slots are its prompt plus all but one generated token."""
-        useful = self.input_tokens + self.output_tokens - self.rows
+        """Useful ÷ computed token slots. Useful: the prompt tokens actually computed (prefix-cache hits
+        are not computed at all) plus all but one generated token per row (the last sampled token is
+        never fed back through the model)."""
+        useful = self.prefill_tokens_computed + self.output_tokens - self.rows
         return useful / self.computed_slots if self.computed_slots else 1.0
 
     @property
