@@ -42,6 +42,7 @@ class BatchRecord:
     input_tokens: int  # useful: the rows' own prompt tokens
     output_tokens: int  # useful: the rows' own requested tokens
     computed_slots: float  # token positions the model ran, padding included
+    useful_slots: float  # computed positions that were real tokens (prefix-cache hits are not computed)
 
 
 @dataclass
@@ -65,11 +66,10 @@ class RunResult:
 
     @property
     def padding_efficiency(self) -> float:
-        """Useful ÷ computed token slots, the engine's definition: a row's prompt plus all but its
-        last generated token (which is never fed back through the model)."""
-        rows = sum(b.size for b in self.batches)
+        """Useful ÷ computed token slots, the engine's definition: prompt tokens computed plus all but
+        each row's last generated token (which is never fed back through the model)."""
         computed = sum(b.computed_slots for b in self.batches)
-        return (self.total_tokens - rows) / computed if computed else 1.0
+        return sum(b.useful_slots for b in self.batches) / computed if computed else 1.0
 
 
 class Variant(Protocol):
@@ -140,8 +140,9 @@ class TransformersStatic:
             width = ids.shape[1]
             for row, i in enumerate(batch):
                 outputs[i] = out[row, width : width + wanted[row]].tolist()
+            useful = sum(map(len, prompts)) + sum(wanted) - len(batch)
             result.batches.append(BatchRecord(len(batch), took, sum(map(len, prompts)), sum(wanted),
-                                              computed_slots=len(batch) * (width + new - 1)))
+                                              computed_slots=len(batch) * (width + new - 1), useful_slots=useful))
         return result
 
 
@@ -162,9 +163,10 @@ class OursStatic:
             for out, i in zip(outs, batch):
                 outputs[i] = list(out.token_ids)
             stats = self.engine.last_stats
-            useful = stats.input_tokens + stats.output_tokens - stats.rows
             result.batches.append(BatchRecord(len(batch), took, stats.input_tokens, stats.output_tokens,
-                                              computed_slots=useful / stats.padding_efficiency))
+                                              computed_slots=stats.computed_slots,
+                                              useful_slots=stats.prefill_tokens_computed + stats.output_tokens
+                                              - stats.rows))
         return result
 
 
