@@ -150,8 +150,9 @@ class Engine:
         arena = self._build_arena()
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
         self.prefix_cache: PrefixCache | None = None
-        self.trash_slot = (arena.num_segments - 1) * arena.segment_size  # padding writes land here
+        self.trash_slot = -1  # paged batches only: where padding positions write (the arena's last segment)
         if options.prefix_cache_tokens:
+            self.trash_slot = (arena.num_segments - 1) * arena.segment_size
             first = arena.max_rows * arena.segments_per_row
             self.prefix_cache = PrefixCache(arena.allocator, range(first, arena.num_segments - 1),
                                             arena.num_segments - 1 - first)
