@@ -367,7 +367,7 @@ class Engine:
                    at_least: int) -> int:
         """How many leading rows' own segments fit in the stripe region (at least `at_least`)."""
         arena = self.runner.arena
-        free = sum(1 for s in range(arena.max_rows * arena.segments_per_row) if arena.allocator.refcount[s] == 0)
+        free = arena.allocator.free_in(range(arena.max_rows * arena.segments_per_row))
         need, fit = 0, 0
         for prompt, p, segments in zip(prompts, params, shared):
             need += arena.allocator.segments_for(len(prompt) - len(segments) * arena.segment_size + p.max_new_tokens)

@@ -36,6 +36,10 @@ class SegmentAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_in(self, region: range) -> int:
+        """Free segments inside `region` (the stripes, or the prefix cache's reserve)."""
+        return sum(1 for s in region if self.refcount[s] == 0)
+
     def segments_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.segment_size)
 

@@ -57,7 +57,7 @@ class PrefixCache:
         """Segments for `count` new blocks, evicting idle blocks if needed; None if it cannot."""
         if count > self.max_segments:
             return None
-        while len(self._blocks) + count > self.max_segments or self._free_in_region() < count:
+        while len(self._blocks) + count > self.max_segments or self.allocator.free_in(self.region) < count:
             if not self._evict_one():
                 return None
         return self.allocator.allocate(count, within=self.region)
@@ -65,9 +65,6 @@ class PrefixCache:
     def insert(self, key: bytes, segment: int) -> None:
         """Adopt a reserved segment now holding block `key` (the cache keeps its reference)."""
         self._blocks[key] = segment
-
-    def _free_in_region(self) -> int:
-        return sum(1 for s in self.region if self.allocator.refcount[s] == 0)
 
     def _evict_one(self) -> bool:
         for key, segment in self._blocks.items():
