@@ -37,13 +37,14 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int, se
         kept_by_merge = plan_groups(prompt_len, mask).num_slots
         rotary = engine.runner.model.rotary if settings.rerotate else None
         plans = {  # name: (plan, log-count bias, rotary for merged keys)
-            "segment_sparse": (plan_groups(prompt_len, mask), True, rotary),
-            "merge_post_rope": (plan_groups(prompt_len, mask), True, None),
-            "merge_no_bias": (plan_groups(prompt_len, mask), False, rotary),
+            "segment_sparse": (plan_groups(prompt_len, mask, scores=scores), True, rotary),
+            "merge_equal_weights": (plan_groups(prompt_len, mask), True, rotary),
+            "merge_post_rope": (plan_groups(prompt_len, mask, scores=scores), True, None),
+            "merge_no_bias": (plan_groups(prompt_len, mask, scores=scores), False, rotary),
             "evict": (plan_groups(prompt_len, mask, drop=True), True, None),
             "evict_same_ratio": (plan_groups(prompt_len, same_ratio, drop=True), True, None),
-            "random": (plan_groups(prompt_len, choose_groups(None, prompt_len, settings, "random", seed=index)), True,
-                       rotary),
+            "random": (plan_groups(prompt_len, choose_groups(None, prompt_len, settings, "random", seed=index),
+                                   scores=scores), True, rotary),
             "streaming": (plan_streaming(prompt_len, kept_by_merge, settings.sinks), True, None),
         }
         for name in policies:

@@ -110,7 +110,8 @@ class StripedBatch:
                 logits, scores = self.runner.extend(prompt, start, 0, 0, observe=observe)
                 used = len(prompt)
                 if sparse:
-                    plan = plan_groups(used, choose_groups(scores, used, engine.merge, "segment_sparse"))
+                    groups = choose_groups(scores, used, engine.merge, "segment_sparse")
+                    plan = plan_groups(used, groups, scores=scores)  # a merged slot leans to its attended tokens
                     used = apply_plan(self.arena, start, used, start, plan, rotary=engine.merge_rotary)
             self.stats.computed_slots += len(prompt)
             last_logits.append(logits[-1])

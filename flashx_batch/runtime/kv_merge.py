@@ -5,8 +5,10 @@ that rewrites arena tensors. A plan maps every source slot to a target slot (or 
 weight, so one mechanism serves 4:1 merging, the no-bias and evict-only ablations, StreamingLLM's
 sinks + recent window, and rolling merges of already-merged slots (weights by token count).
 
-Merged slot = count-weighted mean of its post-RoPE keys and of its values; attention adds
-log(count) to its logit, so a slot standing for 4 identical tokens weighs exactly as the 4 did.
+Merged slot = weighted mean of its tokens' values and keys (weights: the tokens' attention scores
+for a segment-sparse merge, their token counts for a rolling merge; keys averaged before RoPE and
+rotated to the slot's mean position when a RoPE table is given); attention adds log(count) to its
+logit, so a slot standing for 4 identical tokens weighs exactly as the 4 did.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from flashx_batch.models.layers import RotaryTable
 from flashx_batch.runtime.kv import KVArena
 
 GROUP = 4
-POLICIES = ("segment_sparse", "merge_post_rope", "merge_no_bias", "evict", "evict_same_ratio", "random", "streaming")
+POLICIES = ("segment_sparse", "merge_equal_weights", "merge_post_rope", "merge_no_bias", "evict", "evict_same_ratio",
+            "random", "streaming")
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,10 @@ def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSetti
     return sorted(groups[i] for i in lowest)
 
 
-def plan_groups(length: int, groups: list[int], drop: bool = False) -> MergePlan:
-    """Merge (or, with `drop`, evict) each listed 4-token group; every other token keeps its slot."""
+def plan_groups(length: int, groups: list[int], drop: bool = False,
+                scores: torch.Tensor | None = None) -> MergePlan:
+    """Merge (or, with `drop`, evict) each listed 4-token group; every other token keeps its slot.
+    With `scores`, a merged slot weights its tokens by their attention score instead of equally."""
     merged = set(groups)
     target = torch.empty(length, dtype=torch.int64)
     weight = torch.ones(length, dtype=torch.float32)
@@ -103,7 +108,11 @@ def plan_groups(length: int, groups: list[int], drop: bool = False) -> MergePlan
                 target[token : token + GROUP] = -1
             else:
                 target[token : token + GROUP] = len(counts)
-                weight[token : token + GROUP] = 1.0 / GROUP
+                if scores is None:
+                    weight[token : token + GROUP] = 1.0 / GROUP
+                else:
+                    s = scores[token : token + GROUP].float().cpu().clamp_min(1e-12)
+                    weight[token : token + GROUP] = s / s.sum()
                 counts.append(GROUP)
                 positions.append(token + (GROUP - 1) / 2)
             token += GROUP
