@@ -7,6 +7,7 @@ path of the job runner in well under a second per shard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,6 +27,20 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} "
                  "{% elif m['role'] == 'assistant' %}<|assistant|> {{ m['content'] }} </s> {% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int):
+    """A local Ray for one test module; actors import flashx_batch from this checkout, like the
+    executor's own local start does."""
+    import ray
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def build_tiny_model(out_dir: Path) -> Path:

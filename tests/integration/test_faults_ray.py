@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import ray
-from batch_support import REPO, faults_override, output_ids, overrides, sample_rows, tiny_model_dir, write_parquet
+from batch_support import faults_override, local_ray, output_ids, overrides, sample_rows, tiny_model_dir, write_parquet
 
 from flashx_batch.config import compose_job
 from flashx_batch.runner import run
@@ -27,12 +27,10 @@ SEED = int(os.environ.get("FLASHX_TEST_SEED", "6"))  # the kill schedule; set it
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     # 4 logical CPUs on a 2-core machine: actors spend most of a fault test booting (a replaced actor
     # imports torch and loads its engine), so more of them overlap those waits; each runs 1 thread.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+    with local_ray(num_cpus=4):
+        yield
 
 
 @pytest.fixture(scope="module")

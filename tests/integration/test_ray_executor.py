@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import pyarrow.parquet as pq
 import pytest
 import ray
-from batch_support import REPO, generations, output_ids, overrides, sample_rows, tiny_model_dir, write_parquet
+from batch_support import generations, local_ray, output_ids, overrides, sample_rows, tiny_model_dir, write_parquet
 
 from flashx_batch.config import compose_job
 from flashx_batch.runner import run
@@ -17,11 +16,8 @@ from flashx_batch.runner import run
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    # Actors import flashx_batch from this checkout, like the executor's own local start does.
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+    with local_ray(num_cpus=2):
+        yield
 
 
 @pytest.fixture(scope="module")
