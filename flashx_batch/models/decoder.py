@@ -6,6 +6,7 @@ Weights arrive already fused (`qkv`, `gate_up`) from `models.loader`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -173,7 +174,12 @@ class DecoderLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps, dtype, device) if sandwich else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
-        h = self.attn(self.input_norm(x), ctx, arena)
+        return self.block(x, lambda h: self.attn(h, ctx, arena))
+
+    def block(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Norms, residuals and MLP around `attend` (normed x -> attention output): the one place the
+        layer's structure lives, shared with the ONNX export, whose attention carries its own cache."""
+        h = attend(self.input_norm(x))
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h

@@ -32,7 +32,7 @@ from flashx_batch.models.decoder import Attention, DecoderLayer, DecoderModel
 log = logging.getLogger(__name__)
 
 OPSET = 18  # widely supported by the ROCm / MIGraphX providers; nothing here needs newer ops
-GRAPH_VERSION = 1  # bump when the graph signature changes, so cached exports are rebuilt
+GRAPH_VERSION = 2  # bump when the graph signature changes, so cached exports are rebuilt
 
 
 def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -61,14 +61,14 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def _layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            past: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    h, present = _attention(layer.attn, layer.input_norm(x), cos, sin, past, bias)
-    if layer.post_attn_norm is not None:
-        h = layer.post_attn_norm(h)
-    x = x + h
-    h = layer.mlp(layer.mlp_norm(x))
-    if layer.post_mlp_norm is not None:
-        h = layer.post_mlp_norm(h)
-    return x + h, present
+    presents: list[torch.Tensor] = []
+
+    def attend(h: torch.Tensor) -> torch.Tensor:
+        out, present = _attention(layer.attn, h, cos, sin, past, bias)
+        presents.append(present)
+        return out
+
+    return layer.block(x, attend), presents[0]
 
 
 class PrefillGraph(nn.Module):
