@@ -97,6 +97,7 @@ def plan_groups(length: int, groups: list[int], drop: bool = False,
     """Merge (or, with `drop`, evict) each listed 4-token group; every other token keeps its slot.
     With `scores`, a merged slot weights its tokens by their attention score instead of equally."""
     merged = set(groups)
+    token_scores = None if scores is None else scores[:length].float().cpu().clamp_min(1e-12)  # one copy
     target = torch.empty(length, dtype=torch.int64)
     weight = torch.ones(length, dtype=torch.float32)
     counts: list[int] = []
@@ -108,10 +109,10 @@ def plan_groups(length: int, groups: list[int], drop: bool = False,
                 target[token : token + GROUP] = -1
             else:
                 target[token : token + GROUP] = len(counts)
-                if scores is None:
+                if token_scores is None:
                     weight[token : token + GROUP] = 1.0 / GROUP
                 else:
-                    s = scores[token : token + GROUP].float().cpu().clamp_min(1e-12)
+                    s = token_scores[token : token + GROUP]
                     weight[token : token + GROUP] = s / s.sum()
                 counts.append(GROUP)
                 positions.append(token + (GROUP - 1) / 2)
