@@ -23,3 +23,15 @@ class CpuBackend(Backend):
 
     def device_name(self, index: int = 0) -> str:
         return platform.processor() or platform.machine()
+
+    def prepare_model(self, model: torch.nn.Module, decode_rows: int) -> int:
+        """Pack every float32 `Linear` for MKL's few-rows sgemm (see `Linear.prepack`). Quantized
+        linears keep their own kernels; builds without MKL keep plain sgemm."""
+        from flashx_batch.models.layers import Linear
+
+        if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+            return 0
+        linears = [m for m in model.modules() if type(m) is Linear and m.weight.dtype == torch.float32]
+        for module in linears:
+            module.prepack(decode_rows)
+        return len(linears)

@@ -24,7 +24,8 @@ class ForwardContext:
 
     prefill: rows right-padded to T; row i writes stripe i, positions 0..T-1. Causal attention
       means a real token never sees the padding that follows it.
-    decode: one token per row; row i writes stripe slot `write_slots[i]` and reads slots
+    decode: one token per row; row i writes stripe slot `write_slots[i]` (flat slot `write_flat[i]`,
+      computed once per step, not per layer) and reads slots
       0..kv_len-1; `attn_mask` (bool, or float carrying merged slots' log-count bias) hides the rest.
     extend: one row, a chunk of C tokens appended after `cached` slots of a flat region starting at
       slot `start` (segment-sparse prefill, rolling merge, teacher-forced scoring). `extend_mask`
@@ -38,6 +39,7 @@ class ForwardContext:
     cos: torch.Tensor  # [B, T, 1, rotary_dim]
     sin: torch.Tensor
     write_slots: torch.Tensor | None = None  # decode: [B] stripe slots; paged: [B, T] flat slots
+    write_flat: torch.Tensor | None = None  # decode: [B] flat arena slots (stripe start + write slot)
     slot_table: torch.Tensor | None = None  # paged: [B, L]
     kv_len: int = 0
     attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, kv_len]
@@ -69,12 +71,18 @@ class Attention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> post-RoPE q [B, T, H, D], k and v [B, T, Hkv, D] (also the ONNX export's)."""
         batch, seq = x.shape[:2]
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.reshape(batch, seq, self.num_heads, self.head_dim)
-        k = k.reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = self.qkv(x)
+        v = qkv[..., self.split[0] + self.split[1] :].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is None:
+            # q and k sit side by side in the fused projection: rotate them as one [H + Hkv] head
+            # tensor (five kernels instead of ten per layer), then split the result.
+            qk = qkv[..., : self.split[0] + self.split[1]].unflatten(-1, (self.num_heads + self.num_kv_heads,
+                                                                           self.head_dim))
+            qk = apply_rotary(qk, cos, sin, self.interleaved)
+            return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], v
+        q, k, _ = qkv.split(self.split, dim=-1)
+        q = self.q_norm(q.reshape(batch, seq, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
         return apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved), v
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
@@ -103,10 +111,10 @@ class Attention(nn.Module):
 
     def _decode(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
         batch = q.shape[0]
+        k_flat, v_flat = arena.flat(self.layer)
+        k_flat.index_copy_(0, ctx.write_flat, k[:, 0])  # row i's new token -> its stripe slot
+        v_flat.index_copy_(0, ctx.write_flat, v[:, 0])
         k_cache, v_cache = arena.stripes(self.layer)
-        rows = torch.arange(batch, device=q.device)
-        k_cache[rows, ctx.write_slots] = k[:, 0]
-        v_cache[rows, ctx.write_slots] = v[:, 0]
         return F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k_cache[:batch, : ctx.kv_len].transpose(1, 2),

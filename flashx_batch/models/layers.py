@@ -23,6 +23,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:
+            # one fused kernel instead of six small ones; bitwise equal to the explicit form in float32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -114,8 +117,23 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.packed: torch.Tensor | None = None  # CPU float32: MKL-packed copy of `weight`, see `prepack`
+        self.packed_rows = 0
+
+    def prepack(self, rows: int) -> None:
+        """Keep an MKL-packed copy of the weight for matmuls of exactly `rows` input rows.
+
+        A decode step multiplies a few rows by every weight; MKL's generic sgemm is poorly blocked
+        for so few rows, its packed-B path is not (measured ~1.2-1.4x on the 27 M model's decode
+        matmuls). Any other row count (prefill, a batch that lost rows) falls back to plain sgemm
+        inside the same op, with the same result. Costs one more copy of the weight in memory.
+        """
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
+        self.packed_rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.packed_rows)
         return F.linear(x, self.weight, self.bias)
 
 

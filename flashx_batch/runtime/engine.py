@@ -148,6 +148,8 @@ class Engine:
             apply_precision_map(model, load_precision_map(options.precision_map), self.model_dir)
         self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window)
         arena = self._build_arena()
+        if options.prepack_weights:
+            self.backend.prepare_model(model, arena.max_rows)
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
         self.prefix_cache: PrefixCache | None = None
         self.trash_slot = -1  # paged batches only: where padding positions write (the arena's last segment)

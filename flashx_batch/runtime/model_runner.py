@@ -20,6 +20,7 @@ class ModelRunner:
         self.device = model.embed.device
         self.pad_id = pad_id
         self._slot_range = torch.arange(arena.row_capacity, device=self.device)
+        self._stripe_starts = torch.arange(arena.max_rows, device=self.device) * arena.row_capacity
 
     def _prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -62,7 +63,9 @@ class ModelRunner:
             visible = self._slot_range[:kv_len][None, :] <= write_slots[:, None]
             bias = self.arena.stripe_bias()[: len(tokens), :kv_len]
             mask = bias.masked_fill(~visible, float("-inf")).to(self.arena.storage.dtype)[:, None, None, :]
-        ctx = ForwardContext("decode", cos, sin, write_slots=write_slots, kv_len=kv_len, attn_mask=mask)
+        write_flat = self._stripe_starts[: len(tokens)] + write_slots
+        ctx = ForwardContext("decode", cos, sin, write_slots=write_slots, write_flat=write_flat, kv_len=kv_len,
+                             attn_mask=mask)
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])
 

@@ -34,6 +34,7 @@ class EngineOptions:
     kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens kept for shared prefixes (0 = off)
     precision_map: str | None = None  # JSON from `python -m flashx_batch.quantize`: per-tensor weight formats
+    prepack_weights: bool = True  # CPU float32: MKL-packed weight copies for the decode batch (2x weight memory)
 
     def __post_init__(self) -> None:
         checks = [
