@@ -30,6 +30,7 @@ class StripedBatch:
         self.engine, self.prompts, self.params, self.stats = engine, prompts, params, stats
         self.runner, self.arena = engine.runner, engine.runner.arena
         self.held: list[list[int]] = []
+        self.static_need: list[int] = []  # per batch position: segments a static cache would hold
         self.slots: list[int] = []  # cache slots per batch position
         self.positions = self.write_slots = None
 
@@ -43,14 +44,46 @@ class StripedBatch:
         # segments held per row: its (possibly merged) prompt plus room for every new token
         self.held = [allocator.take(self.arena.stripe_segments(i)[: allocator.segments_for(n + p.max_new_tokens)])
                      for i, (n, p) in enumerate(zip(self.slots, self.params))]
-        static_need = sum(allocator.segments_for(len(t) + p.max_new_tokens) for t, p in zip(self.prompts, self.params))
-        self.engine._record_kv(self.stats, sum(map(len, self.held)), static_need)
+        self.static_need = [allocator.segments_for(len(t) + p.max_new_tokens)
+                            for t, p in zip(self.prompts, self.params)]
+        self._record_kv()
         lengths = [len(p) for p in self.prompts]
         self.positions = torch.tensor(lengths, dtype=torch.long, device=device)
         # merged rows: RoPE positions (true token counts) and cache slots part ways
         if self.slots != lengths:
             self.write_slots = torch.tensor(self.slots, dtype=torch.long, device=device)
         return logits
+
+    @property
+    def has_room(self) -> bool:
+        """A stripe is free for `admit` (in-flight refill)."""
+        return self.size < self.arena.max_rows
+
+    def admit(self, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+        """Prefill one more row into the first free stripe while the others are mid-decode (in-flight
+        refill: a finished row's stripe goes to the next queued row instead of idling until the
+        batch ends). Returns its last-token logits [1, V]; the row decodes from the next step on."""
+        j, cap, allocator, device = self.size, self.arena.row_capacity, self.arena.allocator, self.engine.device
+        # a stripe's previous occupant may have left merge biases behind; the prompt may spill past
+        # the stripe (segment-sparse prefill before merging), into stripes that are all free
+        self.arena.bias[j * cap : j * cap + max(cap, len(prompt))] = 0.0
+        logits, used = self._fill_row(j, prompt)
+        self.prompts.append(prompt)
+        self.params.append(params)
+        self.slots.append(used)
+        needed = allocator.segments_for(used + params.max_new_tokens)
+        self.held.append(allocator.take(self.arena.stripe_segments(j)[:needed]))
+        self.static_need.append(allocator.segments_for(len(prompt) + params.max_new_tokens))
+        self._record_kv()
+        position = torch.tensor([len(prompt)], dtype=torch.long, device=device)
+        if self.write_slots is not None or used != len(prompt):
+            before = self.write_slots if self.write_slots is not None else self.positions.clone()
+            self.write_slots = torch.cat((before, torch.tensor([used], dtype=torch.long, device=device)))
+        self.positions = torch.cat((self.positions, position))
+        return logits[None]
+
+    def _record_kv(self) -> None:
+        self.engine._record_kv(self.stats, sum(map(len, self.held)), sum(self.static_need))
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self.runner.decode(tokens, self.positions, max(self.slots) + 1, self.write_slots)
@@ -73,7 +106,8 @@ class StripedBatch:
                 allocator.release(self.held[last])
                 self.held[j] = allocator.take(self.arena.stripe_segments(j)[: len(self.held[last])])
                 self.slots[j], old_of[j] = self.slots[last], old_of[last]
-            for seq in (self.held, self.slots, old_of):
+                self.static_need[j] = self.static_need[last]
+            for seq in (self.held, self.slots, old_of, self.static_need):
                 seq.pop()
         keep = torch.tensor(old_of, dtype=torch.long, device=self.engine.device)
         self.positions = self.positions[keep]
@@ -99,24 +133,31 @@ class StripedBatch:
         if not sparse and all(len(p) <= limit for p in prompts):
             self.stats.computed_slots += len(prompts) * max(map(len, prompts))
             return self.runner.prefill(prompts), [len(p) for p in prompts]
-        budget = max_compressed_length(limit, engine.merge) if sparse else limit
         last_logits, slots = [], []
         for i, prompt in enumerate(prompts):
-            start = i * self.arena.row_capacity
-            if len(prompt) > limit:
-                logits, used = engine.rolling_prefill(prompt, start, budget)
-            else:
-                observe = engine.merge.window if sparse else 0
-                logits, scores = self.runner.extend(prompt, start, 0, 0, observe=observe)
-                used = len(prompt)
-                if sparse:
-                    groups = choose_groups(scores, used, engine.merge, "segment_sparse")
-                    plan = plan_groups(used, groups, scores=scores)  # a merged slot leans to its attended tokens
-                    used = apply_plan(self.arena, start, used, start, plan, rotary=engine.merge_rotary)
-            self.stats.computed_slots += len(prompt)
-            last_logits.append(logits[-1])
+            logits, used = self._fill_row(i, prompt)
+            last_logits.append(logits)
             slots.append(used)
         return torch.stack(last_logits), slots
+
+    def _fill_row(self, i: int, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """One prompt alone into stripe i's region -> (last-token logits [V], cache slots it holds)."""
+        engine, limit = self.engine, self.engine.options.max_input_len
+        sparse = engine.options.cache_policy == "segment_sparse"
+        start = i * self.arena.row_capacity
+        if len(prompt) > limit:
+            budget = max_compressed_length(limit, engine.merge) if sparse else limit
+            logits, used = engine.rolling_prefill(prompt, start, budget)
+        else:
+            observe = engine.merge.window if sparse else 0
+            logits, scores = self.runner.extend(prompt, start, 0, 0, observe=observe)
+            used = len(prompt)
+            if sparse:
+                groups = choose_groups(scores, used, engine.merge, "segment_sparse")
+                plan = plan_groups(used, groups, scores=scores)  # a merged slot leans to its attended tokens
+                used = apply_plan(self.arena, start, used, start, plan, rotary=engine.merge_rotary)
+        self.stats.computed_slots += len(prompt)
+        return logits[-1], used
 
 
 class PagedBatch:

@@ -8,9 +8,11 @@ at once (the last active row takes its stripe), so it costs no more compute.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,12 +248,13 @@ class Engine:
             order.sort(key=lambda i: -len(token_lists[i]))
         stats = GenerateStats(kv_bytes_arena=self.runner.arena.nbytes)
         results: dict[int, RequestOutput] = {}
-        queue = order
+        queue = deque(order)
         while queue:
             batch, runner = self._next_batch(queue, token_lists, params, stats)
-            queue = queue[len(batch) :]
-            rows = self._run_batch(runner, [params[i] for i in batch], stats)
-            for i, row in zip(batch, rows):
+            # in-flight refill: a striped batch takes the next queued rows into finished rows' stripes
+            refill = queue if self.options.refill and isinstance(runner, StripedBatch) else None
+            done = self._run_batch(runner, batch, token_lists, params, stats, refill)
+            for i, row in done.items():
                 results[i] = RequestOutput(i, row.token_ids, self._final_text(row), row.finish_reason or "length",
                                            len(token_lists[i]), truncated[i])
         self.last_stats = stats
@@ -300,51 +303,75 @@ class Engine:
     def _final_text(self, row: RowState) -> str | None:
         return row.final_text(self.tokenizer.decode) if self.tokenizer is not None else None
 
-    def _run_batch(self, batch: StripedBatch | PagedBatch, params: list[SamplingParams],
-                   stats: GenerateStats) -> list[RowState]:
-        """Prefill, then decode until every row has stopped; finished rows leave the batch at once."""
-        sync = self.backend.synchronize
-        prompts = batch.prompts
-        rows = [RowState.start(p, self.eos_token_ids) for p in params]
+    def _run_batch(self, batch: StripedBatch | PagedBatch, indices: list[int], token_lists: list[list[int]],
+                   params: list[SamplingParams], stats: GenerateStats,
+                   refill: deque[int] | None = None) -> dict[int, RowState]:
+        """Prefill, then decode until every row has stopped; finished rows leave the batch at once.
+
+        With `refill` (a striped batch and the rest of the queue), each freed stripe is refilled
+        from the front of the queue between two decode steps, so the batch stays full until the
+        queue runs dry. Returns the finished rows by index into `token_lists`."""
+        sync, device = self.backend.synchronize, self.device
+        rows = {i: RowState.start(params[i], self.eos_token_ids) for i in indices}
         decode_text = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
-        started = time.perf_counter()
+        clock = time.perf_counter()
+
+        def lap() -> float:  # seconds since the last lap, the device's queued work included
+            nonlocal clock
+            sync()
+            now = time.perf_counter()
+            took, clock = now - clock, now
+            return took
+
         try:
             logits = batch.prefill()
-            sampling = SamplingBatch.build(params, logits.shape[-1], self.device)
-            steps = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+            sampling = SamplingBatch.build([params[i] for i in indices], logits.shape[-1], device)
+            steps = torch.zeros(len(indices), dtype=torch.long, device=device)
             tokens = sample(logits, sampling, steps)
-            sync()
-            stats.prefill_s += time.perf_counter() - started
-            started = time.perf_counter()
-            active = list(range(len(prompts)))  # batch position -> index into `rows`
+            vocab = logits.shape[-1]
+            stats.prefill_s += lap()
+            active = list(indices)  # batch position -> row index
             while True:
                 finished = [j for j, tok in enumerate(tokens.tolist()) if rows[active[j]].append(tok, decode_text)]
                 if finished:
                     keep = batch.drop(finished)
-                    if not keep:
-                        break
                     active = [active[j] for j in keep]
-                    keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+                    keep_t = torch.tensor(keep, dtype=torch.long, device=device)
                     tokens, steps, sampling = tokens[keep_t], steps[keep_t], sampling.select(keep_t)
+                if refill and batch.has_room:
+                    stats.decode_s += lap()
+                    while refill and batch.has_room:
+                        i = refill.popleft()
+                        rows[i] = RowState.start(params[i], self.eos_token_ids)
+                        one = SamplingBatch.build([params[i]], vocab, device)
+                        first = sample(batch.admit(token_lists[i], params[i]), one, steps.new_zeros(1))
+                        if rows[i].append(int(first.item()), decode_text):  # done with its first token
+                            batch.drop([batch.size - 1])
+                            continue
+                        active.append(i)
+                        tokens, steps = torch.cat((tokens, first)), torch.cat((steps, steps.new_zeros(1)))
+                        sampling = sampling.extend(one)
+                    stats.prefill_s += lap()
+                if not active:
+                    break
                 logits = batch.step(tokens)
                 steps += 1
                 tokens = sample(logits, sampling, steps)
                 stats.decode_steps += 1
                 stats.computed_slots += len(active)
-            sync()
-            stats.decode_s += time.perf_counter() - started
+            stats.decode_s += lap()
         finally:
             batch.release()
-        stats.rows += len(prompts)
+        stats.rows += len(rows)
         stats.batches += 1
-        stats.batch_sizes.append(len(prompts))
-        stats.input_tokens += sum(map(len, prompts))
-        stats.output_tokens += sum(len(r.token_ids) for r in rows)
+        stats.batch_sizes.append(len(indices))
+        stats.input_tokens += sum(len(token_lists[i]) for i in rows)
+        stats.output_tokens += sum(len(r.token_ids) for r in rows.values())
         return rows
 
-    def _next_batch(self, queue: list[int], token_lists: list[list[int]], params: list[SamplingParams],
+    def _next_batch(self, queue: deque[int], token_lists: list[list[int]], params: list[SamplingParams],
                     stats: GenerateStats) -> tuple[list[int], StripedBatch | PagedBatch]:
-        """The next batch from the front of `queue` (indices into token_lists / params).
+        """Take the next batch off the front of `queue` (indices into token_lists / params).
 
         Striped: `admitted_batch_size` rows. Paged (rows share cached prefix segments): a row only
         needs segments for its own suffix and new tokens, so as many rows as the stripe region can
@@ -352,7 +379,7 @@ class Engine:
         """
         size = self.admitted_batch_size
         if self.prefix_cache is not None:
-            candidates = queue[: size * PAGED_GROWTH]
+            candidates = list(itertools.islice(queue, size * PAGED_GROWTH))
             prompts = [token_lists[i] for i in candidates]
             if all(len(p) <= self.options.max_input_len for p in prompts):
                 shared = share_prefixes(self, prompts, stats)
@@ -360,9 +387,9 @@ class Engine:
                     fit = self._paged_fit(prompts, [params[i] for i in candidates], shared, size)
                     for segments in shared[fit:]:  # rows left for the next batch drop their references
                         self.runner.arena.allocator.release(segments)
-                    batch = candidates[:fit]
+                    batch = [queue.popleft() for _ in range(fit)]
                     return batch, PagedBatch(self, prompts[:fit], [params[i] for i in batch], stats, shared[:fit])
-        batch = queue[:size]
+        batch = [queue.popleft() for _ in range(min(size, len(queue)))]
         return batch, StripedBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats)
 
     def _paged_fit(self, prompts: list[list[int]], params: list[SamplingParams], shared: list[list[int]],

@@ -99,6 +99,15 @@ class SamplingBatch:
         return SamplingBatch(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seeds[rows],
                              self.greedy[rows], self.all_greedy, self.any_filter)
 
+    def extend(self, other: SamplingBatch) -> SamplingBatch:
+        """These rows followed by `other`'s (a row admitted into a running batch)."""
+        return SamplingBatch(*(torch.cat((a, b)) for a, b in ((self.temperature, other.temperature),
+                                                              (self.top_k, other.top_k), (self.top_p, other.top_p),
+                                                              (self.seeds, other.seeds),
+                                                              (self.greedy, other.greedy))),
+                             all_greedy=self.all_greedy and other.all_greedy,
+                             any_filter=self.any_filter or other.any_filter)
+
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, steps: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float32, steps [B] (tokens generated so far per row) -> token ids [B]."""

@@ -71,3 +71,29 @@ def test_dtype_auto_is_float32_on_cpu_and_bfloat16_tracks_it(tiny_models):
     a, b = full.score(prompt)[0], half.score(prompt)[0]
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
     assert (a - b).abs().max().item() < 0.05 * a.abs().max().item() + 0.05
+
+
+@pytest.mark.parametrize(("arch", "policy"), [("llama", "static"), ("qwen3", "static"), ("glm4", "segment_sparse")])
+def test_inflight_refill_matches_static_batches_with_fewer_steps(arch, policy, tiny_models):
+    """A finished row's stripe takes the next queued row mid-batch: every row's tokens (greedy and
+    seeded sampling, rows stopping on their first token, on a stop id, on length) equal the pure
+    static-batch run, the queue runs as one batch in fewer decode steps, and the arena comes back whole."""
+    model_dir, _ = tiny_models[arch]
+    lengths = (12, 40, 5, 33, 64, 9, 21, 50, 3, 17, 28)
+    prompts = _prompts(11, lengths)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 1, 12, 40, 6, 25, 2, 18, 33, 9, 14)]
+    params[3] = SamplingParams(max_new_tokens=40, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+    params[6] = SamplingParams(max_new_tokens=40, temperature=1.0, seed=9, stop_token_ids=[7, 8, 9, 10, 11])
+    runs = {}
+    for refill in (False, True):
+        engine = _engine(model_dir, sort_by_length=False, refill=refill, cache_policy=policy)
+        outs = engine.generate(prompts, params)
+        runs[refill] = ([(o.token_ids, o.finish_reason) for o in outs], engine.last_stats)
+        assert engine.runner.arena.allocator.is_whole()
+    (static_outs, static_stats), (refill_outs, refill_stats) = runs[False], runs[True]
+    assert refill_outs == static_outs
+    assert [len(t) for t, _ in refill_outs][:3] == [30, 1, 12]
+    assert refill_stats.batches == 1 and static_stats.batches == -(-len(prompts) // 4)
+    assert refill_stats.decode_steps < static_stats.decode_steps
+    assert refill_stats.rows == len(prompts) and refill_stats.output_tokens == static_stats.output_tokens
+    assert refill_stats.input_tokens == sum(lengths)
