@@ -71,6 +71,8 @@ class RuntimeSection:
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens an actor keeps for shared prefixes (0 = off)
     precision_map: str | None = None  # weight formats per tensor, from `python -m flashx_batch.quantize`
     num_threads: int | None = None  # CPU threads per engine; None = the actor's CPUs
+    refill: bool = True  # in-flight refill: a finished row's stripe takes the next row of the shard mid-batch
+    prepack_weights: bool = True  # CPU float32: MKL-packed weight copies for the decode batch (2x weight memory)
     shard_size: int = 64  # rows per shard (the unit of commit and retry)
     bucket_edges: list[int] = field(default_factory=list)  # token-length bucket upper bounds; [] = powers of 2
 
@@ -114,7 +116,8 @@ class JobConfig:
                              cache_policy=r.cache_policy, segment_size=r.segment_size, long_input=r.long_input,
                              kv_merge_fraction=r.kv_merge_fraction, kv_observe_window=r.kv_observe_window,
                              prefix_cache_tokens=r.prefix_cache_tokens, precision_map=r.precision_map,
-                             num_threads=r.num_threads or num_threads, sort_by_length=True)
+                             num_threads=r.num_threads or num_threads, sort_by_length=True, refill=r.refill,
+                             prepack_weights=r.prepack_weights)
 
 
 def resolve_model_dir(path: str) -> Path:

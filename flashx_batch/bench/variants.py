@@ -1,14 +1,16 @@
-"""What the harness compares: each variant runs a whole workload as static batches, timing each batch.
+"""What the harness compares: each variant runs a whole workload, timing each batch (or each row).
 
 Called by the harness (`__main__`), the correctness gate and the GPU protocol. Every variant has the
-same surface — `name`, `lossless`, `batch_size`, `run(workload) -> RunResult` — and slices the rows
-into batches itself, so a per-batch latency exists for every variant, ours included.
+same surface — `name`, `lossless`, `batch_size`, `run(workload) -> RunResult`. Static-batch variants
+report each batch's latency; in-flight runs (no batch boundaries) report each row's.
 
 - `transformers_arrival`: `transformers` `generate` on padded static batches in arrival order (left
   padding + attention mask, each batch generating its longest row's output length: one
   `max_new_tokens` per call), as vLLM's `--backend hf` offline benchmark does.
 - `transformers_sorted`: the same, rows sorted by prompt length first.
-- `ours_unbucketed` / `ours_bucketed`: our `Engine` with `sort_by_length` off / on.
+- `ours_unbucketed` / `ours_bucketed`: our `Engine` with `sort_by_length` off / on, the whole workload
+  in one `generate` call as a job shard runs it (in-flight refill keeps the batch full).
+- `ours_static`: bucketed, classic static batches (one call per batch: no refill), for reference.
 - `ours_segment_sparse`: bucketed, `cache_policy="segment_sparse"` (lossy, so outside the gate).
 - `ours_prefix_reuse`: the hook `prefix_reuse_options` — runs only once the engine offers prefix reuse.
 """
@@ -51,6 +53,13 @@ class RunResult:
 
     outputs: list[list[int]]
     batches: list[BatchRecord] = field(default_factory=list)
+    row_latencies: list[float] | None = None  # in-flight runs: per row, admission -> last token
+
+    @property
+    def latencies(self) -> list[float]:
+        """What the latency percentiles are taken over: each static batch's seconds, or, for a run
+        that refills rows in flight (no batch boundaries), each row's own latency."""
+        return self.row_latencies if self.row_latencies is not None else [b.seconds for b in self.batches]
 
     @property
     def wall_s(self) -> float:
@@ -146,17 +155,25 @@ class TransformersStatic:
         return result
 
 
-class OursStatic:
-    """Our `Engine`; the batches are the ones one `generate` call would cut, run one call each."""
+class OursEngine:
+    """Our `Engine`, run the way a job runs it: the whole workload in one `generate` call (rows
+    sorted or not per `sort_by_length`, finished stripes refilled in flight), latency per row.
 
-    def __init__(self, name: str, engine: Engine, lossless: bool = True) -> None:
+    `per_batch=True` is classic static batching instead: the batches one call would cut, each run
+    as its own call (nothing to refill from), latency per batch."""
+
+    def __init__(self, name: str, engine: Engine, lossless: bool = True, per_batch: bool = False) -> None:
         self.name, self.engine, self.lossless, self.gated = name, engine, lossless, lossless
         self.batch_size = engine.admitted_batch_size
+        self.per_batch = per_batch
 
     def run(self, workload: Workload) -> RunResult:
         outputs: list[list[int]] = [[] for _ in range(workload.rows)]
-        result = RunResult(outputs)
-        for batch in cut(batch_order(workload, self.engine.options.sort_by_length), self.batch_size):
+        result = RunResult(outputs, row_latencies=None if self.per_batch else [])
+        order = list(range(workload.rows))
+        calls = cut(batch_order(workload, self.engine.options.sort_by_length), self.batch_size) if self.per_batch \
+            else [order]
+        for batch in calls:
             prompts = [workload.prompts[i] for i in batch]
             params = [SamplingParams(max_new_tokens=workload.max_new_tokens[i], ignore_eos=True) for i in batch]
             outs, took = timed(self.engine.generate, prompts, params)
@@ -167,6 +184,8 @@ class OursStatic:
                                               computed_slots=stats.computed_slots,
                                               useful_slots=stats.prefill_tokens_computed + stats.output_tokens
                                               - stats.rows))
+            if result.row_latencies is not None:
+                result.row_latencies += stats.row_latency_s
         return result
 
 
@@ -209,12 +228,15 @@ def build_variants(model_dir: Path, hf_model, batch_size: int, max_input_len: in
         out.variants.append(TransformersStatic("transformers_sorted", hf_model, batch_size, True, pad_id))
     if want("ours_unbucketed"):
         engine = Engine.from_pretrained(model_dir, sort_by_length=False, **common)
-        out.variants.append(OursStatic("ours_unbucketed", engine))
+        out.variants.append(OursEngine("ours_unbucketed", engine))
+    bucketed = Engine.from_pretrained(model_dir, **common) if want("ours_bucketed") or want("ours_static") else None
     if want("ours_bucketed"):
-        out.variants.append(OursStatic("ours_bucketed", Engine.from_pretrained(model_dir, **common)))
+        out.variants.append(OursEngine("ours_bucketed", bucketed))
+    if want("ours_static"):
+        out.variants.append(OursEngine("ours_static", bucketed, per_batch=True))
     if want("ours_segment_sparse"):
         engine = Engine.from_pretrained(model_dir, cache_policy="segment_sparse", **common)
-        out.variants.append(OursStatic("ours_segment_sparse", engine, lossless=False))
+        out.variants.append(OursEngine("ours_segment_sparse", engine, lossless=False))
     if want("ours_prefix_reuse"):
         knobs = prefix_reuse_options(max_input_len)
         if knobs is None:
@@ -227,5 +249,5 @@ def build_variants(model_dir: Path, hf_model, batch_size: int, max_input_len: in
                 log.warning("ours_prefix_reuse not run: %s", exc)
                 out.skipped["ours_prefix_reuse"] = f"not run: engine start failed: {exc}"
             else:
-                out.variants.append(OursStatic("ours_prefix_reuse", engine))
+                out.variants.append(OursEngine("ours_prefix_reuse", engine))
     return out

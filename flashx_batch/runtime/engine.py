@@ -70,6 +70,7 @@ class GenerateStats:
     cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
     prefix_tokens_computed: int = 0  # shared-prefix tokens computed once and cached
     batch_sizes: list[int] = field(default_factory=list)
+    row_latency_s: list[float] = field(default_factory=list)  # per row: its prefill start -> its last token
 
     @property
     def padding_efficiency(self) -> float:
@@ -315,6 +316,7 @@ class Engine:
         rows = {i: RowState.start(params[i], self.eos_token_ids) for i in indices}
         decode_text = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
         clock = time.perf_counter()
+        began = dict.fromkeys(indices, clock)  # row -> when its prefill started
 
         def lap() -> float:  # seconds since the last lap, the device's queued work included
             nonlocal clock
@@ -333,6 +335,8 @@ class Engine:
             active = list(indices)  # batch position -> row index
             while True:
                 finished = [j for j, tok in enumerate(tokens.tolist()) if rows[active[j]].append(tok, decode_text)]
+                now = time.perf_counter()
+                stats.row_latency_s += [now - began[active[j]] for j in finished]
                 if finished:
                     keep = batch.drop(finished)
                     active = [active[j] for j in keep]
@@ -342,10 +346,11 @@ class Engine:
                     stats.decode_s += lap()
                     while refill and batch.has_room:
                         i = refill.popleft()
-                        rows[i] = RowState.start(params[i], self.eos_token_ids)
+                        rows[i], began[i] = RowState.start(params[i], self.eos_token_ids), time.perf_counter()
                         one = SamplingBatch.build([params[i]], vocab, device)
                         first = sample(batch.admit(token_lists[i], params[i]), one, steps.new_zeros(1))
                         if rows[i].append(int(first.item()), decode_text):  # done with its first token
+                            stats.row_latency_s.append(time.perf_counter() - began[i])
                             batch.drop([batch.size - 1])
                             continue
                         active.append(i)
