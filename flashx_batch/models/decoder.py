@@ -30,6 +30,9 @@ class ForwardContext:
     extend: one row, a chunk of C tokens appended after `cached` slots of a flat region starting at
       slot `start` (segment-sparse prefill, rolling merge, teacher-forced scoring). `extend_mask`
       [1, 1, C, cached + C] is None for a plain causal chunk with nothing cached.
+    packed: rows' prompts end to end in one [1, N] sequence, no padding (prefill of rows of different
+      lengths); token t goes to flat slot `write_flat[t]`; each row attends causally to its own
+      `row_lengths[r]` tokens only, so the matmuls run on N real tokens instead of B x longest.
     paged: rows read through per-row slot tables (shared prefix segments + their own), any T:
       token t of row b is written to flat slot `write_slots[b, t]`; keys are gathered from
       `slot_table` [B, L] (position j -> flat slot) and `attn_mask` [B, 1, T, L] hides the rest.
@@ -46,6 +49,7 @@ class ForwardContext:
     start: int = 0  # extend
     cached: int = 0
     extend_mask: torch.Tensor | None = None
+    row_lengths: tuple[int, ...] = ()  # packed: tokens per row, in sequence order
     observe: int = 0  # extend: score keys by the attention of the last `observe` queries
     scores: torch.Tensor | None = None  # filled when observe > 0: [cached + C], summed over layers
 
@@ -92,6 +96,8 @@ class Attention(nn.Module):
             out = self._prefill(q, k, v, arena)
         elif ctx.mode == "decode":
             out = self._decode(q, k, v, ctx, arena)
+        elif ctx.mode == "packed":
+            out = self._packed(q, k, v, ctx, arena)
         elif ctx.mode == "paged":
             out = self._paged(q, k, v, ctx, arena)
         else:
@@ -121,6 +127,19 @@ class Attention(nn.Module):
             v_cache[:batch, : ctx.kv_len].transpose(1, 2),
             attn_mask=ctx.attn_mask, scale=self.scale, enable_gqa=True,
         )
+
+    def _packed(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+        k_flat, v_flat = arena.flat(self.layer)
+        k_flat.index_copy_(0, ctx.write_flat, k[0])
+        v_flat.index_copy_(0, ctx.write_flat, v[0])
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H or Hkv, N, D]
+        outs, start = [], 0
+        for n in ctx.row_lengths:  # one causal attention per row over its own tokens
+            end = start + n
+            outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
+                                                       is_causal=True, scale=self.scale, enable_gqa=True))
+            start = end
+        return torch.cat(outs, dim=2)
 
     def _paged(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
         batch, seq = q.shape[:2]

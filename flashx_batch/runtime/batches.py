@@ -55,32 +55,32 @@ class StripedBatch:
         return logits
 
     @property
-    def has_room(self) -> bool:
-        """A stripe is free for `admit` (in-flight refill)."""
-        return self.size < self.arena.max_rows
+    def room(self) -> int:
+        """Free stripes `admit` can fill (in-flight refill)."""
+        return self.arena.max_rows - self.size
 
-    def admit(self, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-        """Prefill one more row into the first free stripe while the others are mid-decode (in-flight
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> torch.Tensor:
+        """Prefill more rows into the first free stripes while the others are mid-decode (in-flight
         refill: a finished row's stripe goes to the next queued row instead of idling until the
-        batch ends). Returns its last-token logits [1, V]; the row decodes from the next step on."""
-        j, cap, allocator, device = self.size, self.arena.row_capacity, self.arena.allocator, self.engine.device
-        # a stripe's previous occupant may have left merge biases behind; the prompt may spill past
-        # the stripe (segment-sparse prefill before merging), into stripes that are all free
-        self.arena.bias[j * cap : j * cap + max(cap, len(prompt))] = 0.0
-        logits, used = self._fill_row(j, prompt)
-        self.prompts.append(prompt)
-        self.params.append(params)
-        self.slots.append(used)
-        needed = allocator.segments_for(used + params.max_new_tokens)
-        self.held.append(allocator.take(self.arena.stripe_segments(j)[:needed]))
-        self.static_need.append(allocator.segments_for(len(prompt) + params.max_new_tokens))
+        batch ends). Returns their last-token logits [k, V]; they decode from the next step on."""
+        first, cap, allocator, device = self.size, self.arena.row_capacity, self.arena.allocator, self.engine.device
+        # a stripe's previous occupant may have left merge biases where this row will decode
+        self.arena.bias[first * cap : (first + len(prompts)) * cap] = 0.0
+        logits, used = self._fill_rows(first, prompts)
+        for j, (prompt, p, n) in enumerate(zip(prompts, params, used), start=first):
+            self.prompts.append(prompt)
+            self.params.append(p)
+            self.slots.append(n)
+            needed = allocator.segments_for(n + p.max_new_tokens)
+            self.held.append(allocator.take(self.arena.stripe_segments(j)[:needed]))
+            self.static_need.append(allocator.segments_for(len(prompt) + p.max_new_tokens))
         self._record_kv()
-        position = torch.tensor([len(prompt)], dtype=torch.long, device=device)
-        if self.write_slots is not None or used != len(prompt):
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+        if self.write_slots is not None or used != lengths.tolist():
             before = self.write_slots if self.write_slots is not None else self.positions.clone()
-            self.write_slots = torch.cat((before, torch.tensor([used], dtype=torch.long, device=device)))
-        self.positions = torch.cat((self.positions, position))
-        return logits[None]
+            self.write_slots = torch.cat((before, torch.tensor(used, dtype=torch.long, device=device)))
+        self.positions = torch.cat((self.positions, lengths))
+        return logits
 
     def _record_kv(self) -> None:
         self.engine._record_kv(self.stats, sum(map(len, self.held)), sum(self.static_need))
@@ -123,19 +123,28 @@ class StripedBatch:
     def _fill(self) -> tuple[torch.Tensor, list[int]]:
         """Prompts' KV into stripes 0..B-1 -> (last-token logits [B, V], cache slots per row).
 
-        Plain static rows share one right-padded batched prefill. Segment-sparse rows and rows
-        longer than max_input_len (rolling merge) are prefilled one at a time into their own
-        region, then merged down, so a row never needs more than its stripe once it is done.
+        A row never needs more than its stripe once it is done (see `_fill_rows`).
         """
-        engine, prompts, limit = self.engine, self.prompts, self.engine.options.max_input_len
         self.arena.bias.zero_()
-        sparse = engine.options.cache_policy == "segment_sparse"
+        return self._fill_rows(0, self.prompts)
+
+    def _fill_rows(self, first: int, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Prompts into stripes first, first + 1, ... -> (last-token logits [B, V], cache slots per row).
+
+        Plain rows: one prefill, rectangular when the lengths agree, else packed end to end without
+        padding. Segment-sparse rows and rows longer than max_input_len (rolling merge) are
+        prefilled one at a time into their own region, then merged down."""
+        limit = self.engine.options.max_input_len
+        sparse = self.engine.options.cache_policy == "segment_sparse"
         if not sparse and all(len(p) <= limit for p in prompts):
-            self.stats.computed_slots += len(prompts) * max(map(len, prompts))
-            return self.runner.prefill(prompts), [len(p) for p in prompts]
+            lengths = [len(p) for p in prompts]
+            self.stats.computed_slots += sum(lengths)
+            if first == 0 and len(set(lengths)) == 1:
+                return self.runner.prefill(prompts), lengths
+            return self.runner.prefill_packed(prompts, first), lengths
         last_logits, slots = [], []
         for i, prompt in enumerate(prompts):
-            logits, used = self._fill_row(i, prompt)
+            logits, used = self._fill_row(first + i, prompt)
             last_logits.append(logits)
             slots.append(used)
         return torch.stack(last_logits), slots

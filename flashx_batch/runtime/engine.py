@@ -107,6 +107,33 @@ class GenerateStats:
         }
 
 
+@dataclass
+class _LiveRows:
+    """The rows still decoding, in batch-position order, with their device-side state: the last
+    sampled token (the next step's input), tokens generated so far, and sampling knobs."""
+
+    rows: list[int]
+    tokens: torch.Tensor
+    steps: torch.Tensor
+    sampling: SamplingBatch | None
+
+    @classmethod
+    def empty(cls, device: torch.device) -> _LiveRows:
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return cls([], none, none.clone(), None)
+
+    def join(self, rows: list[int], tokens: torch.Tensor, steps: torch.Tensor, sampling: SamplingBatch) -> None:
+        self.rows += rows
+        self.tokens, self.steps = torch.cat((self.tokens, tokens)), torch.cat((self.steps, steps))
+        self.sampling = sampling if self.sampling is None else self.sampling.extend(sampling)
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep only these batch positions, in this order (what `batch.drop` returned)."""
+        self.rows = [self.rows[j] for j in positions]
+        index = torch.tensor(positions, dtype=torch.long, device=self.tokens.device)
+        self.tokens, self.steps, self.sampling = self.tokens[index], self.steps[index], self.sampling.select(index)
+
+
 def _ray_accelerator_ids() -> dict[str, list[str]] | None:
     """Inside a Ray actor: the accelerator ids Ray assigned to it; elsewhere None."""
     import sys
@@ -309,14 +336,14 @@ class Engine:
                    refill: deque[int] | None = None) -> dict[int, RowState]:
         """Prefill, then decode until every row has stopped; finished rows leave the batch at once.
 
-        With `refill` (a striped batch and the rest of the queue), each freed stripe is refilled
-        from the front of the queue between two decode steps, so the batch stays full until the
-        queue runs dry. Returns the finished rows by index into `token_lists`."""
+        With `refill` (a striped batch and the rest of the queue), freed stripes are refilled from
+        the front of the queue between two decode steps (one packed prefill for all the rows taken),
+        so the batch stays full until the queue runs dry. Returns the rows by index into `token_lists`."""
         sync, device = self.backend.synchronize, self.device
-        rows = {i: RowState.start(params[i], self.eos_token_ids) for i in indices}
+        rows: dict[int, RowState] = {}
+        began: dict[int, float] = {}  # row -> when its prefill started
         decode_text = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
         clock = time.perf_counter()
-        began = dict.fromkeys(indices, clock)  # row -> when its prefill started
 
         def lap() -> float:  # seconds since the last lap, the device's queued work included
             nonlocal clock
@@ -325,45 +352,44 @@ class Engine:
             took, clock = now - clock, now
             return took
 
-        try:
-            logits = batch.prefill()
-            sampling = SamplingBatch.build([params[i] for i in indices], logits.shape[-1], device)
-            steps = torch.zeros(len(indices), dtype=torch.long, device=device)
-            tokens = sample(logits, sampling, steps)
-            vocab = logits.shape[-1]
-            stats.prefill_s += lap()
-            active = list(indices)  # batch position -> row index
-            while True:
-                finished = [j for j, tok in enumerate(tokens.tolist()) if rows[active[j]].append(tok, decode_text)]
+        def start(new: list[int], logits: torch.Tensor) -> None:
+            """Rows `new` were just prefilled into the batch's next positions: sample their first
+            tokens and join them to `live`; any that stop right there leave again at once."""
+            now = time.perf_counter()
+            for i in new:
+                rows[i], began[i] = RowState.start(params[i], self.eos_token_ids), now
+            sampling = SamplingBatch.build([params[i] for i in new], logits.shape[-1], device)
+            steps = torch.zeros(len(new), dtype=torch.long, device=device)
+            base = len(live.rows)
+            live.join(new, sample(logits, sampling, steps), steps, sampling)
+            firsts = live.tokens[base:].tolist()
+            stop([base + k for k, tok in enumerate(firsts) if rows[new[k]].append(tok, decode_text)])
+
+        def stop(done: list[int]) -> None:
+            if done:
                 now = time.perf_counter()
-                stats.row_latency_s += [now - began[active[j]] for j in finished]
-                if finished:
-                    keep = batch.drop(finished)
-                    active = [active[j] for j in keep]
-                    keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-                    tokens, steps, sampling = tokens[keep_t], steps[keep_t], sampling.select(keep_t)
-                if refill and batch.has_room:
+                stats.row_latency_s.extend(now - began[live.rows[j]] for j in done)
+                live.keep(batch.drop(done))
+
+        live = _LiveRows.empty(device)
+        try:
+            start(list(indices), batch.prefill())
+            stats.prefill_s += lap()
+            while True:
+                if refill and batch.room:
                     stats.decode_s += lap()
-                    while refill and batch.has_room:
-                        i = refill.popleft()
-                        rows[i], began[i] = RowState.start(params[i], self.eos_token_ids), time.perf_counter()
-                        one = SamplingBatch.build([params[i]], vocab, device)
-                        first = sample(batch.admit(token_lists[i], params[i]), one, steps.new_zeros(1))
-                        if rows[i].append(int(first.item()), decode_text):  # done with its first token
-                            stats.row_latency_s.append(time.perf_counter() - began[i])
-                            batch.drop([batch.size - 1])
-                            continue
-                        active.append(i)
-                        tokens, steps = torch.cat((tokens, first)), torch.cat((steps, steps.new_zeros(1)))
-                        sampling = sampling.extend(one)
+                    while refill and batch.room:  # rows that stop on their first token free room again
+                        new = [refill.popleft() for _ in range(min(batch.room, len(refill)))]
+                        start(new, batch.admit([token_lists[i] for i in new], [params[i] for i in new]))
                     stats.prefill_s += lap()
-                if not active:
+                if not live.rows:
                     break
-                logits = batch.step(tokens)
-                steps += 1
-                tokens = sample(logits, sampling, steps)
+                logits = batch.step(live.tokens)
+                live.steps += 1
+                live.tokens = sample(logits, live.sampling, live.steps)
                 stats.decode_steps += 1
-                stats.computed_slots += len(active)
+                stats.computed_slots += len(live.rows)
+                stop([j for j, tok in enumerate(live.tokens.tolist()) if rows[live.rows[j]].append(tok, decode_text)])
             stats.decode_s += lap()
         finally:
             batch.release()

@@ -41,6 +41,22 @@ class ModelRunner:
         return self.model.logits(last)
 
     @torch.inference_mode()
+    def prefill_packed(self, prompts: list[list[int]], first_row: int = 0) -> torch.Tensor:
+        """Prompts of different lengths packed end to end, no padding, into stripes first_row,
+        first_row + 1, ... -> last-token logits [B, V]."""
+        lengths = [len(p) for p in prompts]
+        cap = self.arena.row_capacity
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)[None]
+        positions = torch.cat([self._slot_range[:n] for n in lengths])
+        rows = torch.repeat_interleave(torch.arange(first_row, first_row + len(prompts), device=self.device),
+                                       torch.tensor(lengths, device=self.device))
+        cos, sin = self.model.rotary.lookup(positions[None])
+        ctx = ForwardContext("packed", cos, sin, write_flat=rows * cap + positions, row_lengths=tuple(lengths))
+        hidden = self.model.hidden_states(ids, ctx, self.arena)[0]  # [N, hidden]
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return self.model.logits(hidden[ends])
+
+    @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced logits for every position of every prompt: list of [T_i, V] float32."""
         ids, _, ctx = self._prefill_inputs(prompts)
