@@ -97,3 +97,5 @@ def test_inflight_refill_matches_static_batches_with_fewer_steps(arch, policy, t
     assert refill_stats.decode_steps < static_stats.decode_steps
     assert refill_stats.rows == len(prompts) and refill_stats.output_tokens == static_stats.output_tokens
     assert refill_stats.input_tokens == sum(lengths)
+    if policy == "static":  # packed prefill: rows of different lengths compute no padding at all
+        assert static_stats.padding_efficiency == refill_stats.padding_efficiency == 1.0
