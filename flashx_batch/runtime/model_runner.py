@@ -69,21 +69,30 @@ class ModelRunner:
         """One step: tokens [B] at RoPE positions [B] (row i = stripe i) -> logits [B, V].
 
         `write_slots` (default = positions) differ from positions once a row's KV is merged; then
-        the mask also carries each slot's log-count bias from the arena.
+        the mask also carries each slot's log-count bias from the arena. When every row writes slot
+        kv_len - 1 (rows of one length, stepping together) every slot is visible: no mask at all.
         """
         cos, sin = self.model.rotary.lookup(positions[:, None])
         if write_slots is None:
             write_slots = positions
-            mask = (self._slot_range[:kv_len][None, :] <= positions[:, None])[:, None, None, :]
+            uniform = bool((positions == kv_len - 1).all()) if self.device.type == "cpu" else False
+            mask = None if uniform else self._visible(kv_len, positions)
         else:
-            visible = self._slot_range[:kv_len][None, :] <= write_slots[:, None]
             bias = self.arena.stripe_bias()[: len(tokens), :kv_len]
-            mask = bias.masked_fill(~visible, float("-inf")).to(self.arena.storage.dtype)[:, None, None, :]
+            mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
+            mask = mask.to(self.arena.storage.dtype)[:, None, None, :]
         write_flat = self._stripe_starts[: len(tokens)] + write_slots
         ctx = ForwardContext("decode", cos, sin, write_slots=write_slots, write_flat=write_flat, kv_len=kv_len,
                              attn_mask=mask)
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])
+
+    def _visible(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
+        """Additive mask [B, 1, 1, kv_len]: 0 up to each row's `last` slot, -inf after (built once
+        per step, so no layer converts a boolean mask again)."""
+        hidden = self._range(kv_len)[None, :] > last[:, None]
+        zeros = torch.zeros(hidden.shape, dtype=self.arena.storage.dtype, device=self.device)
+        return zeros.masked_fill_(hidden, float("-inf"))[:, None, None, :]
 
     @torch.inference_mode()
     def extend(self, tokens: list[int], start: int, cached: int, first_position: int, observe: int = 0,
