@@ -148,5 +148,5 @@ class GatedMLP(nn.Module):
         self.down = Linear(hidden, intermediate, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate, up = self.gate_up.forward(x).split(self.intermediate, dim=-1)
+        return self.down.forward(F.silu(gate) * up)

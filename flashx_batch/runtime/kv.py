@@ -100,6 +100,11 @@ class KVArena:
         # log(tokens a slot stands for): 0 for an ordinary slot, log 4 for a 4:1 merged one.
         self.bias = torch.zeros(self.num_slots, dtype=torch.float32, device=device)
         self.allocator = SegmentAllocator(self.num_segments, segment_size)
+        # per-layer views, built once: slicing the storage anew costs every layer of every step
+        self._flat = [(self.storage[layer, 0], self.storage[layer, 1]) for layer in range(num_layers)]
+        shape = (max_rows, row_capacity, num_kv_heads, head_dim)
+        self._stripes = [(k[: self.striped_slots].view(shape), v[: self.striped_slots].view(shape))
+                         for k, v in self._flat]
 
     @property
     def nbytes(self) -> int:
@@ -118,13 +123,11 @@ class KVArena:
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[slots, kv_heads, head_dim] views of one layer's keys and values."""
-        return self.storage[layer, 0], self.storage[layer, 1]
+        return self._flat[layer]
 
     def stripes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[max_rows, cap, kv_heads, head_dim] views: batch position i is stripe i."""
-        k, v = self.flat(layer)
-        shape = (self.max_rows, self.row_capacity, *k.shape[1:])
-        return k[: self.striped_slots].view(shape), v[: self.striped_slots].view(shape)
+        return self._stripes[layer]
 
     def stripe_bias(self) -> torch.Tensor:
         """[max_rows, cap] log-count bias per slot, same striping as `stripes`."""
