@@ -86,7 +86,9 @@ class StripedBatch:
         self.engine._record_kv(self.stats, sum(map(len, self.held)), sum(self.static_need))
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.runner.decode(tokens, self.positions, max(self.slots) + 1, self.write_slots)
+        longest = max(self.slots)
+        logits = self.runner.decode(tokens, self.positions, longest + 1, self.write_slots,
+                                    aligned=min(self.slots) == longest)
         self.positions += 1
         if self.write_slots is not None:
             self.write_slots += 1

@@ -65,18 +65,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-               write_slots: torch.Tensor | None = None) -> torch.Tensor:
+               write_slots: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
         """One step: tokens [B] at RoPE positions [B] (row i = stripe i) -> logits [B, V].
 
         `write_slots` (default = positions) differ from positions once a row's KV is merged; then
-        the mask also carries each slot's log-count bias from the arena. When every row writes slot
-        kv_len - 1 (rows of one length, stepping together) every slot is visible: no mask at all.
+        the mask also carries each slot's log-count bias from the arena. `aligned`: every row writes
+        slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask.
         """
         cos, sin = self.model.rotary.lookup(positions[:, None])
         if write_slots is None:
             write_slots = positions
-            uniform = bool((positions == kv_len - 1).all()) if self.device.type == "cpu" else False
-            mask = None if uniform else self._visible(kv_len, positions)
+            mask = None if aligned else self._visible(kv_len, positions)
         else:
             bias = self.arena.stripe_bias()[: len(tokens), :kv_len]
             mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
