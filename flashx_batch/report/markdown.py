@@ -45,8 +45,9 @@ def write_report(root: Path, totals: dict[str, Any], plan: Plan) -> Path:
     for k, v in totals.items():
         if k != "finished_at":
             lines.append(f"| {k} | {_fmt(v)} |")
-    lines += ["", f"Planned prefill padding efficiency: {plan.padding_bucketed:.3f} with length bucketing, "
-              f"{plan.padding_unbucketed:.3f} without (static batches in input order).", ""]
+    lines += ["", f"Planned prefill padding efficiency of right-padded static batches: {plan.padding_bucketed:.3f} "
+              f"with length bucketing, {plan.padding_unbucketed:.3f} without (input order). The engine packs "
+              "prompts without padding, so its measured efficiency (stats) is higher still.", ""]
     if stats is not None and stats.num_rows:
         buckets = bucket_rows(stats)
         labels = [b["bucket"] for b in buckets]

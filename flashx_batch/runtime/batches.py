@@ -1,11 +1,12 @@
-"""One static batch on the device: how its prompts get into the KV arena and how it steps.
+"""One batch on the device: how its prompts get into the KV arena and how it steps.
 
 `Engine._run_batch` drives either kind through the same four calls — `prefill()`, `step(tokens)`,
-`drop(finished)`, `release()` — and keeps the sampling and stop bookkeeping to itself.
+`drop(finished)`, `release()` — and keeps the sampling and stop bookkeeping to itself; a striped
+batch also takes `admit(prompts, params)` (in-flight refill) while it has `room`.
 
 - `StripedBatch`: row i lives in stripe i (static cache, segment-sparse merging, rolling merge).
   Attention reads the stripes as one strided view; a finished row's stripe is refilled by the
-  last active row so the active rows stay a dense prefix.
+  last active row so the active rows stay a dense prefix, and new rows are admitted after them.
 - `PagedBatch`: rows share read-only prefix segments from the `PrefixCache`; each row's slot table
   is its shared segments followed by its own, and attention gathers through the table.
 """

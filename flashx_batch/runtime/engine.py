@@ -1,9 +1,11 @@
 """`Engine`: the public Python API (DESIGN.md "Python API") for static-batch generation.
 
 Who calls it: users directly, each Ray actor / the local executor once per shard, the benchmarks.
-One `generate` call = rows sorted by length, cut into static batches of up to `max_batch_size`;
-each batch is one prefill and decode steps until every row stops. A finished row leaves the batch
-at once (the last active row takes its stripe), so it costs no more compute.
+One `generate` call = rows sorted by length; the first `max_batch_size` are prefilled together
+(packed, no padding), then decode steps run until every row stops. A finished row leaves the batch
+at once (the last active row takes its stripe), so it costs no more compute, and with
+`refill` the next queued rows are prefilled into the freed stripes between two steps. Without
+refill (or with prefix reuse, whose batches are paged) the queue is cut into static batches.
 """
 
 from __future__ import annotations
