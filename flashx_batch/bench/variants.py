@@ -10,7 +10,7 @@ report each batch's latency; in-flight runs (no batch boundaries) report each ro
 - `transformers_sorted`: the same, rows sorted by prompt length first.
 - `ours_unbucketed` / `ours_bucketed`: our `Engine` with `sort_by_length` off / on, the whole workload
   in one `generate` call as a job shard runs it (in-flight refill keeps the batch full).
-- `ours_static`: bucketed, classic static batches (one call per batch: no refill), for reference.
+- `ours_static`: bucketed, static batches (one call per batch, so no refill; prompts still packed), for reference.
 - `ours_segment_sparse`: bucketed, `cache_policy="segment_sparse"` (lossy, so outside the gate).
 - `ours_prefix_reuse`: the hook `prefix_reuse_options` — runs only once the engine offers prefix reuse.
 """
@@ -159,8 +159,8 @@ class OursEngine:
     """Our `Engine`, run the way a job runs it: the whole workload in one `generate` call (rows
     sorted or not per `sort_by_length`, finished stripes refilled in flight), latency per row.
 
-    `per_batch=True` is classic static batching instead: the batches one call would cut, each run
-    as its own call (nothing to refill from), latency per batch."""
+    `per_batch=True` is static batching instead: the batches one call would cut, each run as its
+    own call (nothing to refill from), latency per batch."""
 
     def __init__(self, name: str, engine: Engine, lossless: bool = True, per_batch: bool = False) -> None:
         self.name, self.engine, self.lossless, self.gated = name, engine, lossless, lossless

@@ -127,7 +127,9 @@ class Linear(nn.Module):
         A decode step multiplies a few rows by every weight; MKL's generic sgemm is poorly blocked
         for so few rows, its packed-B path is not (measured ~1.2-1.4x on the 27 M model's decode
         matmuls). Any other row count (prefill, a batch that lost rows) falls back to plain sgemm
-        inside the same op, with the same result. Costs one more copy of the weight in memory.
+        inside the same op. The two paths round differently in the last bits (~3e-5 absolute on
+        outputs of ~20, as plain sgemm already differs between 1 row and 8); greedy outputs stay
+        batch-independent in the tests. Costs one more copy of the weight in memory.
         """
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
         self.packed_rows = rows

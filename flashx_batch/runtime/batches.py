@@ -69,11 +69,11 @@ class StripedBatch:
         self.arena.bias[first * cap : (first + len(prompts)) * cap] = 0.0
         logits, used = self._fill_rows(first, prompts)
         for j, (prompt, p, n) in enumerate(zip(prompts, params, used), start=first):
+            needed = allocator.segments_for(n + p.max_new_tokens)
+            self.held.append(allocator.take(self.arena.stripe_segments(j)[:needed]))  # first: `release` frees it
             self.prompts.append(prompt)
             self.params.append(p)
             self.slots.append(n)
-            needed = allocator.segments_for(n + p.max_new_tokens)
-            self.held.append(allocator.take(self.arena.stripe_segments(j)[:needed]))
             self.static_need.append(allocator.segments_for(len(prompt) + p.max_new_tokens))
         self._record_kv()
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)

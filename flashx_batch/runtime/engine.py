@@ -282,7 +282,9 @@ class Engine:
         while queue:
             batch, runner = self._next_batch(queue, token_lists, params, stats)
             # in-flight refill: a striped batch takes the next queued rows into finished rows' stripes
-            refill = queue if self.options.refill and isinstance(runner, StripedBatch) else None
+            # (not under prefix reuse: there a striped batch is a fallback, and the rows after it may
+            # share prefixes again in a paged batch)
+            refill = queue if self.options.refill and self.prefix_cache is None else None
             done = self._run_batch(runner, batch, token_lists, params, stats, refill)
             for i, row in done.items():
                 results[i] = RequestOutput(i, row.token_ids, self._final_text(row), row.finish_reason or "length",
@@ -354,12 +356,11 @@ class Engine:
             took, clock = now - clock, now
             return took
 
-        def start(new: list[int], logits: torch.Tensor) -> None:
-            """Rows `new` were just prefilled into the batch's next positions: sample their first
-            tokens and join them to `live`; any that stop right there leave again at once."""
-            now = time.perf_counter()
+        def start(new: list[int], logits: torch.Tensor, since: float) -> None:
+            """Rows `new` were just prefilled (from time `since`) into the batch's next positions:
+            sample their first tokens and join them to `live`; any that stop right there leave again."""
             for i in new:
-                rows[i], began[i] = RowState.start(params[i], self.eos_token_ids), now
+                rows[i], began[i] = RowState.start(params[i], self.eos_token_ids), since
             sampling = SamplingBatch.build([params[i] for i in new], logits.shape[-1], device)
             steps = torch.zeros(len(new), dtype=torch.long, device=device)
             base = len(live.rows)
@@ -375,14 +376,15 @@ class Engine:
 
         live = _LiveRows.empty(device)
         try:
-            start(list(indices), batch.prefill())
+            start(list(indices), batch.prefill(), clock)
             stats.prefill_s += lap()
             while True:
                 if refill and batch.room:
                     stats.decode_s += lap()
                     while refill and batch.room:  # rows that stop on their first token free room again
                         new = [refill.popleft() for _ in range(min(batch.room, len(refill)))]
-                        start(new, batch.admit([token_lists[i] for i in new], [params[i] for i in new]))
+                        since = time.perf_counter()
+                        start(new, batch.admit([token_lists[i] for i in new], [params[i] for i in new]), since)
                     stats.prefill_s += lap()
                 if not live.rows:
                     break

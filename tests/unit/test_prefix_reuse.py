@@ -116,3 +116,17 @@ def test_eviction_never_takes_blocks_the_current_row_just_matched(tiny_models):
     outs = small.generate(first, params) + small.generate(second, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     _only_cache_holds_segments(small)
+
+
+def test_rows_after_an_unshared_batch_still_share(tiny_models):
+    """The first candidates share no block, so they run as a plain striped batch; that batch must not
+    refill itself with the rest of the queue, or the later rows (which do share) would lose reuse."""
+    model_dir = tiny_models["llama"][0]
+    g = torch.Generator().manual_seed(4)
+    unique = [[3, i + 4] + torch.randint(3, 256, (30,), generator=g).tolist() for i in range(20)]  # sort first
+    shared = [[250] + r[1:] for r in _few_shot(seed=5, groups=1, per_group=6, prefix_len=40)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    reuse = _engine(model_dir, prefix_cache_tokens=256)
+    outs = reuse.generate(unique + shared, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _engine(model_dir).generate(unique + shared, params)]
+    assert reuse.last_stats.cached_prompt_tokens >= 6 * 40 - 8 * 6  # the six shared rows read cached blocks
