@@ -38,6 +38,7 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int, se
         rotary = engine.runner.model.rotary if settings.rerotate else None
         plans = {  # name: (plan, log-count bias, rotary for merged keys)
             "segment_sparse": (plan_groups(prompt_len, mask, scores=scores), True, rotary),
+            "merge_unsharpened": (plan_groups(prompt_len, mask, scores=scores, sharpness=1.0), True, rotary),
             "merge_equal_weights": (plan_groups(prompt_len, mask), True, rotary),
             "merge_post_rope": (plan_groups(prompt_len, mask, scores=scores), True, None),
             "merge_no_bias": (plan_groups(prompt_len, mask, scores=scores), False, rotary),

@@ -5,10 +5,11 @@ that rewrites arena tensors. A plan maps every source slot to a target slot (or 
 weight, so one mechanism serves 4:1 merging, the no-bias and evict-only ablations, StreamingLLM's
 sinks + recent window, and rolling merges of already-merged slots (weights by token count).
 
-Merged slot = weighted mean of its tokens' values and keys (weights: the tokens' attention scores
-for a segment-sparse merge, their token counts for a rolling merge; keys averaged before RoPE and
-rotated to the slot's mean position when a RoPE table is given); attention adds log(count) to its
-logit, so a slot standing for 4 identical tokens weighs exactly as the 4 did.
+Merged slot = weighted mean of its tokens' values and keys (weights: the tokens' attention scores,
+sharpened, for a segment-sparse merge; their token counts for a rolling merge; keys averaged before
+RoPE and rotated to the slot's weighted mean position when a RoPE table is given); attention adds
+log(effective count) to its logit (log(count) for a rolling merge), so a slot standing for 4
+identical tokens weighs exactly as the 4 did.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from flashx_batch.models.layers import RotaryTable
 from flashx_batch.runtime.kv import KVArena
 
 GROUP = 4
-POLICIES = ("segment_sparse", "merge_equal_weights", "merge_post_rope", "merge_no_bias", "evict", "evict_same_ratio",
-            "random", "streaming")
+POLICIES = ("segment_sparse", "merge_unsharpened", "merge_equal_weights", "merge_post_rope", "merge_no_bias", "evict",
+            "evict_same_ratio", "random", "streaming")
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,20 @@ class MergePlan:
     weight: torch.Tensor  # [L] float32
     counts: list[int]  # tokens each output slot stands for
     positions: list[float]  # the (count-weighted mean) position each output slot stands at
+    mass: list[float] | None = None  # score-weighted plans: per slot, its tokens' attention ÷ the top token's
 
     @property
     def num_slots(self) -> int:
         return len(self.counts)
 
     def log_counts(self, with_bias: bool = True) -> torch.Tensor:
+        """Per-slot attention bias: log(count) — or, for a score-weighted plan, log(effective count):
+        the attention its tokens received ÷ the most attended one's, so 4 equally attended tokens
+        weigh as 4 (exact for duplicates) and one dominant token as about 1."""
         if not with_bias:
             return torch.zeros(len(self.counts))
-        return torch.tensor([math.log(c) for c in self.counts], dtype=torch.float32)
+        per_slot = self.mass if self.mass is not None else self.counts
+        return torch.tensor([math.log(c) for c in per_slot], dtype=torch.float32)
 
 
 def eligible_groups(length: int, settings: MergeSettings) -> list[int]:
@@ -92,16 +98,23 @@ def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSetti
     return sorted(groups[i] for i in lowest)
 
 
+SHARPNESS = 5.0  # merged-slot weights ∝ score ** SHARPNESS (chosen by `python -m flashx_batch.quality`)
+
+
 def plan_groups(length: int, groups: list[int], drop: bool = False,
-                scores: torch.Tensor | None = None) -> MergePlan:
+                scores: torch.Tensor | None = None, sharpness: float = SHARPNESS) -> MergePlan:
     """Merge (or, with `drop`, evict) each listed 4-token group; every other token keeps its slot.
-    With `scores`, a merged slot weights its tokens by their attention score instead of equally."""
+
+    With `scores`, a merged slot leans to its most attended tokens — weights ∝ score ** sharpness,
+    its position their weighted mean — and its bias is the log of its effective token count (see
+    `MergePlan.log_counts`). Without, tokens weigh equally and the bias is log 4."""
     merged = set(groups)
     token_scores = None if scores is None else scores[:length].float().cpu().clamp_min(1e-12)  # one copy
     target = torch.empty(length, dtype=torch.int64)
     weight = torch.ones(length, dtype=torch.float32)
     counts: list[int] = []
     positions: list[float] = []
+    mass: list[float] = []
     token = 0
     while token < length:
         if token % GROUP == 0 and token // GROUP in merged:
@@ -111,18 +124,24 @@ def plan_groups(length: int, groups: list[int], drop: bool = False,
                 target[token : token + GROUP] = len(counts)
                 if token_scores is None:
                     weight[token : token + GROUP] = 1.0 / GROUP
+                    mass.append(float(GROUP))
+                    positions.append(token + (GROUP - 1) / 2)
                 else:
                     s = token_scores[token : token + GROUP]
-                    weight[token : token + GROUP] = s / s.sum()
+                    w = (s / s.max()) ** sharpness
+                    w = w / w.sum()
+                    weight[token : token + GROUP] = w
+                    mass.append(float(s.sum() / s.max()))
+                    positions.append(float((w * torch.arange(token, token + GROUP, dtype=torch.float32)).sum()))
                 counts.append(GROUP)
-                positions.append(token + (GROUP - 1) / 2)
             token += GROUP
         else:
             target[token] = len(counts)
             counts.append(1)
             positions.append(float(token))
+            mass.append(1.0)
             token += 1
-    return MergePlan(target, weight, counts, positions)
+    return MergePlan(target, weight, counts, positions, mass if token_scores is not None else None)
 
 
 def plan_streaming(length: int, keep: int, sinks: int) -> MergePlan:

@@ -47,6 +47,36 @@ def test_duplicate_oracle(with_bias, should_match):
         assert arena.bias[3].item() == 0.0 and arena.bias[4].item() == pytest.approx(math.log(4))
 
 
+def test_duplicate_oracle_holds_for_score_weighted_merges():
+    """Duplicates receive equal attention, so a score-weighted merge is exact too (bias log 4)."""
+    torch.manual_seed(1)
+    length, heads, dim = 64, 2, 16
+    arena = KVArena(1, heads, dim, max_rows=1, row_capacity=64, segment_size=16, dtype=torch.float32,
+                    device=torch.device("cpu"))
+    arena.storage[0, :, :length] = torch.randn(2, length // GROUP, heads, dim).repeat_interleave(GROUP, dim=1)
+    q = torch.randn(1, heads, 3, dim)
+    full = _attend(q, arena, length)
+    scores = torch.rand(length // GROUP).repeat_interleave(GROUP)  # equal within each group
+    used = apply_plan(arena, 0, length, 0, plan_groups(length, list(range(1, 12)), scores=scores))
+    assert torch.allclose(full, _attend(q, arena, used), atol=1e-5)
+    assert arena.bias[4].item() == pytest.approx(math.log(4))
+
+
+def test_score_weighted_merge_leans_to_the_attended_token():
+    scores = torch.ones(16)
+    scores[8:12] = torch.tensor([0.1, 0.8, 0.05, 0.05])  # group 2: one token holds most of the attention
+    plan = plan_groups(16, [2], scores=scores, sharpness=5.0)
+    weights = plan.weight[8:12]
+    assert weights.sum().item() == pytest.approx(1.0) and weights.argmax().item() == 1 and weights[1] > 0.99
+    slot = plan.target[8].item()
+    assert plan.positions[slot] == pytest.approx(9.0, abs=0.02)  # rotated to where its weight sits
+    effective = (0.1 + 0.8 + 0.05 + 0.05) / 0.8
+    assert plan.log_counts()[slot].item() == pytest.approx(math.log(effective))  # weighs as ~1.25 tokens, not 4
+    assert plan.log_counts(with_bias=False).abs().sum().item() == 0.0
+    flat = plan_groups(16, [2], scores=scores, sharpness=1.0).weight[8:12]
+    assert flat.tolist() == pytest.approx([0.1, 0.8, 0.05, 0.05])
+
+
 def test_plans_cover_every_policy():
     s = MergeSettings(fraction=0.5, sinks=4, window=8)
     assert eligible_groups(40, s) == list(range(1, 8))
