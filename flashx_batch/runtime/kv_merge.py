@@ -29,7 +29,7 @@ POLICIES = ("segment_sparse", "merge_unsharpened", "merge_equal_weights", "merge
 
 @dataclass(frozen=True)
 class MergeSettings:
-    fraction: float = 0.6  # of eligible groups; chosen by `python -m flashx_batch.quality`
+    fraction: float = 0.8  # of eligible groups; chosen by `python -m flashx_batch.quality`
     sinks: int = 4  # first tokens never merged (attention sinks)
     window: int = 32  # last tokens: the observation window, never merged
     rerotate: bool = True  # merge keys before RoPE and rotate to the group's mean position
