@@ -185,13 +185,14 @@ class Attention(nn.Module):
         SDPA does not return its weights, so the window's scores are recomputed here (W x L, small).
         """
         window = min(ctx.observe, queries.shape[2])
+        total = keys.shape[2]
         q_win = queries[:, :, -window:].float()  # [1, H, W, D]
-        k_all = keys.float().repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [1, H, L, D]
-        logits = (q_win @ k_all.transpose(-1, -2)) * self.scale  # [1, H, W, L]
+        # the query heads of one KV head as extra rows against that head's keys (no repeated keys)
+        q_win = q_win.reshape(1, self.num_kv_heads, -1, self.head_dim)
+        logits = (q_win @ keys.float().transpose(-1, -2)).view(1, self.num_heads, window, total) * self.scale
         if ctx.extend_mask is not None:
             logits = logits + ctx.extend_mask[:, :, -window:].float()
         else:
-            total = k_all.shape[2]
             q_pos = torch.arange(total - window, total, device=queries.device)[:, None]
             logits = logits.masked_fill(torch.arange(total, device=queries.device)[None, :] > q_pos, float("-inf"))
         weights = logits.softmax(dim=-1).mean(dim=(0, 1, 2))  # [L]

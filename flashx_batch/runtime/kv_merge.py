@@ -108,40 +108,38 @@ def plan_groups(length: int, groups: list[int], drop: bool = False,
     With `scores`, a merged slot leans to its most attended tokens — weights ∝ score ** sharpness,
     its position their weighted mean — and its bias is the log of its effective token count (see
     `MergePlan.log_counts`). Without, tokens weigh equally and the bias is log 4."""
-    merged = set(groups)
-    token_scores = None if scores is None else scores[:length].float().cpu().clamp_min(1e-12)  # one copy
-    target = torch.empty(length, dtype=torch.int64)
+    tokens = torch.arange(length)
+    whole = length // GROUP  # groups lying fully inside the prompt: only those can merge
+    chosen = torch.zeros(whole + 1, dtype=torch.bool)
+    chosen[torch.tensor([g for g in groups if g < whole], dtype=torch.int64)] = True
+    in_group = chosen[torch.clamp(tokens // GROUP, max=whole)] & (tokens < whole * GROUP)
+    starts = ~in_group | ((tokens % GROUP == 0) & in_group & torch.tensor(not drop))  # tokens that open a slot
+    target = torch.cumsum(starts.long(), 0) - 1
+    if drop:
+        target[in_group] = -1
+    num_slots = int(starts.sum())
     weight = torch.ones(length, dtype=torch.float32)
-    counts: list[int] = []
-    positions: list[float] = []
-    mass: list[float] = []
-    token = 0
-    while token < length:
-        if token % GROUP == 0 and token // GROUP in merged:
-            if drop:
-                target[token : token + GROUP] = -1
-            else:
-                target[token : token + GROUP] = len(counts)
-                if token_scores is None:
-                    weight[token : token + GROUP] = 1.0 / GROUP
-                    mass.append(float(GROUP))
-                    positions.append(token + (GROUP - 1) / 2)
-                else:
-                    s = token_scores[token : token + GROUP]
-                    w = (s / s.max()) ** sharpness
-                    w = w / w.sum()
-                    weight[token : token + GROUP] = w
-                    mass.append(float(s.sum() / s.max()))
-                    positions.append(float((w * torch.arange(token, token + GROUP, dtype=torch.float32)).sum()))
-                counts.append(GROUP)
-            token += GROUP
+    counts = torch.ones(num_slots, dtype=torch.int64)
+    positions = torch.zeros(num_slots, dtype=torch.float32)
+    kept = ~in_group
+    positions[target[kept]] = tokens[kept].float()
+    mass = torch.ones(num_slots, dtype=torch.float32)
+    if not drop and bool(in_group.any()):
+        members = tokens[in_group].view(-1, GROUP)  # [merged groups, 4]
+        slots = target[members[:, 0]]
+        counts[slots] = GROUP
+        if scores is None:
+            w = torch.full(members.shape, 1.0 / GROUP)
+            mass[slots] = float(GROUP)
         else:
-            target[token] = len(counts)
-            counts.append(1)
-            positions.append(float(token))
-            mass.append(1.0)
-            token += 1
-    return MergePlan(target, weight, counts, positions, mass if token_scores is not None else None)
+            s = scores[:length].float().cpu().clamp_min(1e-12)[members]  # one copy to the host
+            top = s.max(dim=1, keepdim=True).values
+            w = (s / top) ** sharpness
+            w = w / w.sum(dim=1, keepdim=True)
+            mass[slots] = (s.sum(dim=1, keepdim=True) / top).squeeze(1)
+        weight[members.reshape(-1)] = w.reshape(-1)
+        positions[slots] = (w * members.float()).sum(dim=1)
+    return MergePlan(target, weight, counts.tolist(), positions.tolist(), mass.tolist() if scores is not None else None)
 
 
 def plan_streaming(length: int, keep: int, sinks: int) -> MergePlan:
@@ -211,8 +209,11 @@ def apply_plan(arena: KVArena, src_start: int, length: int, dst_start: int, plan
     merged = [i for i, c in enumerate(plan.counts) if c > 1]
     if rotary is not None and merged:
         positions = torch.tensor(src_positions if src_positions is not None else range(length), dtype=torch.float32)
-        keys = rotary.rotate(source[:, 0], positions, inverse=True)  # [layers, L, Hkv, D] before RoPE
-        mean = torch.zeros_like(out[:, 0]).index_add_(1, targets, keys[:, kept.to(device)] * weights[:, 0])
+        into_merged = (torch.tensor(plan.counts) > 1)[plan.target[kept]]  # only these tokens need un-rotating
+        tokens = kept[into_merged]
+        keys = rotary.rotate(source[:, 0, tokens.to(device)], positions[tokens], inverse=True)  # before RoPE
+        mean = torch.zeros_like(out[:, 0]).index_add_(1, targets[into_merged.to(device)],
+                                                       keys * weights[:, 0, into_merged.to(device)])
         index = torch.tensor(merged, device=device)
         at = torch.tensor([plan.positions[i] for i in merged], dtype=torch.float32)
         out[:, 0, index] = rotary.rotate(mean[:, index], at)
