@@ -41,8 +41,8 @@ class ForwardContext:
     mode: str
     cos: torch.Tensor  # [B, T, 1, rotary_dim]
     sin: torch.Tensor
-    write_slots: torch.Tensor | None = None  # decode: [B] stripe slots; paged: [B, T] flat slots
-    write_flat: torch.Tensor | None = None  # decode: [B] flat arena slots (stripe start + write slot)
+    write_slots: torch.Tensor | None = None  # paged: [B, T] flat slots
+    write_flat: torch.Tensor | None = None  # decode: [B], packed: [N] flat arena slots to write
     slot_table: torch.Tensor | None = None  # paged: [B, L]
     kv_len: int = 0
     attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, kv_len]
@@ -140,9 +140,14 @@ class Attention(nn.Module):
         k_flat, v_flat = arena.flat(self.layer)
         k_flat.index_copy_(0, ctx.write_flat, k[0])
         v_flat.index_copy_(0, ctx.write_flat, v[0])
+        lengths = ctx.row_lengths
+        if len(set(lengths)) == 1:  # rows of one length: one batched causal attention [B, H, T, D]
+            rows = (len(lengths), lengths[0])
+            q, k, v = (t.reshape(*rows, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H or Hkv, N, D]
         outs, start = [], 0
-        for n in ctx.row_lengths:  # one causal attention per row over its own tokens
+        for n in lengths:  # one causal attention per row over its own tokens
             end = start + n
             outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
                                                        is_causal=True, scale=self.scale, enable_gqa=True))

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 class StripedBatch:
     def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
                  stats: GenerateStats) -> None:
+        # the rows the batch starts with; rows admitted later are tracked by position (slots, held)
         self.engine, self.prompts, self.params, self.stats = engine, prompts, params, stats
         self.runner, self.arena = engine.runner, engine.runner.arena
         self.held: list[list[int]] = []
@@ -71,8 +72,6 @@ class StripedBatch:
         for j, (prompt, p, n) in enumerate(zip(prompts, params, used), start=first):
             needed = allocator.segments_for(n + p.max_new_tokens)
             self.held.append(allocator.take(self.arena.stripe_segments(j)[:needed]))  # first: `release` frees it
-            self.prompts.append(prompt)
-            self.params.append(p)
             self.slots.append(n)
             self.static_need.append(allocator.segments_for(len(prompt) + p.max_new_tokens))
         self._record_kv()
@@ -134,16 +133,14 @@ class StripedBatch:
     def _fill_rows(self, first: int, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         """Prompts into stripes first, first + 1, ... -> (last-token logits [B, V], cache slots per row).
 
-        Plain rows: one prefill, rectangular when the lengths agree, else packed end to end without
-        padding. Segment-sparse rows and rows longer than max_input_len (rolling merge) are
-        prefilled one at a time into their own region, then merged down."""
+        Plain rows: one prefill, packed end to end without padding. Segment-sparse rows and rows
+        longer than max_input_len (rolling merge) are prefilled one at a time into their own
+        region, then merged down."""
         limit = self.engine.options.max_input_len
         sparse = self.engine.options.cache_policy == "segment_sparse"
         if not sparse and all(len(p) <= limit for p in prompts):
             lengths = [len(p) for p in prompts]
             self.stats.computed_slots += sum(lengths)
-            if first == 0 and len(set(lengths)) == 1:
-                return self.runner.prefill(prompts), lengths
             return self.runner.prefill_packed(prompts, first), lengths
         last_logits, slots = [], []
         for i, prompt in enumerate(prompts):
@@ -177,6 +174,7 @@ class PagedBatch:
 
     def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
                  stats: GenerateStats, shared: list[list[int]]) -> None:
+        # the rows the batch starts with; rows admitted later are tracked by position (slots, held)
         self.engine, self.prompts, self.params, self.stats = engine, prompts, params, stats
         self.runner, self.arena, self.cache = engine.runner, engine.runner.arena, engine.prefix_cache
         self.seg = self.arena.segment_size

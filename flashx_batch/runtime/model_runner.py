@@ -22,28 +22,20 @@ class ModelRunner:
         self._slot_range = torch.arange(arena.row_capacity, device=self.device)
         self._stripe_starts = torch.arange(arena.max_rows, device=self.device) * arena.row_capacity
 
-    def _prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+    def _prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, ForwardContext]:
+        """Right-padded ids [B, T] for teacher-forced scoring (every position's logits)."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         positions = self._slot_range[:width][None, :]  # [1, T], broadcast over rows
         cos, sin = self.model.rotary.lookup(positions)
-        return ids.to(self.device), lengths, ForwardContext("prefill", cos, sin)
-
-    @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Right-padded prefill of rows 0..B-1 into stripes 0..B-1 -> last-token logits [B, V]."""
-        ids, lengths, ctx = self._prefill_inputs(prompts)
-        hidden = self.model.hidden_states(ids, ctx, self.arena)  # [B, T, hidden]
-        last = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
-        return self.model.logits(last)
+        return ids.to(self.device), ForwardContext("prefill", cos, sin)
 
     @torch.inference_mode()
     def prefill_packed(self, prompts: list[list[int]], first_row: int = 0) -> torch.Tensor:
-        """Prompts of different lengths packed end to end, no padding, into stripes first_row,
-        first_row + 1, ... -> last-token logits [B, V]."""
+        """Prompts packed end to end, no padding, into stripes first_row, first_row + 1, ...
+        -> last-token logits [B, V] (rows of one length attend as one batch)."""
         lengths = [len(p) for p in prompts]
         cap = self.arena.row_capacity
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)[None]
@@ -59,7 +51,7 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced logits for every position of every prompt: list of [T_i, V] float32."""
-        ids, _, ctx = self._prefill_inputs(prompts)
+        ids, ctx = self._prefill_inputs(prompts)
         hidden = self.model.hidden_states(ids, ctx, self.arena)
         return [self.model.logits(hidden[i, : len(p)]) for i, p in enumerate(prompts)]
 
@@ -81,8 +73,7 @@ class ModelRunner:
             mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
             mask = mask.to(self.arena.storage.dtype)[:, None, None, :]
         write_flat = self._stripe_starts[: len(tokens)] + write_slots
-        ctx = ForwardContext("decode", cos, sin, write_slots=write_slots, write_flat=write_flat, kv_len=kv_len,
-                             attn_mask=mask)
+        ctx = ForwardContext("decode", cos, sin, write_flat=write_flat, kv_len=kv_len, attn_mask=mask)
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])
 
