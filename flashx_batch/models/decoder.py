@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashx_batch.models.config import ModelConfig
-from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary
+from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_
 from flashx_batch.runtime.kv import KVArena
 
 
@@ -82,12 +82,12 @@ class Attention(nn.Module):
             # tensor (five kernels instead of ten per layer), then split the result.
             qk = qkv[..., : self.split[0] + self.split[1]].unflatten(-1, (self.num_heads + self.num_kv_heads,
                                                                            self.head_dim))
-            qk = apply_rotary(qk, cos, sin, self.interleaved)
+            qk = apply_rotary_(qk, cos, sin, self.interleaved)
             return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], v
         q, k, _ = qkv.split(self.split, dim=-1)
         q = self.q_norm.forward(q.reshape(batch, seq, self.num_heads, self.head_dim))
         k = self.k_norm.forward(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
-        return apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved), v
+        return apply_rotary_(q, cos, sin, self.interleaved), apply_rotary_(k, cos, sin, self.interleaved), v
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
         batch, seq = x.shape[:2]
@@ -225,11 +225,11 @@ class DecoderLayer(nn.Module):
         h = attend(self.input_norm.forward(x))
         if self.post_attn_norm is not None:
             h = self.post_attn_norm.forward(h)
-        x = x + h
+        x = h.add_(x)  # h is this layer's fresh output: the residual sum needs no new tensor
         h = self.mlp.forward(self.mlp_norm.forward(x))
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm.forward(h)
-        return x + h
+        return h.add_(x)
 
 
 class DecoderModel(nn.Module):

@@ -107,6 +107,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     return torch.cat(((x_rot * cos) + (rotate(x_rot) * sin), x_pass), dim=-1)
 
 
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """`apply_rotary` written into x itself (a projection's fresh output) and returned.
+
+    Same operations in the same order, so float32 results are bitwise those of `apply_rotary` (and
+    of transformers); but only the rotated copy is a new tensor, where the out-of-place form makes
+    three (on a CPU prefill each fresh multi-MB temporary costs page faults). The pass-through
+    channels of a partial rotary are simply left alone."""
+    x_rot = x[..., : cos.shape[-1]]
+    turned = (_rotate_pairs if interleaved else _rotate_half)(x_rot).mul_(sin)
+    x_rot.mul_(cos).add_(turned)
+    return x
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). A module, not a bare tensor, so that quantization can swap it at load time
     (gpt-fast style) without the decoder knowing which weight format it runs."""
@@ -151,4 +164,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up.forward(x).split(self.intermediate, dim=-1)
-        return self.down.forward(F.silu(gate) * up)
+        # in place on the projection's own output: the same values as silu(gate) * up without two
+        # fresh [tokens, intermediate] temporaries (~4x faster on a CPU prefill, page faults)
+        return self.down.forward(F.silu(gate, inplace=True).mul_(up))
