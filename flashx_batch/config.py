@@ -66,7 +66,7 @@ class RuntimeSection:
     cache_policy: str = "static"
     segment_size: int = 16  # tokens per KV segment: small segments waste little when merged rows shrink
     long_input: str = "error"  # error | truncate | rolling_merge
-    kv_merge_fraction: float = 0.8  # segment_sparse: share of eligible 4-token groups merged 4:1
+    kv_merge_fraction: float = 0.7  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: queries whose attention scores the groups
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens an actor keeps for shared prefixes (0 = off)
     precision_map: str | None = None  # weight formats per tensor, from `python -m flashx_batch.quantize`

@@ -33,7 +33,7 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int, se
         _, scores = runner.extend(prompt, 0, 0, 0, observe=settings.window)
         mask = choose_groups(scores, prompt_len, settings, "segment_sparse")
         # evicting a group frees 4 slots, merging frees 3: evict 3/4 as many to keep as many slots
-        same_ratio = choose_groups(scores, prompt_len, settings, "segment_sparse", count=round(0.75 * len(mask)))
+        same_ratio = choose_groups(scores, prompt_len, settings, "evict", count=round(0.75 * len(mask)))
         kept_by_merge = plan_groups(prompt_len, mask).num_slots
         rotary = engine.runner.model.rotary if settings.rerotate else None
         plans = {  # name: (plan, log-count bias, rotary for merged keys)

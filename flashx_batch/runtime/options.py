@@ -31,7 +31,7 @@ class EngineOptions:
     num_threads: int | None = None  # CPU only; None = every core this process may run on
     sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
     refill: bool = True  # a finished row's stripe takes the next queued row mid-batch (in-flight refill)
-    kv_merge_fraction: float = 0.8  # segment_sparse: share of eligible 4-token groups merged 4:1
+    kv_merge_fraction: float = 0.7  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens kept for shared prefixes (0 = off)
     precision_map: str | None = None  # JSON from `python -m flashx_batch.quantize`: per-tensor weight formats

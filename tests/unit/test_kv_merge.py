@@ -82,6 +82,12 @@ def test_plans_cover_every_policy():
     assert eligible_groups(40, s) == list(range(1, 8))
     scores = torch.arange(40, dtype=torch.float32)  # later tokens matter more
     assert choose_groups(scores, 40, s, "segment_sparse") == [1, 2, 3, 4]
+    assert choose_groups(scores, 40, s, "evict") == [1, 2, 3, 4]
+    # one dominant token: merging keeps it (little is lost), evicting loses it (a lot is lost)
+    peaked = torch.full((40,), 2.0)
+    peaked[8], peaked[9:12] = 50.0, 0.5  # group 2: one dominant token, three quiet ones
+    assert choose_groups(peaked, 40, s, "segment_sparse", count=1) == [2]
+    assert 2 not in choose_groups(peaked, 40, s, "evict")
     assert len(choose_groups(scores, 40, s, "random", seed=3)) == 4
     assert compressed_length(40, s) == 28
     evict = plan_groups(40, [1, 2], drop=True)
