@@ -209,9 +209,54 @@ def apply_plan(arena: KVArena, src_start: int, length: int, dst_start: int, plan
     With `rotary`, a merged slot's key is the mean of its tokens' keys *before* RoPE, rotated to
     the slot's mean position, instead of the mean of rotated keys (whose phases partly cancel).
     Unmerged slots are copied bit for bit either way."""
+    kept = (plan.target >= 0).nonzero().squeeze(1)
+    fan_in = torch.bincount(plan.target[kept], minlength=plan.num_slots)
+    if set(fan_in.tolist()) <= {1, GROUP}:
+        _apply_groups(arena, src_start, dst_start, plan, kept, fan_in, rotary, src_positions, length)
+    else:
+        _apply_any(arena, src_start, length, dst_start, plan, kept, rotary, src_positions)
+    end = dst_start + plan.num_slots
+    arena.bias[dst_start:end] = plan.log_counts(with_bias).to(arena.bias.device)
+    return plan.num_slots
+
+
+def _apply_groups(arena: KVArena, src_start: int, dst_start: int, plan: MergePlan, kept: torch.Tensor,
+                  fan_in: torch.Tensor, rotary: RotaryTable | None, src_positions: list[float] | None,
+                  length: int) -> None:
+    """Every slot is one source copied or GROUP sources merged (4:1 plans, rolling merges, evictions,
+    StreamingLLM): gather the copies and the groups, reduce each group densely, write both back.
+    ~3x faster than the scatter-add of `_apply_any` on a 512-token prompt, which is per row prefill
+    time under segment_sparse."""
+    storage, device = arena.storage, arena.storage.device
+    per_source = fan_in[plan.target[kept]]
+    single = kept[per_source == 1]
+    grouped = kept[per_source == GROUP]
+    grouped = grouped[torch.argsort(plan.target[grouped], stable=True)]  # each slot's sources side by side
+    copies = storage[:, :, src_start + single.to(device)]  # advanced indexing: copies, read before any write
+    writes = [(plan.target[single], copies)]
+    if len(grouped):
+        slots = plan.target[grouped[::GROUP]]
+        weights = plan.weight[grouped].view(-1, GROUP).to(device)[None, :, :, None, None]
+        members = storage[:, :, src_start + grouped.to(device)].float()  # [layers, 2, groups * 4, Hkv, D]
+        values = (members[:, 1].unflatten(1, (-1, GROUP)) * weights).sum(2)
+        keys = members[:, 0]
+        if rotary is not None:
+            positions = torch.tensor(src_positions if src_positions is not None else range(length),
+                                     dtype=torch.float32)
+            keys = rotary.rotate(keys, positions[grouped], inverse=True)  # back to before RoPE
+        keys = (keys.unflatten(1, (-1, GROUP)) * weights).sum(2)
+        if rotary is not None:
+            keys = rotary.rotate(keys, torch.tensor([plan.positions[i] for i in slots.tolist()], dtype=torch.float32))
+        writes.append((slots, torch.stack((keys, values), dim=1).to(storage.dtype)))
+    for targets, data in writes:
+        storage[:, :, dst_start + targets.to(device)] = data
+
+
+def _apply_any(arena: KVArena, src_start: int, length: int, dst_start: int, plan: MergePlan, kept: torch.Tensor,
+               rotary: RotaryTable | None, src_positions: list[float] | None) -> None:
+    """Any plan (slots of any fan-in, e.g. a rolling merge composed over two passes): scatter-add."""
     device = arena.storage.device
     source = arena.storage[:, :, src_start : src_start + length].float()  # [layers, 2, L, Hkv, D]
-    kept = (plan.target >= 0).nonzero().squeeze(1)
     out = torch.zeros(*source.shape[:2], plan.num_slots, *source.shape[3:], dtype=torch.float32, device=device)
     weights = plan.weight[kept].to(device).view(1, 1, -1, 1, 1)
     targets = plan.target[kept].to(device)
@@ -227,7 +272,4 @@ def apply_plan(arena: KVArena, src_start: int, length: int, dst_start: int, plan
         index = torch.tensor(merged, device=device)
         at = torch.tensor([plan.positions[i] for i in merged], dtype=torch.float32)
         out[:, 0, index] = rotary.rotate(mean[:, index], at)
-    end = dst_start + plan.num_slots
-    arena.storage[:, :, dst_start:end] = out.to(arena.storage.dtype)
-    arena.bias[dst_start:end] = plan.log_counts(with_bias).to(device)
-    return plan.num_slots
+    arena.storage[:, :, dst_start : dst_start + plan.num_slots] = out.to(arena.storage.dtype)

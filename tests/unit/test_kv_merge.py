@@ -189,3 +189,32 @@ def test_stripes_hold_every_prompt_length_at_awkward_fractions(llama_dir):
     assert out.num_generated_tokens == 9
     with pytest.raises(Exception, match="longer than a row"):
         engine.score([[5] * (engine.runner.arena.row_capacity + 1)])
+
+
+@pytest.mark.parametrize("rerotate", [True, False])
+def test_dense_group_path_equals_the_scatter_path(rerotate):
+    """`apply_plan` reduces 4:1 groups densely; the general scatter-add path must give the same cache."""
+    from flashx_batch.models.config import RopeConfig
+    from flashx_batch.models.layers import RotaryTable
+    from flashx_batch.runtime.kv_merge import _apply_any
+
+    torch.manual_seed(3)
+    rotary = RotaryTable(RopeConfig(theta=100.0), 16, 256, torch.float32, torch.device("cpu")) if rerotate else None
+    length, settings = 96, MergeSettings(fraction=0.6, sinks=4, window=8)
+    scores = torch.rand(length)
+    plans = [plan_groups(length, choose_groups(scores, length, settings, "segment_sparse"), scores=scores),
+             plan_groups(length, [2, 5, 6]), plan_groups(length, [3, 4], drop=True), plan_streaming(length, 40, 4),
+             plan_oldest([1] * length, [float(i) for i in range(length)], 30, settings)]
+    for plan in plans:
+        caches = []
+        for dense in (True, False):
+            arena = KVArena(2, 2, 16, max_rows=1, row_capacity=length, segment_size=16, dtype=torch.float32,
+                            device=torch.device("cpu"))
+            arena.storage.copy_(torch.randn(arena.storage.shape, generator=torch.Generator().manual_seed(5)))
+            if dense:
+                apply_plan(arena, 0, length, 0, plan, rotary=rotary)
+            else:
+                kept = (plan.target >= 0).nonzero().squeeze(1)
+                _apply_any(arena, 0, length, 0, plan, kept, rotary, None)
+            caches.append(arena.storage[:, :, : plan.num_slots].clone())
+        assert torch.allclose(caches[0], caches[1], atol=1e-6), plan.counts[:12]
