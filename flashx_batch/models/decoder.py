@@ -33,6 +33,9 @@ class ForwardContext:
     packed: rows' prompts end to end in one [1, N] sequence, no padding (prefill of rows of different
       lengths); token t goes to flat slot `write_flat[t]`; each row attends causally to its own
       `row_lengths[r]` tokens only, so the matmuls run on N real tokens instead of B x longest.
+      With `last_only`, the final layer computes attention, o_proj and MLP for each row's last
+      token only: it still writes every token's K and V, but no later layer reads its other
+      outputs (the caller wants last-token logits), which saves ~1/num_layers of a prefill.
     paged: rows read through per-row slot tables (shared prefix segments + their own), any T:
       token t of row b is written to flat slot `write_slots[b, t]`; keys are gathered from
       `slot_table` [B, L] (position j -> flat slot) and `attn_mask` [B, 1, T, L] hides the rest.
@@ -50,6 +53,7 @@ class ForwardContext:
     cached: int = 0
     extend_mask: torch.Tensor | None = None
     row_lengths: tuple[int, ...] = ()  # packed: tokens per row, in sequence order
+    last_only: bool = False  # packed: the final layer returns each row's last token only, [1, B, hidden]
     observe: int = 0  # extend: score keys by the attention of the last `observe` queries
     scores: torch.Tensor | None = None  # filled when observe > 0: [cached + C], summed over layers
 
@@ -89,10 +93,13 @@ class Attention(nn.Module):
         k = self.k_norm.forward(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
         return apply_rotary_(q, cos, sin, self.interleaved), apply_rotary_(k, cos, sin, self.interleaved), v
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena, last_only: bool = False) -> torch.Tensor:
         batch, seq = x.shape[:2]
         q, k, v = self.project(x, ctx.cos, ctx.sin)
-        if ctx.mode == "prefill":
+        if last_only:
+            out = self._packed_last(q, k, v, ctx, arena)
+            seq = len(ctx.row_lengths)
+        elif ctx.mode == "prefill":
             out = self._prefill(q, k, v, arena)
         elif ctx.mode == "decode":
             out = self._decode(q, k, v, ctx, arena)
@@ -153,6 +160,26 @@ class Attention(nn.Module):
                                                        is_causal=True, scale=self.scale, enable_gqa=True))
             start = end
         return torch.cat(outs, dim=2)
+
+    def _packed_last(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+        """Packed rows, final layer: every token's K and V into the arena, but only each row's last
+        query attends (to its whole row, so no causal mask) -> [1, H, rows, D]."""
+        k_flat, v_flat = arena.flat(self.layer)
+        k_flat.index_copy_(0, ctx.write_flat, k[0])
+        v_flat.index_copy_(0, ctx.write_flat, v[0])
+        lengths = ctx.row_lengths
+        if len(set(lengths)) == 1:  # one batched attention: row r = batch entry r
+            rows, n = len(lengths), lengths[0]
+            keys, values = (t[0].view(rows, n, *t.shape[2:]).transpose(1, 2) for t in (k, v))  # [B, Hkv, n, D]
+            out = self._attend_one(q[0].view(rows, n, *q.shape[2:])[:, -1:], keys, values, None)  # [B, H, 1, D]
+            return out.transpose(0, 2)
+        outs, start = [], 0
+        for n in lengths:
+            end = start + n
+            outs.append(self._attend_one(q[:, end - 1 : end], k[:, start:end].transpose(1, 2),
+                                         v[:, start:end].transpose(1, 2), None))
+            start = end
+        return torch.cat(outs, dim=0).transpose(0, 2)
 
     def _paged(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
         batch, seq = q.shape[:2]
@@ -216,15 +243,22 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, dtype, device) if sandwich else None
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps, dtype, device) if sandwich else None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
-        return self.block(x, lambda h: self.attn.forward(h, ctx, arena))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena, last_only: bool = False) -> torch.Tensor:
+        ends = None
+        if last_only:  # the residual stream of each packed row's last token
+            ends = torch.tensor(ctx.row_lengths, device=x.device).cumsum(0) - 1
+        return self.block(x, lambda h: self.attn.forward(h, ctx, arena, last_only), ends)
 
-    def block(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def block(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
+              keep: torch.Tensor | None = None) -> torch.Tensor:
         """Norms, residuals and MLP around `attend` (normed x -> attention output): the one place the
-        layer's structure lives, shared with the ONNX export, whose attention carries its own cache."""
+        layer's structure lives, shared with the ONNX export, whose attention carries its own cache.
+        `keep`: `attend` returned only these positions of x's sequence; the rest of the layer runs on them."""
         h = attend(self.input_norm.forward(x))
         if self.post_attn_norm is not None:
             h = self.post_attn_norm.forward(h)
+        if keep is not None:
+            x = x[:, keep]
         x = h.add_(x)  # h is this layer's fresh output: the residual sum needs no new tensor
         h = self.mlp.forward(self.mlp_norm.forward(x))
         if self.post_mlp_norm is not None:
@@ -256,8 +290,9 @@ class DecoderModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         # `.forward` directly, here and inside the layers: nn.Module.__call__ (hooks, which nothing
         # here uses) costs a few microseconds per call, ~10 calls per layer per decode step.
-        for layer in self.layers:
-            x = layer.forward(x, ctx, arena)
+        final = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, ctx, arena, ctx.last_only and i == final)
         return self.norm.forward(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

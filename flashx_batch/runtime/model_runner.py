@@ -43,10 +43,9 @@ class ModelRunner:
         rows = torch.repeat_interleave(torch.arange(first_row, first_row + len(prompts), device=self.device),
                                        torch.tensor(lengths, device=self.device))
         cos, sin = self.model.rotary.lookup(positions[None])
-        ctx = ForwardContext("packed", cos, sin, write_flat=rows * cap + positions, row_lengths=tuple(lengths))
-        hidden = self.model.hidden_states(ids, ctx, self.arena)[0]  # [N, hidden]
-        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-        return self.model.logits(hidden[ends])
+        ctx = ForwardContext("packed", cos, sin, write_flat=rows * cap + positions, row_lengths=tuple(lengths),
+                             last_only=True)
+        return self.model.logits(self.model.hidden_states(ids, ctx, self.arena)[0])  # [B, hidden] -> [B, V]
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
