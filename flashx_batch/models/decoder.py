@@ -33,9 +33,9 @@ class ForwardContext:
     packed: rows' prompts end to end in one [1, N] sequence, no padding (prefill of rows of different
       lengths); token t goes to flat slot `write_flat[t]`; each row attends causally to its own
       `row_lengths[r]` tokens only, so the matmuls run on N real tokens instead of B x longest.
-      With `last_only`, the final layer computes attention, o_proj and MLP for each row's last
-      token only: it still writes every token's K and V, but no later layer reads its other
-      outputs (the caller wants last-token logits), which saves ~1/num_layers of a prefill.
+      With `last_only` (here and in extend), the final layer computes attention, o_proj and MLP
+      for each row's last token only: it still writes every token's K and V, but nothing reads its
+      other outputs (the caller wants last-token logits), which saves ~1/num_layers of a prefill.
     paged: rows read through per-row slot tables (shared prefix segments + their own), any T:
       token t of row b is written to flat slot `write_slots[b, t]`; keys are gathered from
       `slot_table` [B, L] (position j -> flat slot) and `attn_mask` [B, 1, T, L] hides the rest.
@@ -53,7 +53,13 @@ class ForwardContext:
     cached: int = 0
     extend_mask: torch.Tensor | None = None
     row_lengths: tuple[int, ...] = ()  # packed: tokens per row, in sequence order
-    last_only: bool = False  # packed: the final layer returns each row's last token only, [1, B, hidden]
+    last_only: bool = False  # packed / extend: the final layer returns each row's last token only, [1, B, hidden]
+
+    def last_tokens(self, device: torch.device) -> torch.Tensor:
+        """Sequence positions of each row's last token (packed: one per row; extend: the chunk's last)."""
+        if self.mode == "packed":
+            return torch.tensor(self.row_lengths, device=device).cumsum(0) - 1
+        return torch.tensor([-1], device=device)
     observe: int = 0  # extend: score keys by the attention of the last `observe` queries
     scores: torch.Tensor | None = None  # filled when observe > 0: [cached + C], summed over layers
 
@@ -97,8 +103,9 @@ class Attention(nn.Module):
         batch, seq = x.shape[:2]
         q, k, v = self.project(x, ctx.cos, ctx.sin)
         if last_only:
-            out = self._packed_last(q, k, v, ctx, arena)
-            seq = len(ctx.row_lengths)
+            packed = ctx.mode == "packed"
+            out = self._packed_last(q, k, v, ctx, arena) if packed else self._extend(q, k, v, ctx, arena, True)
+            seq = out.shape[2]
         elif ctx.mode == "prefill":
             out = self._prefill(q, k, v, arena)
         elif ctx.mode == "decode":
@@ -194,7 +201,7 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.attn_mask,
                                               scale=self.scale, enable_gqa=True)
 
-    def _extend(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+    def _extend(self, q, k, v, ctx: ForwardContext, arena: KVArena, last_only: bool = False) -> torch.Tensor:
         seq = q.shape[1]
         k_flat, v_flat = arena.flat(self.layer)  # [slots, Hkv, D]
         begin, end = ctx.start + ctx.cached, ctx.start + ctx.cached + seq
@@ -205,6 +212,10 @@ class Attention(nn.Module):
         queries = q.transpose(1, 2)  # [1, H, C, D]
         if ctx.observe:
             self._observe(queries, keys, ctx)
+        if last_only:  # the chunk's last query sees every slot: its row of the mask is the bias alone
+            mask = None if ctx.extend_mask is None else ctx.extend_mask[:, :, -1:]
+            return F.scaled_dot_product_attention(queries[:, :, -1:], keys, values, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=True)
         if ctx.extend_mask is None and ctx.cached == 0:
             return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
                                                   enable_gqa=True)
@@ -244,9 +255,7 @@ class DecoderLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps, dtype, device) if sandwich else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena, last_only: bool = False) -> torch.Tensor:
-        ends = None
-        if last_only:  # the residual stream of each packed row's last token
-            ends = torch.tensor(ctx.row_lengths, device=x.device).cumsum(0) - 1
+        ends = ctx.last_tokens(x.device) if last_only else None  # the residual stream of each row's last token
         return self.block(x, lambda h: self.attn.forward(h, ctx, arena, last_only), ends)
 
     def block(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],

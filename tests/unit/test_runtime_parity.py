@@ -99,3 +99,22 @@ def test_inflight_refill_matches_static_batches_with_fewer_steps(arch, policy, t
     assert refill_stats.input_tokens == sum(lengths)
     if policy == "static":  # packed prefill: rows of different lengths compute no padding at all
         assert static_stats.padding_efficiency == refill_stats.padding_efficiency == 1.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_token_only_prefills_give_the_full_forward_last_logits(arch, tiny_models):
+    """Packed prefill and extend run their final layer on each row's last token only; those logits
+    must still be transformers' last-position logits (equal lengths, mixed lengths, one row)."""
+    model_dir, hf = tiny_models[arch]
+    engine = _engine(model_dir)
+    runner = engine.runner
+    for lengths in ((12, 12, 12), (5, 30, 17)):
+        prompts = _prompts(4, lengths)
+        packed = runner.prefill_packed(prompts)
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+            assert (packed[i] - ref).abs().max().item() <= 1e-4
+            alone, scores = runner.extend(prompt, 0, 0, 0, observe=4)
+            assert alone.shape == (1, ref.shape[0]) and scores.shape == (len(prompt),)
+            assert (alone[0] - ref).abs().max().item() <= 1e-4
