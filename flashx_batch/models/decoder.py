@@ -60,8 +60,9 @@ class ForwardContext:
         if self.mode == "packed":
             return torch.tensor(self.row_lengths, device=device).cumsum(0) - 1
         return torch.tensor([-1], device=device)
-    observe: int = 0  # extend: score keys by the attention of the last `observe` queries
-    scores: torch.Tensor | None = None  # filled when observe > 0: [cached + C], summed over layers
+    observe: int = 0  # extend / packed: score keys by the attention of the (row's) last `observe` queries
+    # filled when observe > 0, summed over layers: extend [cached + C]; packed [N] (zeros from the caller)
+    scores: torch.Tensor | None = None
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -150,10 +151,21 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, 1, self.head_dim)
 
-    def _packed(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+    def _packed_write(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> None:
+        """Packed rows' K and V into their arena slots; with `observe`, each row's window scores too."""
         k_flat, v_flat = arena.flat(self.layer)
         k_flat.index_copy_(0, ctx.write_flat, k[0])
         v_flat.index_copy_(0, ctx.write_flat, v[0])
+        if ctx.observe:
+            start = 0
+            for n in ctx.row_lengths:  # ctx.scores: [N], each row's keys scored by its own last queries
+                end = start + n
+                ctx.scores[start:end] += self._window_scores(q[:, start:end].transpose(1, 2),
+                                                             k[:, start:end].transpose(1, 2), ctx.observe, None)
+                start = end
+
+    def _packed(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+        self._packed_write(q, k, v, ctx, arena)
         lengths = ctx.row_lengths
         if len(set(lengths)) == 1:  # rows of one length: one batched causal attention [B, H, T, D]
             rows = (len(lengths), lengths[0])
@@ -171,9 +183,7 @@ class Attention(nn.Module):
     def _packed_last(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
         """Packed rows, final layer: every token's K and V into the arena, but only each row's last
         query attends (to its whole row, so no causal mask) -> [1, H, rows, D]."""
-        k_flat, v_flat = arena.flat(self.layer)
-        k_flat.index_copy_(0, ctx.write_flat, k[0])
-        v_flat.index_copy_(0, ctx.write_flat, v[0])
+        self._packed_write(q, k, v, ctx, arena)
         lengths = ctx.row_lengths
         if len(set(lengths)) == 1:  # one batched attention: row r = batch entry r
             rows, n = len(lengths), lengths[0]
@@ -223,23 +233,28 @@ class Attention(nn.Module):
                                               enable_gqa=True)
 
     def _observe(self, queries: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext) -> None:
-        """SnapKV-style importance: attention the last `observe` queries pay each key, pooled.
+        weights = self._window_scores(queries, keys, ctx.observe, ctx.extend_mask)
+        ctx.scores = weights if ctx.scores is None else ctx.scores + weights
+
+    def _window_scores(self, queries: torch.Tensor, keys: torch.Tensor, observe: int,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+        """SnapKV-style importance: attention the last `observe` queries [1, H, C, D] pay each key
+        [1, Hkv, L, D], pooled over heads and queries -> [L]. `mask` [1, 1, C, L] (None: causal).
 
         SDPA does not return its weights, so the window's scores are recomputed here (W x L, small).
         """
-        window = min(ctx.observe, queries.shape[2])
+        window = min(observe, queries.shape[2])
         total = keys.shape[2]
         q_win = queries[:, :, -window:].float()  # [1, H, W, D]
         # the query heads of one KV head as extra rows against that head's keys (no repeated keys)
         q_win = q_win.reshape(1, self.num_kv_heads, -1, self.head_dim)
         logits = (q_win @ keys.float().transpose(-1, -2)).view(1, self.num_heads, window, total) * self.scale
-        if ctx.extend_mask is not None:
-            logits = logits + ctx.extend_mask[:, :, -window:].float()
+        if mask is not None:
+            logits = logits + mask[:, :, -window:].float()
         else:
             q_pos = torch.arange(total - window, total, device=queries.device)[:, None]
             logits = logits.masked_fill(torch.arange(total, device=queries.device)[None, :] > q_pos, float("-inf"))
-        weights = logits.softmax(dim=-1).mean(dim=(0, 1, 2))  # [L]
-        ctx.scores = weights if ctx.scores is None else ctx.scores + weights
+        return logits.softmax(dim=-1).mean(dim=(0, 1, 2))  # [L]
 
 
 class DecoderLayer(nn.Module):

@@ -133,14 +133,17 @@ class StripedBatch:
     def _fill_rows(self, first: int, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         """Prompts into stripes first, first + 1, ... -> (last-token logits [B, V], cache slots per row).
 
-        Plain rows: one prefill, packed end to end without padding. Segment-sparse rows and rows
+        Plain rows: one prefill, packed end to end without padding. Segment-sparse rows: packed
+        prefills into free space, each row then merged down into its stripe (`_fill_merged`). Rows
         longer than max_input_len (rolling merge) are prefilled one at a time into their own
         region, then merged down."""
         limit = self.engine.options.max_input_len
         sparse = self.engine.options.cache_policy == "segment_sparse"
-        if not sparse and all(len(p) <= limit for p in prompts):
+        if all(len(p) <= limit for p in prompts):
             lengths = [len(p) for p in prompts]
             self.stats.computed_slots += sum(lengths)
+            if sparse:
+                return self._fill_merged(first, prompts)
             return self.runner.prefill_packed(prompts, first), lengths
         last_logits, slots = [], []
         for i, prompt in enumerate(prompts):
@@ -148,6 +151,29 @@ class StripedBatch:
             last_logits.append(logits)
             slots.append(used)
         return torch.stack(last_logits), slots
+
+    def _fill_merged(self, first: int, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Segment-sparse rows into stripes first, first + 1, ...: as many rows as fit are prefilled
+        in one packed pass, their full KV staged at the end of the free space (every stripe from
+        `first` on, plus the spare segments), then merged down one by one, in stripe order, into
+        their stripes. Staging at the end keeps each merge's destination clear of the rows still
+        waiting: see `_staged_rows`."""
+        engine, cap = self.engine, self.arena.row_capacity
+        last_logits, slots, done = [], [], 0
+        while done < len(prompts):
+            row = first + done
+            lengths = [len(p) for p in prompts[done:]]
+            count = _staged_rows(row * cap, self.arena.num_slots, cap, lengths)
+            starts = (self.arena.num_slots - torch.tensor(lengths[:count]).flip(0).cumsum(0).flip(0)).tolist()
+            logits, scores = self.runner.prefill_packed_at(prompts[done : done + count], starts,
+                                                           observe=engine.merge.window)
+            for j, (n, src, row_scores) in enumerate(zip(lengths, starts, scores)):
+                groups = choose_groups(row_scores, n, engine.merge, "segment_sparse")
+                plan = plan_groups(n, groups, scores=row_scores)  # a merged slot leans to its attended tokens
+                slots.append(apply_plan(self.arena, src, n, (row + j) * cap, plan, rotary=engine.merge_rotary))
+            last_logits.append(logits)
+            done += count
+        return torch.cat(last_logits), slots
 
     def _fill_row(self, i: int, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """One prompt alone into stripe i's region -> (last-token logits [V], cache slots it holds)."""
@@ -167,6 +193,24 @@ class StripedBatch:
                 used = apply_plan(self.arena, start, used, start, plan, rotary=engine.merge_rotary)
         self.stats.computed_slots += len(prompt)
         return logits[-1], used
+
+
+def _staged_rows(free_start: int, free_end: int, cap: int, lengths: list[int]) -> int:
+    """How many of `lengths` (the next rows, stripe after stripe from `free_start`) one packed
+    prefill can stage at the end of [free_start, free_end) and still merge safely in order: row j's
+    merged slots, at most its stripe [free_start + j*cap, + cap), must end before the staged prompts
+    of rows j+1.. begin (its own may overlap: a merge reads its source before writing). At least 1:
+    the arena keeps the last stripe plus spare segments as long as the longest prompt."""
+    count = 1
+    while count < len(lengths):
+        staged = lengths[: count + 1]
+        if sum(staged) > free_end - free_start:
+            break
+        # row j's stripe end vs the first staged slot of row j + 1 (rows after j sit behind it)
+        if any(free_start + (j + 1) * cap > free_end - sum(staged[j + 1 :]) for j in range(count + 1)):
+            break
+        count += 1
+    return count
 
 
 class PagedBatch:

@@ -36,16 +36,25 @@ class ModelRunner:
     def prefill_packed(self, prompts: list[list[int]], first_row: int = 0) -> torch.Tensor:
         """Prompts packed end to end, no padding, into stripes first_row, first_row + 1, ...
         -> last-token logits [B, V] (rows of one length attend as one batch)."""
+        starts = [(first_row + r) * self.arena.row_capacity for r in range(len(prompts))]
+        return self.prefill_packed_at(prompts, starts)[0]
+
+    @torch.inference_mode()
+    def prefill_packed_at(self, prompts: list[list[int]], starts: list[int], observe: int = 0
+                          ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Packed prefill with row r's KV written to flat slots starts[r], starts[r] + 1, ...
+        -> (last-token logits [B, V], and with `observe` each row's pooled window scores [len_r])."""
         lengths = [len(p) for p in prompts]
-        cap = self.arena.row_capacity
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)[None]
-        positions = torch.cat([self._slot_range[:n] for n in lengths])
-        rows = torch.repeat_interleave(torch.arange(first_row, first_row + len(prompts), device=self.device),
-                                       torch.tensor(lengths, device=self.device))
+        positions = torch.cat([self._range(n) for n in lengths])
+        first_slots = torch.repeat_interleave(torch.tensor(starts, device=self.device),
+                                              torch.tensor(lengths, device=self.device))
         cos, sin = self.model.rotary.lookup(positions[None])
-        ctx = ForwardContext("packed", cos, sin, write_flat=rows * cap + positions, row_lengths=tuple(lengths),
-                             last_only=True)
-        return self.model.logits(self.model.hidden_states(ids, ctx, self.arena)[0])  # [B, hidden] -> [B, V]
+        scores = torch.zeros(len(positions), device=self.device) if observe else None
+        ctx = ForwardContext("packed", cos, sin, write_flat=first_slots + positions, row_lengths=tuple(lengths),
+                             last_only=True, observe=observe, scores=scores)
+        logits = self.model.logits(self.model.hidden_states(ids, ctx, self.arena)[0])  # [B, hidden] -> [B, V]
+        return logits, (list(scores.split(lengths)) if observe else None)
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:

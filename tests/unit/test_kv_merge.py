@@ -218,3 +218,35 @@ def test_dense_group_path_equals_the_scatter_path(rerotate):
                 _apply_any(arena, 0, length, 0, plan, kept, rotary, None)
             caches.append(arena.storage[:, :, : plan.num_slots].clone())
         assert torch.allclose(caches[0], caches[1], atol=1e-6), plan.counts[:12]
+
+
+def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
+    """Segment-sparse rows are prefilled several at a time, staged at the end of the free space, then
+    merged down in stripe order; outputs must equal prefilling and merging each row alone."""
+    from flashx_batch.runtime.batches import StripedBatch, _staged_rows
+
+    engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8)
+    prompts = _prompts((96, 20, 71, 96, 33, 90, 12, 64, 96, 50, 81))
+    params = [SamplingParams(max_new_tokens=3 + (5 * i) % 14, ignore_eos=True) for i in range(len(prompts))]
+    arena = engine.runner.arena
+    lengths = [len(p) for p in prompts]
+    assert _staged_rows(0, arena.num_slots, arena.row_capacity, lengths) > 1  # rows do share a prefill
+    packed = [o.token_ids for o in engine.generate(prompts, params)]
+    assert arena.allocator.is_whole()
+
+    def one_by_one(self, first, rows):
+        filled = [self._fill_row(first + i, p) for i, p in enumerate(rows)]
+        return torch.stack([logits for logits, _ in filled]), [used for _, used in filled]
+
+    monkeypatch.setattr(StripedBatch, "_fill_merged", one_by_one)
+    assert packed == [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def test_staged_rows_keep_each_merge_clear_of_the_rows_still_staged():
+    from flashx_batch.runtime.batches import _staged_rows
+
+    # 2 stripes of 100 slots + 50 spare; prompts staged at the end, row 0 merges into [0, 100)
+    assert _staged_rows(0, 250, 100, [60, 150]) == 2  # row 1 staged from slot 100: clear of row 0's stripe
+    assert _staged_rows(0, 250, 100, [60, 160]) == 1  # row 1 would start at slot 90, inside row 0's stripe
+    assert _staged_rows(0, 250, 100, [150, 150]) == 1  # 300 tokens do not fit 250 slots
+    assert _staged_rows(0, 416, 80, [96] * 5) == 4
