@@ -248,12 +248,12 @@ class Attention(nn.Module):
         q_win = queries[:, :, -window:].float()  # [1, H, W, D]
         # the query heads of one KV head as extra rows against that head's keys (no repeated keys)
         q_win = q_win.reshape(1, self.num_kv_heads, -1, self.head_dim)
-        logits = (q_win @ keys.float().transpose(-1, -2)).view(1, self.num_heads, window, total) * self.scale
+        logits = (q_win @ keys.float().transpose(-1, -2)).view(1, self.num_heads, window, total).mul_(self.scale)
         if mask is not None:
-            logits = logits + mask[:, :, -window:].float()
-        else:
-            q_pos = torch.arange(total - window, total, device=queries.device)[:, None]
-            logits = logits.masked_fill(torch.arange(total, device=queries.device)[None, :] > q_pos, float("-inf"))
+            logits += mask[:, :, -window:].float()
+        else:  # causal: only the window's own keys can lie in a query's future
+            future = torch.ones(window, window, dtype=torch.bool, device=queries.device).triu_(1)
+            logits[..., total - window :].masked_fill_(future, float("-inf"))
         return logits.softmax(dim=-1).mean(dim=(0, 1, 2))  # [L]
 
 
