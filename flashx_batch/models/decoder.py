@@ -104,6 +104,8 @@ class Attention(nn.Module):
         batch, seq = x.shape[:2]
         q, k, v = self.project(x, ctx.cos, ctx.sin)
         if last_only:
+            if ctx.mode not in ("packed", "extend"):
+                raise ValueError(f"last_only serves packed and extend forwards, not {ctx.mode!r}")
             packed = ctx.mode == "packed"
             out = self._packed_last(q, k, v, ctx, arena) if packed else self._extend(q, k, v, ctx, arena, True)
             seq = out.shape[2]

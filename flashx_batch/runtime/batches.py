@@ -139,18 +139,27 @@ class StripedBatch:
         region, then merged down."""
         limit = self.engine.options.max_input_len
         sparse = self.engine.options.cache_policy == "segment_sparse"
-        if all(len(p) <= limit for p in prompts):
-            lengths = [len(p) for p in prompts]
-            self.stats.computed_slots += sum(lengths)
+        last_logits, slots, i = [], [], 0
+        while i < len(prompts):  # runs of rows that fit, packed; an over-long row alone (rolling merge)
+            if len(prompts[i]) > limit:
+                logits, used = self._fill_row(first + i, prompts[i])
+                last_logits.append(logits[None])
+                slots.append(used)
+                i += 1
+                continue
+            run = 1
+            while i + run < len(prompts) and len(prompts[i + run]) <= limit:
+                run += 1
+            rows = prompts[i : i + run]
+            self.stats.computed_slots += sum(map(len, rows))
             if sparse:
-                return self._fill_merged(first, prompts)
-            return self.runner.prefill_packed(prompts, first), lengths
-        last_logits, slots = [], []
-        for i, prompt in enumerate(prompts):
-            logits, used = self._fill_row(first + i, prompt)
+                logits, used_slots = self._fill_merged(first + i, rows)
+            else:
+                logits, used_slots = self.runner.prefill_packed(rows, first + i), [len(p) for p in rows]
             last_logits.append(logits)
-            slots.append(used)
-        return torch.stack(last_logits), slots
+            slots += used_slots
+            i += run
+        return torch.cat(last_logits), slots
 
     def _fill_merged(self, first: int, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         """Segment-sparse rows into stripes first, first + 1, ...: as many rows as fit are prefilled
