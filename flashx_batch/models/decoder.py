@@ -158,12 +158,18 @@ class Attention(nn.Module):
         k_flat, v_flat = arena.flat(self.layer)
         k_flat.index_copy_(0, ctx.write_flat, k[0])
         v_flat.index_copy_(0, ctx.write_flat, v[0])
-        if ctx.observe:
+        if ctx.observe:  # ctx.scores: [N], each row's keys scored by its own last queries
+            lengths = ctx.row_lengths
+            if len(set(lengths)) == 1:  # rows of one length: scored as one batch
+                rows, n = len(lengths), lengths[0]
+                q_rows, k_rows = (t[0].view(rows, n, *t.shape[2:]).transpose(1, 2) for t in (q, k))
+                ctx.scores.view(rows, n).add_(self._window_scores(q_rows, k_rows, ctx.observe, None))
+                return
             start = 0
-            for n in ctx.row_lengths:  # ctx.scores: [N], each row's keys scored by its own last queries
+            for n in lengths:
                 end = start + n
                 ctx.scores[start:end] += self._window_scores(q[:, start:end].transpose(1, 2),
-                                                             k[:, start:end].transpose(1, 2), ctx.observe, None)
+                                                             k[:, start:end].transpose(1, 2), ctx.observe, None)[0]
                 start = end
 
     def _packed(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
@@ -235,13 +241,13 @@ class Attention(nn.Module):
                                               enable_gqa=True)
 
     def _observe(self, queries: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext) -> None:
-        weights = self._window_scores(queries, keys, ctx.observe, ctx.extend_mask)
+        weights = self._window_scores(queries, keys, ctx.observe, ctx.extend_mask)[0]
         ctx.scores = weights if ctx.scores is None else ctx.scores + weights
 
     def _window_scores(self, queries: torch.Tensor, keys: torch.Tensor, observe: int,
                        mask: torch.Tensor | None) -> torch.Tensor:
-        """SnapKV-style importance: attention the last `observe` queries [1, H, C, D] pay each key
-        [1, Hkv, L, D], pooled over heads and queries -> [L]. `mask` [1, 1, C, L] (None: causal).
+        """SnapKV-style importance: attention the last `observe` queries [B, H, C, D] pay each key
+        [B, Hkv, L, D], pooled over heads and queries -> [B, L]. `mask` [1, 1, C, L] (None: causal).
 
         SDPA does not return its weights, so the window's scores are recomputed here (W x L, small).
         """
@@ -249,14 +255,15 @@ class Attention(nn.Module):
         total = keys.shape[2]
         q_win = queries[:, :, -window:].float()  # [1, H, W, D]
         # the query heads of one KV head as extra rows against that head's keys (no repeated keys)
-        q_win = q_win.reshape(1, self.num_kv_heads, -1, self.head_dim)
-        logits = (q_win @ keys.float().transpose(-1, -2)).view(1, self.num_heads, window, total).mul_(self.scale)
+        batch = queries.shape[0]
+        q_win = q_win.reshape(batch, self.num_kv_heads, -1, self.head_dim)
+        logits = (q_win @ keys.float().transpose(-1, -2)).view(batch, self.num_heads, window, total).mul_(self.scale)
         if mask is not None:
             logits += mask[:, :, -window:].float()
         else:  # causal: only the window's own keys can lie in a query's future
             future = torch.ones(window, window, dtype=torch.bool, device=queries.device).triu_(1)
             logits[..., total - window :].masked_fill_(future, float("-inf"))
-        return logits.softmax(dim=-1).mean(dim=(0, 1, 2))  # [L]
+        return logits.softmax(dim=-1).mean(dim=(1, 2))  # [B, L]
 
 
 class DecoderLayer(nn.Module):

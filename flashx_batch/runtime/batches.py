@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashx_batch.runtime.kv_merge import apply_plan, choose_groups, max_compressed_length, plan_groups
+from flashx_batch.runtime.kv_merge import apply_plan, apply_plans, choose_groups, max_compressed_length, plan_groups
 from flashx_batch.runtime.prefix_cache import block_keys
 from flashx_batch.runtime.sampling import SamplingParams
 
@@ -176,10 +176,12 @@ class StripedBatch:
             starts = (self.arena.num_slots - torch.tensor(lengths[:count]).flip(0).cumsum(0).flip(0)).tolist()
             logits, scores = self.runner.prefill_packed_at(prompts[done : done + count], starts,
                                                            observe=engine.merge.window)
+            jobs = []
             for j, (n, src, row_scores) in enumerate(zip(lengths, starts, scores)):
                 groups = choose_groups(row_scores, n, engine.merge, "segment_sparse")
                 plan = plan_groups(n, groups, scores=row_scores)  # a merged slot leans to its attended tokens
-                slots.append(apply_plan(self.arena, src, n, (row + j) * cap, plan, rotary=engine.merge_rotary))
+                jobs.append((src, n, (row + j) * cap, plan))
+            slots += apply_plans(self.arena, jobs, rotary=engine.merge_rotary)  # reads every row before writing
             last_logits.append(logits)
             done += count
         return torch.cat(last_logits), slots
