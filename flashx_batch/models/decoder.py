@@ -54,15 +54,24 @@ class ForwardContext:
     extend_mask: torch.Tensor | None = None
     row_lengths: tuple[int, ...] = ()  # packed: tokens per row, in sequence order
     last_only: bool = False  # packed / extend: the final layer returns each row's last token only, [1, B, hidden]
+    observe: int = 0  # extend / packed: score keys by the attention of the (row's) last `observe` queries
+    # filled when observe > 0, summed over layers: extend [cached + C]; packed [N] (zeros from the caller)
+    scores: torch.Tensor | None = None
 
     def last_tokens(self, device: torch.device) -> torch.Tensor:
         """Sequence positions of each row's last token (packed: one per row; extend: the chunk's last)."""
         if self.mode == "packed":
             return torch.tensor(self.row_lengths, device=device).cumsum(0) - 1
         return torch.tensor([-1], device=device)
-    observe: int = 0  # extend / packed: score keys by the attention of the (row's) last `observe` queries
-    # filled when observe > 0, summed over layers: extend [cached + C]; packed [N] (zeros from the caller)
-    scores: torch.Tensor | None = None
+
+
+def _by_rows(lengths: tuple[int, ...], *packed: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Packed [1, N, heads, D] tensors cut into their rows, in order: one batch [B, n, heads, D] when
+    every row has n tokens (one kernel call for all), else one [1, n_r, heads, D] slice per row."""
+    if len(set(lengths)) == 1:
+        return [tuple(t[0].view(len(lengths), lengths[0], *t.shape[2:]) for t in packed)]
+    bounds = torch.tensor((0, *lengths)).cumsum(0).tolist()
+    return [tuple(t[:, a:b] for t in packed) for a, b in zip(bounds, bounds[1:])]
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -159,51 +168,25 @@ class Attention(nn.Module):
         k_flat.index_copy_(0, ctx.write_flat, k[0])
         v_flat.index_copy_(0, ctx.write_flat, v[0])
         if ctx.observe:  # ctx.scores: [N], each row's keys scored by its own last queries
-            lengths = ctx.row_lengths
-            if len(set(lengths)) == 1:  # rows of one length: scored as one batch
-                rows, n = len(lengths), lengths[0]
-                q_rows, k_rows = (t[0].view(rows, n, *t.shape[2:]).transpose(1, 2) for t in (q, k))
-                ctx.scores.view(rows, n).add_(self._window_scores(q_rows, k_rows, ctx.observe, None))
-                return
-            start = 0
-            for n in lengths:
-                end = start + n
-                ctx.scores[start:end] += self._window_scores(q[:, start:end].transpose(1, 2),
-                                                             k[:, start:end].transpose(1, 2), ctx.observe, None)[0]
-                start = end
+            scores = [self._window_scores(q_r.transpose(1, 2), k_r.transpose(1, 2), ctx.observe, None).reshape(-1)
+                      for q_r, k_r in _by_rows(ctx.row_lengths, q, k)]
+            ctx.scores += torch.cat(scores)
 
     def _packed(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+        """Packed rows: each attends causally to its own tokens -> [B, H, n, D] for rows of one
+        length, else [1, H, N, D] (both read back as the packed sequence)."""
         self._packed_write(q, k, v, ctx, arena)
-        lengths = ctx.row_lengths
-        if len(set(lengths)) == 1:  # rows of one length: one batched causal attention [B, H, T, D]
-            rows = (len(lengths), lengths[0])
-            q, k, v = (t.reshape(*rows, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H or Hkv, N, D]
-        outs, start = [], 0
-        for n in lengths:  # one causal attention per row over its own tokens
-            end = start + n
-            outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                                                       is_causal=True, scale=self.scale, enable_gqa=True))
-            start = end
-        return torch.cat(outs, dim=2)
+        outs = [F.scaled_dot_product_attention(q_r.transpose(1, 2), k_r.transpose(1, 2), v_r.transpose(1, 2),
+                                               is_causal=True, scale=self.scale, enable_gqa=True)
+                for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # one batch: no copy
 
     def _packed_last(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
         """Packed rows, final layer: every token's K and V into the arena, but only each row's last
         query attends (to its whole row, so no causal mask) -> [1, H, rows, D]."""
         self._packed_write(q, k, v, ctx, arena)
-        lengths = ctx.row_lengths
-        if len(set(lengths)) == 1:  # one batched attention: row r = batch entry r
-            rows, n = len(lengths), lengths[0]
-            keys, values = (t[0].view(rows, n, *t.shape[2:]).transpose(1, 2) for t in (k, v))  # [B, Hkv, n, D]
-            out = self._attend_one(q[0].view(rows, n, *q.shape[2:])[:, -1:], keys, values, None)  # [B, H, 1, D]
-            return out.transpose(0, 2)
-        outs, start = [], 0
-        for n in lengths:
-            end = start + n
-            outs.append(self._attend_one(q[:, end - 1 : end], k[:, start:end].transpose(1, 2),
-                                         v[:, start:end].transpose(1, 2), None))
-            start = end
+        outs = [self._attend_one(q_r[:, -1:], k_r.transpose(1, 2), v_r.transpose(1, 2), None)  # [rows, H, 1, D]
+                for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]
         return torch.cat(outs, dim=0).transpose(0, 2)
 
     def _paged(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:

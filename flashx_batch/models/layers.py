@@ -98,22 +98,16 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x [B, T, H, D]; rotates the first `cos.shape[-1]` channels, passes the rest through."""
-    rotary_dim = cos.shape[-1]
-    rotate = _rotate_pairs if interleaved else _rotate_half
-    if rotary_dim == x.shape[-1]:
-        return (x * cos) + (rotate(x) * sin)
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat(((x_rot * cos) + (rotate(x_rot) * sin), x_pass), dim=-1)
+    """x [B, T, H, D]; rotates the first `cos.shape[-1]` channels, passes the rest through (into a
+    new tensor: x is left as it is)."""
+    return apply_rotary_(x.clone(), cos, sin, interleaved)
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """`apply_rotary` written into x itself (a projection's fresh output) and returned.
-
-    Same operations in the same order, so float32 results are bitwise those of `apply_rotary` (and
-    of transformers); but only the rotated copy is a new tensor, where the out-of-place form makes
-    three (on a CPU prefill each fresh multi-MB temporary costs page faults). The pass-through
-    channels of a partial rotary are simply left alone."""
+    """Rotary embedding written into x itself (a projection's fresh output) and returned:
+    x * cos + rotate(x) * sin, transformers' operations in its order (float32 results bitwise equal),
+    with only the rotated copy a new tensor (on a CPU prefill each fresh multi-MB temporary costs
+    page faults). The pass-through channels of a partial rotary are simply left alone."""
     x_rot = x[..., : cos.shape[-1]]
     turned = (_rotate_pairs if interleaved else _rotate_half)(x_rot).mul_(sin)
     x_rot.mul_(cos).add_(turned)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashx_batch.runtime.kv_merge import apply_plan, apply_plans, choose_groups, max_compressed_length, plan_groups
+from flashx_batch.runtime.kv_merge import apply_plans, choose_groups, max_compressed_length, plan_groups
 from flashx_batch.runtime.prefix_cache import block_keys
 from flashx_batch.runtime.sampling import SamplingParams
 
@@ -134,15 +134,15 @@ class StripedBatch:
         """Prompts into stripes first, first + 1, ... -> (last-token logits [B, V], cache slots per row).
 
         Plain rows: one prefill, packed end to end without padding. Segment-sparse rows: packed
-        prefills into free space, each row then merged down into its stripe (`_fill_merged`). Rows
-        longer than max_input_len (rolling merge) are prefilled one at a time into their own
-        region, then merged down."""
+        prefills into free space, each row then merged down into its stripe (`_fill_merged`). A row
+        longer than max_input_len (rolling merge) is prefilled alone, between the runs of rows that
+        fit (`_fill_rolling`)."""
         limit = self.engine.options.max_input_len
         sparse = self.engine.options.cache_policy == "segment_sparse"
         last_logits, slots, i = [], [], 0
         while i < len(prompts):  # runs of rows that fit, packed; an over-long row alone (rolling merge)
             if len(prompts[i]) > limit:
-                logits, used = self._fill_row(first + i, prompts[i])
+                logits, used = self._fill_rolling(first + i, prompts[i])
                 last_logits.append(logits[None])
                 slots.append(used)
                 i += 1
@@ -186,22 +186,13 @@ class StripedBatch:
             done += count
         return torch.cat(last_logits), slots
 
-    def _fill_row(self, i: int, prompt: list[int]) -> tuple[torch.Tensor, int]:
-        """One prompt alone into stripe i's region -> (last-token logits [V], cache slots it holds)."""
+    def _fill_rolling(self, i: int, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """A prompt longer than max_input_len (long_input=rolling_merge) alone into stripe i, folded
+        into the slots a row of max_input_len would hold -> (last-token logits [V], cache slots)."""
         engine, limit = self.engine, self.engine.options.max_input_len
         sparse = engine.options.cache_policy == "segment_sparse"
-        start = i * self.arena.row_capacity
-        if len(prompt) > limit:
-            budget = max_compressed_length(limit, engine.merge) if sparse else limit
-            logits, used = engine.rolling_prefill(prompt, start, budget)
-        else:
-            observe = engine.merge.window if sparse else 0
-            logits, scores = self.runner.extend(prompt, start, 0, 0, observe=observe)
-            used = len(prompt)
-            if sparse:
-                groups = choose_groups(scores, used, engine.merge, "segment_sparse")
-                plan = plan_groups(used, groups, scores=scores)  # a merged slot leans to its attended tokens
-                used = apply_plan(self.arena, start, used, start, plan, rotary=engine.merge_rotary)
+        budget = max_compressed_length(limit, engine.merge) if sparse else limit
+        logits, used = engine.rolling_prefill(prompt, i * self.arena.row_capacity, budget)
         self.stats.computed_slots += len(prompt)
         return logits[-1], used
 

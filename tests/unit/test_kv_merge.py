@@ -236,9 +236,16 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
     packed = [o.token_ids for o in engine.generate(prompts, params)]
     assert arena.allocator.is_whole()
 
-    def one_by_one(self, first, rows):
-        filled = [self._fill_row(first + i, p) for i, p in enumerate(rows)]
-        return torch.stack([logits for logits, _ in filled]), [used for _, used in filled]
+    def one_by_one(self, first, rows):  # each row prefilled alone in its own region, then merged in place
+        logits, used = [], []
+        for i, prompt in enumerate(rows):
+            start = (first + i) * arena.row_capacity
+            last, scores = self.runner.extend(prompt, start, 0, 0, observe=engine.merge.window)
+            plan = plan_groups(len(prompt), choose_groups(scores, len(prompt), engine.merge, "segment_sparse"),
+                               scores=scores)
+            used.append(apply_plan(arena, start, len(prompt), start, plan, rotary=engine.merge_rotary))
+            logits.append(last[-1])
+        return torch.stack(logits), used
 
     monkeypatch.setattr(StripedBatch, "_fill_merged", one_by_one)
     assert packed == [o.token_ids for o in engine.generate(prompts, params)]
