@@ -66,8 +66,9 @@ class RuntimeSection:
     cache_policy: str = "static"
     segment_size: int = 16  # tokens per KV segment: small segments waste little when merged rows shrink
     long_input: str = "error"  # error | truncate | rolling_merge
-    kv_merge_fraction: float = 0.7  # segment_sparse: share of eligible 4-token groups merged 4:1
+    kv_merge_fraction: float = 0.8  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: queries whose attention scores the groups
+    kv_evict_share: float = 0.8  # segment_sparse: share of the freed slots freed by evicting the least attended groups
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens an actor keeps for shared prefixes (0 = off)
     precision_map: str | None = None  # weight formats per tensor, from `python -m flashx_batch.quantize`
     num_threads: int | None = None  # CPU threads per engine; None = the actor's CPUs
@@ -115,6 +116,7 @@ class JobConfig:
                              max_input_len=r.max_input_len, max_output_len=r.max_output_len,
                              cache_policy=r.cache_policy, segment_size=r.segment_size, long_input=r.long_input,
                              kv_merge_fraction=r.kv_merge_fraction, kv_observe_window=r.kv_observe_window,
+                             kv_evict_share=r.kv_evict_share,
                              prefix_cache_tokens=r.prefix_cache_tokens, precision_map=r.precision_map,
                              num_threads=r.num_threads or num_threads, sort_by_length=True, refill=r.refill,
                              prepack_weights=r.prepack_weights)

@@ -11,8 +11,19 @@ from __future__ import annotations
 import torch
 
 from flashx_batch import Engine
+from flashx_batch.models.layers import RotaryTable
 from flashx_batch.quality.metrics import Agreement
-from flashx_batch.runtime.kv_merge import MergeSettings, apply_plan, choose_groups, plan_groups, plan_streaming
+from flashx_batch.runtime.kv_merge import (
+    GROUP,
+    POLICIES,
+    MergePlan,
+    MergeSettings,
+    apply_plan,
+    choose_compression,
+    choose_groups,
+    plan_groups,
+    plan_streaming,
+)
 
 
 def _full_logits(engine: Engine, tokens: list[int], from_position: int) -> torch.Tensor:
@@ -22,34 +33,22 @@ def _full_logits(engine: Engine, tokens: list[int], from_position: int) -> torch
 
 def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int, settings: MergeSettings,
                    policies: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Every policy at the same mask / slot budget as `segment_sparse` at `settings.fraction`."""
+    """Every policy at the same groups / slot budget as `segment_sparse` at `settings` (the least
+    attended groups evicted, the next merged 4:1 with equal weights: `choose_compression`). The
+    `merge_*` ablations change how its merged groups are merged; `merge_only` merges the fraction's
+    groups and evicts none (the best merge-only scheme we built: groups ranked by sum - max, weights
+    sharpened from the scores); `evict` drops every group segment_sparse touches."""
     results = {name: Agreement() for name in policies}
     slots = {name: 0 for name in policies}
     runner, arena = engine.runner, engine.runner.arena
+    rotary = engine.runner.model.rotary if settings.rerotate else None
     for index, window in enumerate(windows):
         prompt, cont = window[:prompt_len], window[prompt_len:-1]
         targets = torch.tensor(window[prompt_len + 1 :])
         reference = _full_logits(engine, prompt + cont, prompt_len)
         _, scores = runner.extend(prompt, 0, 0, 0, observe=settings.window)
-        mask = choose_groups(scores, prompt_len, settings, "segment_sparse")
-        # evicting a group frees 4 slots, merging frees 3: evict 3/4 as many to keep as many slots
-        same_ratio = choose_groups(scores, prompt_len, settings, "evict", count=round(0.75 * len(mask)))
-        kept_by_merge = plan_groups(prompt_len, mask).num_slots
-        rotary = engine.runner.model.rotary if settings.rerotate else None
-        plans = {  # name: (plan, log-count bias, rotary for merged keys)
-            "segment_sparse": (plan_groups(prompt_len, mask, scores=scores), True, rotary),
-            "merge_unsharpened": (plan_groups(prompt_len, mask, scores=scores, sharpness=1.0), True, rotary),
-            "merge_equal_weights": (plan_groups(prompt_len, mask), True, rotary),
-            "merge_post_rope": (plan_groups(prompt_len, mask, scores=scores), True, None),
-            "merge_no_bias": (plan_groups(prompt_len, mask, scores=scores), False, rotary),
-            "evict": (plan_groups(prompt_len, mask, drop=True), True, None),
-            "evict_same_ratio": (plan_groups(prompt_len, same_ratio, drop=True), True, None),
-            "random": (plan_groups(prompt_len, choose_groups(None, prompt_len, settings, "random", seed=index),
-                                   scores=scores), True, rotary),
-            "streaming": (plan_streaming(prompt_len, kept_by_merge, settings.sinks), True, None),
-        }
         for name in policies:
-            plan, with_bias, merge_rotary = plans[name]
+            plan, with_bias, merge_rotary = _policy_plan(name, prompt_len, settings, scores, index, rotary)
             runner.extend(prompt, 0, 0, 0)  # fresh prompt KV: the previous policy rewrote it
             used = apply_plan(arena, 0, prompt_len, 0, plan, with_bias=with_bias, rotary=merge_rotary)
             logits, _ = runner.extend(cont, 0, used, prompt_len, all_logits=True)
@@ -57,6 +56,36 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int, se
             slots[name] += used
     return {name: {**agg.summary(), "kv_bytes_ratio": slots[name] / (prompt_len * len(windows))}
             for name, agg in results.items()}
+
+
+def _policy_plan(name: str, n: int, settings: MergeSettings, scores: torch.Tensor, seed: int,
+                 rotary: RotaryTable | None) -> tuple[MergePlan, bool, RotaryTable | None]:
+    """(plan, with the log-count bias, RoPE table for merged keys) of policy `name` for an n-token prompt."""
+    merge, evict = choose_compression(scores, n, settings)
+    if name == "segment_sparse":
+        return plan_groups(n, merge, evict=evict), True, rotary
+    if name == "merge_only":  # no eviction: groups ranked by sum - max, sharpened score weights
+        return plan_groups(n, choose_groups(scores, n, settings, "segment_sparse"), scores=scores), True, rotary
+    if name == "merge_score_weighted":
+        return plan_groups(n, merge, scores=scores, evict=evict), True, rotary
+    if name == "merge_unsharpened":
+        return plan_groups(n, merge, scores=scores, sharpness=1.0, evict=evict), True, rotary
+    if name == "merge_post_rope":
+        return plan_groups(n, merge, evict=evict), True, None
+    if name == "merge_no_bias":
+        return plan_groups(n, merge, evict=evict), False, rotary
+    if name == "evict":
+        return plan_groups(n, merge + evict, drop=True), True, None
+    if name == "evict_same_ratio":  # evicting a group frees 4 slots: as many groups as free the same slots
+        freed = n - plan_groups(n, merge, evict=evict).num_slots
+        lowest = choose_groups(scores, n, settings, "evict", count=round(freed / GROUP))
+        return plan_groups(n, lowest, drop=True), True, None
+    if name == "random":  # segment_sparse's counts of merged and evicted groups, on random groups
+        merge, evict = choose_compression(None, n, settings, "random", seed=seed)
+        return plan_groups(n, merge, evict=evict), True, rotary
+    if name == "streaming":
+        return plan_streaming(n, plan_groups(n, merge, evict=evict).num_slots, settings.sinks), True, None
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
 def long_input_quality(engine: Engine, windows: list[list[int]], prompt_len: int,

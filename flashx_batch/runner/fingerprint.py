@@ -69,6 +69,8 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         "input.files": _digest([f.manifest() for f in plan.files]),
         "input.num_files": len(plan.files),
     }
+    if r.cache_policy == "segment_sparse":  # only here: static jobs written before this key existed still resume
+        fp["runtime.kv_evict_share"] = r.kv_evict_share
     fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items()})
     for k in ("id_column", "prompt_column", "messages_column", "passthrough_columns", "prompt_prefix", "limit",
               "max_row_bytes"):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashx_batch.runtime.kv_merge import apply_plans, choose_groups, max_compressed_length, plan_groups
+from flashx_batch.runtime.kv_merge import apply_plans, choose_compression, max_compressed_length, plan_groups
 from flashx_batch.runtime.prefix_cache import block_keys
 from flashx_batch.runtime.sampling import SamplingParams
 
@@ -178,8 +178,8 @@ class StripedBatch:
                                                            observe=engine.merge.window)
             jobs = []
             for j, (n, src, row_scores) in enumerate(zip(lengths, starts, scores)):
-                groups = choose_groups(row_scores, n, engine.merge, "segment_sparse")
-                plan = plan_groups(n, groups, scores=row_scores)  # a merged slot leans to its attended tokens
+                merge, evict = choose_compression(row_scores, n, engine.merge)
+                plan = plan_groups(n, merge, evict=evict)
                 jobs.append((src, n, (row + j) * cap, plan))
             slots += apply_plans(self.arena, jobs, rotary=engine.merge_rotary)  # reads every row before writing
             last_logits.append(logits)

@@ -178,7 +178,8 @@ class Engine:
             from flashx_batch.quant import apply_precision_map, load_precision_map
 
             apply_precision_map(model, load_precision_map(options.precision_map), self.model_dir)
-        self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window)
+        self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window,
+                                   evict_share=options.kv_evict_share)
         arena = self._build_arena()
         if options.prepack_weights:
             self.backend.prepare_model(model, arena.max_rows)

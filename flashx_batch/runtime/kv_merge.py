@@ -1,15 +1,16 @@
-"""Segment-sparse KV: which 4-token groups to merge, and the merge itself.
+"""Segment-sparse KV: which 4-token groups to evict or merge, and the rewrite itself.
 
-Pure planning (`plan_*`) is integer / small-tensor work on the host; `apply_plan` is the one place
-that rewrites arena tensors. A plan maps every source slot to a target slot (or drops it) with a
-weight, so one mechanism serves 4:1 merging, the no-bias and evict-only ablations, StreamingLLM's
+Pure planning (`plan_*`, `choose_*`) is integer / small-tensor work on the host; `apply_plan` is the
+one place that rewrites arena tensors. A plan maps every source slot to a target slot (or drops it)
+with a weight, so one mechanism serves segment-sparse compression (the least attended groups
+evicted, the next merged 4:1), the merge-only / evict-only / no-bias ablations, StreamingLLM's
 sinks + recent window, and rolling merges of already-merged slots (weights by token count).
 
-Merged slot = weighted mean of its tokens' values and keys (weights: the tokens' attention scores,
-sharpened, for a segment-sparse merge; their token counts for a rolling merge; keys averaged before
-RoPE and rotated to the slot's weighted mean position when a RoPE table is given); attention adds
-log(effective count) to its logit (log(count) for a rolling merge), so a slot standing for 4
-identical tokens weighs exactly as the 4 did.
+Merged slot = weighted mean of its tokens' values and keys (equal weights for a segment-sparse
+merge; sharpened attention scores for the score-weighted ablations; token counts for a rolling
+merge; keys averaged before RoPE and rotated to the slot's weighted mean position when a RoPE table
+is given); attention adds log(count) to its logit (log(effective count) for a score-weighted plan),
+so a slot standing for 4 identical tokens weighs exactly as the 4 did.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ from flashx_batch.models.layers import RotaryTable
 from flashx_batch.runtime.kv import KVArena
 
 GROUP = 4
-POLICIES = ("segment_sparse", "merge_unsharpened", "merge_equal_weights", "merge_post_rope", "merge_no_bias", "evict",
-            "evict_same_ratio", "random", "streaming")
+POLICIES = ("segment_sparse", "merge_only", "merge_score_weighted", "merge_unsharpened", "merge_post_rope",
+            "merge_no_bias", "evict", "evict_same_ratio", "random", "streaming")
 
 
 @dataclass(frozen=True)
 class MergeSettings:
-    fraction: float = 0.7  # of eligible groups; chosen by `python -m flashx_batch.quality` (all held-out windows)
+    fraction: float = 0.8  # of eligible groups; chosen by `python -m flashx_batch.quality` (all held-out windows)
     sinks: int = 4  # first tokens never merged (attention sinks)
     window: int = 32  # last tokens: the observation window, never merged
     rerotate: bool = True  # merge keys before RoPE and rotate to the group's mean position
+    # of the slots the fraction frees, the share freed by evicting the least attended groups outright;
+    # the rest by 4:1 merges of the next least attended (0 = merge only; chosen by `python -m flashx_batch.quality`)
+    evict_share: float = 0.8
 
 
 @dataclass
@@ -70,9 +74,19 @@ def merge_count(length: int, settings: MergeSettings) -> int:
     return round(settings.fraction * len(eligible_groups(length, settings)))
 
 
+def compression_counts(length: int, settings: MergeSettings) -> tuple[int, int]:
+    """(groups merged 4:1, groups evicted) for a `length`-token prompt. Together they free the slots
+    merging `merge_count` groups would (GROUP - 1 per merged group, GROUP per evicted one),
+    `evict_share` of them by eviction."""
+    freed = (GROUP - 1) * merge_count(length, settings)
+    evicted = round(settings.evict_share * freed / GROUP)
+    return max(0, round((freed - GROUP * evicted) / (GROUP - 1))), evicted  # evictions may overshoot by a slot
+
+
 def compressed_length(length: int, settings: MergeSettings) -> int:
-    """Slots a `length`-token prompt occupies after a 4:1 merge at `settings.fraction`."""
-    return length - (GROUP - 1) * merge_count(length, settings)
+    """Slots a `length`-token prompt occupies once compressed at `settings`."""
+    merged, evicted = compression_counts(length, settings)
+    return length - (GROUP - 1) * merged - GROUP * evicted
 
 
 def max_compressed_length(limit: int, settings: MergeSettings) -> int:
@@ -82,7 +96,7 @@ def max_compressed_length(limit: int, settings: MergeSettings) -> int:
 
 
 def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSettings, policy: str,
-                  seed: int = 0, count: int | None = None) -> list[int]:
+                  seed: int = 0, count: int | None = None, ranked: bool = False) -> list[int]:
     """The `count` groups (default: the fraction's) whose compression loses the least attention,
     or random ones for the ablation.
 
@@ -91,7 +105,7 @@ def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSetti
     the most attended token almost exactly (and the bias restores the group's total weight); what
     gets blurred is the attention of the other three: rank by sum − max. On the 151 held-out
     windows that beat ranking by the sum at fraction 0.8 (top-1 0.883 vs 0.880, KL 0.0230 vs
-    0.0234; `python -m flashx_batch.quality`)."""
+    0.0234; `python -m flashx_batch.quality`). `ranked`: least loss first instead of sorted by position."""
     groups = eligible_groups(length, settings)
     count = merge_count(length, settings) if count is None else count
     if count == 0:
@@ -104,37 +118,70 @@ def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSetti
     lost = per_group.sum(-1)
     if policy != "evict":
         lost = lost - per_group.max(-1).values
-    lowest = torch.argsort(lost, stable=True)[:count].tolist()
-    return sorted(groups[i] for i in lowest)
+    lowest = [groups[i] for i in torch.argsort(lost, stable=True)[:count].tolist()]
+    return lowest if ranked else sorted(lowest)
 
 
-SHARPNESS = 5.0  # merged-slot weights ∝ score ** SHARPNESS (chosen by `python -m flashx_batch.quality`)
+def choose_compression(scores: torch.Tensor | None, length: int, settings: MergeSettings,
+                       policy: str = "segment_sparse", seed: int = 0) -> tuple[list[int], list[int]]:
+    """(groups to merge, groups to evict): the segment-sparse plan for one prompt.
+
+    Groups are ranked by the attention they received (pooled sum). The least attended are evicted;
+    the next ones are merged 4:1 (equal weights, log 4 bias), so a merge spends its slot where an
+    approximation is worth keeping. Why both (151 held-out windows, `python -m flashx_batch.quality`):
+    merging alone loses to eviction at the same slot budget at every fraction, while evicting for
+    80 % of the freed slots and merging the next groups beats eviction (fraction 0.8: top-1 0.911 vs
+    0.908, KL 0.0130 vs 0.0142). A merged slot's mean key draws attention that tokens nobody
+    attends never had; for moderately attended tokens a summary beats losing them.
+    `policy="random"`: the same counts on random groups (the ablation)."""
+    merged, evicted = compression_counts(length, settings)
+    if merged + evicted == 0:
+        return [], []
+    if policy == "random":
+        groups = eligible_groups(length, settings)
+        g = torch.Generator().manual_seed(seed)
+        picked = [groups[i] for i in torch.randperm(len(groups), generator=g)[: merged + evicted].tolist()]
+        return sorted(picked[evicted:]), sorted(picked[:evicted])
+    order = choose_groups(scores, length, settings, "evict", count=merged + evicted, ranked=True)
+    return sorted(order[evicted:]), sorted(order[:evicted])
+
+
+# merged-slot weights ∝ score ** SHARPNESS when a plan is given scores: the best merge-only scheme we
+# measured (`merge_only` in `python -m flashx_batch.quality`); segment_sparse merges with equal weights
+SHARPNESS = 5.0
 
 
 def plan_groups(length: int, groups: list[int], drop: bool = False,
-                scores: torch.Tensor | None = None, sharpness: float = SHARPNESS) -> MergePlan:
-    """Merge (or, with `drop`, evict) each listed 4-token group; every other token keeps its slot.
+                scores: torch.Tensor | None = None, sharpness: float = SHARPNESS,
+                evict: list[int] | tuple[int, ...] = ()) -> MergePlan:
+    """Merge each listed 4-token group (with `drop`, evict them instead) and evict the groups in
+    `evict`; every other token keeps its slot.
 
     With `scores`, a merged slot leans to its most attended tokens — weights ∝ score ** sharpness,
     its position their weighted mean — and its bias is the log of its effective token count (see
     `MergePlan.log_counts`). Without, tokens weigh equally and the bias is log 4."""
+    if drop:
+        groups, evict = [], list(groups)
     tokens = torch.arange(length)
     whole = length // GROUP  # groups lying fully inside the prompt: only those can merge
-    chosen = torch.zeros(whole + 1, dtype=torch.bool)
-    chosen[torch.tensor([g for g in groups if g < whole], dtype=torch.int64)] = True
-    in_group = chosen[torch.clamp(tokens // GROUP, max=whole)] & (tokens < whole * GROUP)
-    starts = ~in_group | ((tokens % GROUP == 0) & in_group & torch.tensor(not drop))  # tokens that open a slot
+
+    def members_of(listed) -> torch.Tensor:
+        chosen = torch.zeros(whole + 1, dtype=torch.bool)
+        chosen[torch.tensor([g for g in listed if g < whole], dtype=torch.int64)] = True
+        return chosen[torch.clamp(tokens // GROUP, max=whole)] & (tokens < whole * GROUP)
+
+    in_group, dropped = members_of(groups), members_of(evict)
+    kept = ~(in_group | dropped)
+    starts = kept | ((tokens % GROUP == 0) & in_group)  # tokens that open a slot
     target = torch.cumsum(starts.long(), 0) - 1
-    if drop:
-        target[in_group] = -1
+    target[dropped] = -1
     num_slots = int(starts.sum())
     weight = torch.ones(length, dtype=torch.float32)
     counts = torch.ones(num_slots, dtype=torch.int64)
     positions = torch.zeros(num_slots, dtype=torch.float32)
-    kept = ~in_group
     positions[target[kept]] = tokens[kept].float()
     mass = torch.ones(num_slots, dtype=torch.float32)
-    if not drop and bool(in_group.any()):
+    if bool(in_group.any()):
         members = tokens[in_group].view(-1, GROUP)  # [merged groups, 4]
         slots = target[members[:, 0]]
         counts[slots] = GROUP

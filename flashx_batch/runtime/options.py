@@ -31,8 +31,9 @@ class EngineOptions:
     num_threads: int | None = None  # CPU only; None = every core this process may run on
     sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
     refill: bool = True  # a finished row's stripe takes the next queued row mid-batch (in-flight refill)
-    kv_merge_fraction: float = 0.7  # segment_sparse: share of eligible 4-token groups merged 4:1
+    kv_merge_fraction: float = 0.8  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups
+    kv_evict_share: float = 0.8  # segment_sparse: share of the freed slots freed by evicting the least attended groups
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens kept for shared prefixes (0 = off)
     precision_map: str | None = None  # JSON from `python -m flashx_batch.quantize`: per-tensor weight formats
     prepack_weights: bool = True  # CPU float32: MKL-packed weight copies for the decode batch (2x weight memory)
@@ -50,6 +51,7 @@ class EngineOptions:
             (self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}"),
             (0.0 <= self.kv_merge_fraction <= 1.0,
              f"kv_merge_fraction must be in [0, 1], got {self.kv_merge_fraction}"),
+            (0.0 <= self.kv_evict_share <= 1.0, f"kv_evict_share must be in [0, 1], got {self.kv_evict_share}"),
             (self.kv_observe_window >= 1, f"kv_observe_window must be >= 1, got {self.kv_observe_window}"),
             (self.long_input != "rolling_merge" or self.max_input_len >= 4 + self.kv_observe_window + 8,
              f"max_input_len={self.max_input_len} is too small to roll long prompts: it must exceed the 4 sink "

@@ -12,8 +12,10 @@ from flashx_batch.runtime.kv_merge import (
     GROUP,
     MergeSettings,
     apply_plan,
+    choose_compression,
     choose_groups,
     compressed_length,
+    compression_counts,
     eligible_groups,
     plan_groups,
     plan_oldest,
@@ -78,7 +80,7 @@ def test_score_weighted_merge_leans_to_the_attended_token():
 
 
 def test_plans_cover_every_policy():
-    s = MergeSettings(fraction=0.5, sinks=4, window=8)
+    s = MergeSettings(fraction=0.5, sinks=4, window=8, evict_share=0.0)  # merge only
     assert eligible_groups(40, s) == list(range(1, 8))
     scores = torch.arange(40, dtype=torch.float32)  # later tokens matter more
     assert choose_groups(scores, 40, s, "segment_sparse") == [1, 2, 3, 4]
@@ -99,6 +101,35 @@ def test_plans_cover_every_policy():
     assert rolled.positions[4:6] == [5.5, 9.5]  # tokens 4..7 and 8..11 folded, each at its mean position
     twice = plan_oldest(rolled.counts, rolled.positions, 9, s)
     assert twice.counts[4] == 16 and sum(twice.counts) == 40
+
+
+def test_segment_sparse_evicts_the_least_attended_groups_and_merges_the_next():
+    s = MergeSettings(fraction=0.5, sinks=4, window=8, evict_share=0.8)
+    assert eligible_groups(40, s) == list(range(1, 8))
+    # 4 groups' worth of merging frees 12 slots: 2 groups evicted (8 slots) + 1 merged (3) is the nearest split
+    assert compression_counts(40, s) == (1, 2)
+    scores = torch.arange(40, dtype=torch.float32)  # later tokens matter more
+    assert choose_compression(scores, 40, s) == ([3], [1, 2])
+    plan = plan_groups(40, [3], scores=scores, evict=[1, 2])
+    assert plan.num_slots == compressed_length(40, s) == 29
+    assert (plan.target[4:12] == -1).all() and len(set(plan.target[12:16].tolist())) == 1  # 12..15: one slot
+    assert plan.target[3].item() == 3 and plan.target[16].item() == 5 and plan.counts[4] == GROUP
+    # the ends of the dial: merge only and evict only
+    assert choose_compression(scores, 40, MergeSettings(0.5, 4, 8, evict_share=0.0)) == ([1, 2, 3, 4], [])
+    assert choose_compression(scores, 40, MergeSettings(0.5, 4, 8, evict_share=1.0)) == ([], [1, 2, 3])
+    merge, evict = choose_compression(None, 40, s, "random", seed=2)
+    assert (len(merge), len(evict)) == (1, 2) and not set(merge) & set(evict)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.8, 1.0])
+def test_compressed_length_is_what_the_plan_keeps(share):
+    """The arena sizes stripes from compressed_length: every prompt length's plan must keep exactly that."""
+    s = MergeSettings(fraction=0.7, sinks=4, window=8, evict_share=share)
+    for n in range(1, 130):
+        scores = torch.rand(n, generator=torch.Generator().manual_seed(n))
+        merge, evict = choose_compression(scores, n, s)
+        assert not set(merge) & set(evict) and set(merge + evict) <= set(eligible_groups(n, s))
+        assert plan_groups(n, merge, scores=scores, evict=evict).num_slots == compressed_length(n, s), n
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +233,9 @@ def test_dense_group_path_equals_the_scatter_path(rerotate):
     rotary = RotaryTable(RopeConfig(theta=100.0), 16, 256, torch.float32, torch.device("cpu")) if rerotate else None
     length, settings = 96, MergeSettings(fraction=0.6, sinks=4, window=8)
     scores = torch.rand(length)
+    merge, evict = choose_compression(scores, length, settings)
     plans = [plan_groups(length, choose_groups(scores, length, settings, "segment_sparse"), scores=scores),
+             plan_groups(length, merge, scores=scores, evict=evict),
              plan_groups(length, [2, 5, 6]), plan_groups(length, [3, 4], drop=True), plan_streaming(length, 40, 4),
              plan_oldest([1] * length, [float(i) for i in range(length)], 30, settings)]
     for plan in plans:
@@ -241,8 +274,8 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
         for i, prompt in enumerate(rows):
             start = (first + i) * arena.row_capacity
             last, scores = self.runner.extend(prompt, start, 0, 0, observe=engine.merge.window)
-            plan = plan_groups(len(prompt), choose_groups(scores, len(prompt), engine.merge, "segment_sparse"),
-                               scores=scores)
+            merge, evict = choose_compression(scores, len(prompt), engine.merge)
+            plan = plan_groups(len(prompt), merge, evict=evict)
             used.append(apply_plan(arena, start, len(prompt), start, plan, rotary=engine.merge_rotary))
             logits.append(last[-1])
         return torch.stack(logits), used
