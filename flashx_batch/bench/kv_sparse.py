@@ -7,10 +7,10 @@ admits more rows per static batch. Workload: prompts of `max_input_len` held-out
 tokens each, EOS ignored, greedy. Runs interleaved; medians, and the ratio of each back-to-back pair
 (median / min / max: on a shared machine a pair sees the same load); writes OUT/kv_sparse.json.
 
-Rows: by default the least common multiple of the two engines' batch sizes (104 for 8 and 13), so
-neither runs a part-empty last batch: the steady state of a long job. A row count that suits only
-one side skews the ratio — 48 rows are 6 full static batches but 3 full merged batches and one 9/13
-full — so `--rows` reports the tail effect when you want it (the JSON records the rows used).
+Rows: by default the least common multiple of the two engines' batch sizes (56 for 8 and 14 at the
+defaults), so neither runs a part-empty last batch: the steady state of a long job. A row count that
+suits only one side skews the ratio — 48 rows are 6 full static batches but 3 full merged batches and
+one 6/14 full — so `--rows` reports the tail effect when you want it (the JSON records the rows used).
 """
 
 from __future__ import annotations

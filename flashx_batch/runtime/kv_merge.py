@@ -15,6 +15,7 @@ so a slot standing for 4 identical tokens weighs exactly as the 4 did.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,7 +36,8 @@ class MergeSettings:
     window: int = 32  # last tokens: the observation window, never merged
     rerotate: bool = True  # merge keys before RoPE and rotate to the group's mean position
     # of the slots the fraction frees, the share freed by evicting the least attended groups outright;
-    # the rest by 4:1 merges of the next least attended (0 = merge only; chosen by `python -m flashx_batch.quality`)
+    # the rest by 4:1 merges of the next least attended (0 = merge only, 1 = evict only). Picked from the
+    # evict-share sweep of `python -m flashx_batch.quality` (best KL at fractions 0.7 and 0.8)
     evict_share: float = 0.8
 
 
@@ -71,16 +73,20 @@ def eligible_groups(length: int, settings: MergeSettings) -> list[int]:
 
 
 def merge_count(length: int, settings: MergeSettings) -> int:
-    return round(settings.fraction * len(eligible_groups(length, settings)))
+    first = -(-settings.sinks // GROUP)  # len(eligible_groups(...)) without building the list
+    return round(settings.fraction * max(0, (length - settings.window) // GROUP - first))
 
 
 def compression_counts(length: int, settings: MergeSettings) -> tuple[int, int]:
-    """(groups merged 4:1, groups evicted) for a `length`-token prompt. Together they free the slots
-    merging `merge_count` groups would (GROUP - 1 per merged group, GROUP per evicted one),
-    `evict_share` of them by eviction."""
+    """(groups merged 4:1, groups evicted) for a `length`-token prompt. Together they free about the
+    slots merging `merge_count` groups would (GROUP - 1 per merged group, GROUP per evicted one),
+    `evict_share` of them by eviction. Rounding to whole groups can free a slot or two more or fewer;
+    `compressed_length` is exact either way. `evict_share` 1 evicts only."""
     freed = (GROUP - 1) * merge_count(length, settings)
+    if settings.evict_share >= 1.0:
+        return 0, round(freed / GROUP)
     evicted = round(settings.evict_share * freed / GROUP)
-    return max(0, round((freed - GROUP * evicted) / (GROUP - 1))), evicted  # evictions may overshoot by a slot
+    return max(0, round((freed - GROUP * evicted) / (GROUP - 1))), evicted
 
 
 def compressed_length(length: int, settings: MergeSettings) -> int:
@@ -89,9 +95,10 @@ def compressed_length(length: int, settings: MergeSettings) -> int:
     return length - (GROUP - 1) * merged - GROUP * evicted
 
 
+@functools.lru_cache(maxsize=16)  # asked again for every over-long row a rolling merge folds
 def max_compressed_length(limit: int, settings: MergeSettings) -> int:
-    """The most slots any prompt of up to `limit` tokens occupies once merged. Not simply the
-    value at `limit`: rounding the merge count can leave a slightly shorter prompt a slot or two longer."""
+    """The most slots any prompt of up to `limit` tokens occupies once compressed. Not simply the
+    value at `limit`: rounding the group counts can leave a slightly shorter prompt a slot or two longer."""
     return max(compressed_length(n, settings) for n in range(1, limit + 1))
 
 
@@ -161,7 +168,11 @@ def plan_groups(length: int, groups: list[int], drop: bool = False,
     its position their weighted mean — and its bias is the log of its effective token count (see
     `MergePlan.log_counts`). Without, tokens weigh equally and the bias is log 4."""
     if drop:
+        if evict:
+            raise ValueError("plan_groups: pass the groups to drop either as `groups` with drop=True or as `evict`")
         groups, evict = [], list(groups)
+    if set(groups) & set(evict):
+        raise ValueError(f"plan_groups: groups {sorted(set(groups) & set(evict))[:8]} are both merged and evicted")
     tokens = torch.arange(length)
     whole = length // GROUP  # groups lying fully inside the prompt: only those can merge
 

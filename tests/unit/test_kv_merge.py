@@ -17,6 +17,7 @@ from flashx_batch.runtime.kv_merge import (
     compressed_length,
     compression_counts,
     eligible_groups,
+    max_compressed_length,
     plan_groups,
     plan_oldest,
     plan_streaming,
@@ -119,6 +120,37 @@ def test_segment_sparse_evicts_the_least_attended_groups_and_merges_the_next():
     assert choose_compression(scores, 40, MergeSettings(0.5, 4, 8, evict_share=1.0)) == ([], [1, 2, 3])
     merge, evict = choose_compression(None, 40, s, "random", seed=2)
     assert (len(merge), len(evict)) == (1, 2) and not set(merge) & set(evict)
+    # ranked by the attention a group received: a group with one spike is kept whole, not evicted
+    # (ranking merges by sum - max, as merge-only does, would evict it first)
+    spiked = scores.clone()
+    spiked[8:12] = torch.tensor([100.0, 0.5, 0.5, 0.5])
+    assert choose_compression(spiked, 40, s) == ([4], [1, 3])
+    with pytest.raises(ValueError, match="both merged and evicted"):
+        plan_groups(40, [2, 3], evict=[3])
+
+
+def test_the_stripe_holds_every_prompt_length_once_compressed():
+    """Rounding group counts can leave a shorter prompt longer once compressed: the arena sizes
+    stripes from the maximum over every length, not from the longest prompt's."""
+    s = MergeSettings(fraction=0.8, sinks=4, window=32, evict_share=0.8)
+    limit = 512
+    assert max_compressed_length(limit, s) >= max(compressed_length(n, s) for n in range(1, limit + 1))
+    assert max_compressed_length(limit, s) > compressed_length(limit, s)  # 230 (at 511) vs 227
+
+
+def test_the_evict_share_reaches_the_engine_and_the_job_fingerprint(tiny_models):
+    from types import SimpleNamespace
+
+    from flashx_batch.config import JobConfig
+    from flashx_batch.runner.fingerprint import compute
+
+    engine = _engine(tiny_models["llama"][0], cache_policy="segment_sparse", kv_evict_share=0.3)
+    assert engine.merge.evict_share == 0.3
+    job = JobConfig()
+    assert "runtime.kv_evict_share" not in compute(job, SimpleNamespace(files=[]), {})  # static jobs resume as before
+    job.runtime.cache_policy, job.runtime.kv_evict_share = "segment_sparse", 0.5
+    assert compute(job, SimpleNamespace(files=[]), {})["runtime.kv_evict_share"] == 0.5
+    assert job.engine_options().kv_evict_share == 0.5
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.8, 1.0])
