@@ -26,7 +26,7 @@ from flashx_batch.errors import ConfigError, PromptTooLongError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
 from flashx_batch.onnx.export import export_decoder, export_fingerprint
-from flashx_batch.runtime.engine import GenerateStats, RequestOutput, _read_generation_eos
+from flashx_batch.runtime.engine import GenerateStats, RequestOutput, _read_generation_eos, check_prompt_ids
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.sampling import SamplingBatch, SamplingParams, sample
 from flashx_batch.runtime.stops import RowState
@@ -154,8 +154,7 @@ class OnnxEngine:
     def _fit(self, token_lists: list[list[int]]) -> tuple[list[list[int]], list[bool]]:
         limit, fitted, truncated = self.options.max_input_len, [], []
         for i, ids in enumerate(token_lists):
-            if not ids:
-                raise ConfigError(f"prompt {i} is empty after tokenization.")
+            check_prompt_ids(i, ids, self.config.vocab_size)
             if len(ids) > limit:
                 if self.options.long_input == "error":
                     raise PromptTooLongError(i, len(ids), limit)

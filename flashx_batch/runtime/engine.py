@@ -156,6 +156,17 @@ def _read_generation_eos(model_dir: Path) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
+def check_prompt_ids(index: int, ids: list[int], vocab_size: int) -> None:
+    """Refuse an empty prompt or token ids outside the vocabulary (which would otherwise fail deep in
+    the embedding lookup with a bare IndexError), naming the prompt."""
+    if not ids:
+        raise ConfigError(f"prompt {index} is empty after tokenization; an empty prompt has nothing to continue.")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ConfigError(f"prompt {index} holds token id {bad}, outside the model's vocabulary "
+                          f"(0..{vocab_size - 1}); pass ids from this model's tokenizer, or text.")
+
+
 class Engine:
     def __init__(self, model_dir: Path, options: EngineOptions) -> None:
         self.model_dir = Path(model_dir)
@@ -323,8 +334,7 @@ class Engine:
         limit = self.options.max_input_len
         fitted, truncated = [], []
         for i, ids in enumerate(token_lists):
-            if not ids:
-                raise ConfigError(f"prompt {i} is empty after tokenization; an empty prompt has nothing to continue.")
+            check_prompt_ids(i, ids, self.config.vocab_size)
             if len(ids) > limit and self.options.long_input != "rolling_merge":
                 if self.options.long_input == "error":
                     raise PromptTooLongError(i, len(ids), limit)

@@ -88,3 +88,12 @@ def test_invalid_sampling_values_are_clear_errors():
 def test_max_new_tokens_beyond_the_arena_is_refused(engine):
     with pytest.raises(ConfigError, match="max_output_len"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=33))
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error(engine):
+    vocab = engine.config.vocab_size
+    with pytest.raises(ConfigError, match=f"prompt 1 holds token id {vocab}, outside the model's vocabulary"):
+        engine.generate([[5, 6], [7, vocab, 8]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ConfigError, match="token id -3"):
+        engine.generate([[-3, 4]], SamplingParams(max_new_tokens=2))
+    assert engine.runner.arena.allocator.is_whole()  # refused before anything was allocated
