@@ -24,6 +24,7 @@ from pathlib import Path
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.bench.timing import seconds as timed_seconds
+from flashx_batch.bench.timing import spread
 from flashx_batch.quality.heldout import token_windows
 from flashx_batch.runtime.options import bundled_model_dir
 
@@ -60,12 +61,8 @@ def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, rep
         "ratio_admitted_rows": engines["segment_sparse"].admitted_batch_size / engines["static"].admitted_batch_size,
         "ratio_output_tok_per_s": tok_s["segment_sparse"] / tok_s["static"],
         # each repeat runs static then segment_sparse back to back: a pair shares the machine's mood
-        "ratio_output_tok_per_s_paired": _spread([a / b for a, b in zip(seconds["static"], seconds["segment_sparse"])]),
+        "ratio_output_tok_per_s_paired": spread([a / b for a, b in zip(seconds["static"], seconds["segment_sparse"])]),
     }
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ class ForwardContext:
     row_lengths: tuple[int, ...] = ()  # packed: tokens per row, in sequence order
     last_only: bool = False  # packed / extend: the final layer returns each row's last token only, [1, B, hidden]
     observe: int = 0  # extend / packed: score keys by the attention of the (row's) last `observe` queries
-    # filled when observe > 0, summed over layers: extend [cached + C]; packed [N] (zeros from the caller)
+    # when observe > 0, zeros from the caller that each layer adds its scores to: extend [cached + C]; packed [N]
     scores: torch.Tensor | None = None
 
     def last_tokens(self, device: torch.device) -> torch.Tensor:
@@ -212,7 +212,7 @@ class Attention(nn.Module):
         values = v_flat[ctx.start : end][None].transpose(1, 2)
         queries = q.transpose(1, 2)  # [1, H, C, D]
         if ctx.observe:
-            self._observe(queries, keys, ctx)
+            ctx.scores += self._window_scores(queries, keys, ctx.observe, ctx.extend_mask)[0]
         if last_only:  # the chunk's last query sees every slot: its row of the mask is the bias alone
             mask = None if ctx.extend_mask is None else ctx.extend_mask[:, :, -1:]
             return F.scaled_dot_product_attention(queries[:, :, -1:], keys, values, attn_mask=mask, scale=self.scale,
@@ -222,10 +222,6 @@ class Attention(nn.Module):
                                                   enable_gqa=True)
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.extend_mask, scale=self.scale,
                                               enable_gqa=True)
-
-    def _observe(self, queries: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext) -> None:
-        weights = self._window_scores(queries, keys, ctx.observe, ctx.extend_mask)[0]
-        ctx.scores = weights if ctx.scores is None else ctx.scores + weights
 
     def _window_scores(self, queries: torch.Tensor, keys: torch.Tensor, observe: int,
                        mask: torch.Tensor | None) -> torch.Tensor:

@@ -73,26 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     short = token_windows(engine.tokenizer, args.prompt_len + args.cont_len + 1, args.samples)
     log.info("%d held-out windows of %d + %d tokens", len(short), args.prompt_len, args.cont_len)
 
-    sweep, evict_sweep = {}, {}
-    for fraction in (float(f) for f in args.fractions.split(",")):
-        settings = MergeSettings(fraction=fraction, window=args.window, evict_share=args.evict_share)
-        both = policy_quality(engine, short, args.prompt_len, settings, ("segment_sparse", "evict_same_ratio"))
-        sweep[f"{fraction:.2f}"] = both["segment_sparse"]
-        evict_sweep[f"{fraction:.2f}"] = both["evict_same_ratio"]
-        log.info("fraction %.2f: %s; evict at the same slot budget: %s", fraction, both["segment_sparse"],
-                 both["evict_same_ratio"])
+    fractions = {f"{float(f):.2f}": MergeSettings(fraction=float(f), window=args.window, evict_share=args.evict_share)
+                 for f in args.fractions.split(",")}
+    both = policy_quality(engine, short, args.prompt_len,
+                          {f: (at, ("segment_sparse", "evict_same_ratio")) for f, at in fractions.items()})
+    sweep = {f: r["segment_sparse"] for f, r in both.items()}
+    evict_sweep = {f: r["evict_same_ratio"] for f, r in both.items()}
+    for f in fractions:
+        log.info("fraction %s: %s; evict at the same slot budget: %s", f, sweep[f], evict_sweep[f])
     passing = [f for f, r in sweep.items() if _meets(r) and _beats_eviction(r, evict_sweep[f])]
     chosen = max(passing, key=float) if passing else min(
         (f for f, r in sweep.items() if r["kv_bytes_ratio"] <= TARGETS["max_kv_bytes_ratio"]),
         key=lambda f: sweep[f]["mean_kl"])
     settings = MergeSettings(fraction=float(chosen), window=args.window, evict_share=args.evict_share)
-    policies = policy_quality(engine, short, args.prompt_len, settings, POLICIES)
-    shares = {}
+    runs = {"policies": (settings, POLICIES)}
     for share in (float(s) for s in args.evict_shares.split(",")):
-        at = MergeSettings(fraction=float(chosen), window=args.window, evict_share=share)
-        shares[f"{share:.2f}"] = policy_quality(engine, short, args.prompt_len, at, ("segment_sparse",))[
-            "segment_sparse"]
-        log.info("evict share %.2f: %s", share, shares[f"{share:.2f}"])
+        runs[f"{share:.2f}"] = (MergeSettings(fraction=float(chosen), window=args.window, evict_share=share),
+                                ("segment_sparse",))
+    measured = policy_quality(engine, short, args.prompt_len, runs)
+    policies = measured.pop("policies")
+    shares = {share: r["segment_sparse"] for share, r in measured.items()}
+    for share, r in shares.items():
+        log.info("evict share %s: %s", share, r)
 
     long_windows = token_windows(engine.tokenizer, long_len + args.cont_len + 1, max(4, args.samples // 3))
     engine.merge = settings

@@ -21,6 +21,7 @@ from flashx_batch.runtime.kv_merge import (
     apply_plan,
     choose_compression,
     choose_groups,
+    compressed_length,
     plan_groups,
     plan_streaming,
 )
@@ -31,31 +32,38 @@ def _full_logits(engine: Engine, tokens: list[int], from_position: int) -> torch
     return logits[from_position:]
 
 
-def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int, settings: MergeSettings,
-                   policies: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Every policy at the same groups / slot budget as `segment_sparse` at `settings` (the least
-    attended groups evicted, the next merged 4:1 with equal weights: `choose_compression`). The
-    `merge_*` ablations change how its merged groups are merged; `merge_only` merges the fraction's
-    groups and evicts none (the best merge-only scheme we built: groups ranked by sum - max, weights
-    sharpened from the scores); `evict` drops every group segment_sparse touches."""
-    results = {name: Agreement() for name in policies}
-    slots = {name: 0 for name in policies}
+def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int,
+                   runs: dict[str, tuple[MergeSettings, tuple[str, ...]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """For each run (settings, policies): every policy at the same groups / slot budget as
+    `segment_sparse` at those settings (the least attended groups evicted, the next merged 4:1 with
+    equal weights: `choose_compression`). The `merge_*` ablations change how its merged groups are
+    merged; `merge_only` merges the fraction's groups and evicts none (the best merge-only scheme we
+    built: groups ranked by sum - max, weights sharpened from the scores); `evict` drops every group
+    segment_sparse touches. The full-cache reference and the window scores do not depend on the
+    settings (all runs must share one observation window), so each window computes them once."""
+    observe = {settings.window for settings, _ in runs.values()}
+    if len(observe) != 1:
+        raise ValueError(f"policy_quality: runs observe {sorted(observe)} windows; score one window size per call")
+    observe_window = observe.pop()
+    results = {run: {name: Agreement() for name in policies} for run, (_, policies) in runs.items()}
+    slots = {run: dict.fromkeys(policies, 0) for run, (_, policies) in runs.items()}
     runner, arena = engine.runner, engine.runner.arena
-    rotary = engine.runner.model.rotary if settings.rerotate else None
     for index, window in enumerate(windows):
         prompt, cont = window[:prompt_len], window[prompt_len:-1]
         targets = torch.tensor(window[prompt_len + 1 :])
         reference = _full_logits(engine, prompt + cont, prompt_len)
-        _, scores = runner.extend(prompt, 0, 0, 0, observe=settings.window)
-        for name in policies:
-            plan, with_bias, merge_rotary = _policy_plan(name, prompt_len, settings, scores, index, rotary)
-            runner.extend(prompt, 0, 0, 0)  # fresh prompt KV: the previous policy rewrote it
-            used = apply_plan(arena, 0, prompt_len, 0, plan, with_bias=with_bias, rotary=merge_rotary)
-            logits, _ = runner.extend(cont, 0, used, prompt_len, all_logits=True)
-            results[name].add(reference, logits, targets)
-            slots[name] += used
-    return {name: {**agg.summary(), "kv_bytes_ratio": slots[name] / (prompt_len * len(windows))}
-            for name, agg in results.items()}
+        _, scores = runner.extend(prompt, 0, 0, 0, observe=observe_window)
+        for run, (settings, policies) in runs.items():
+            rotary = runner.model.rotary if settings.rerotate else None
+            for name in policies:
+                plan, with_bias, merge_rotary = _policy_plan(name, prompt_len, settings, scores, index, rotary)
+                runner.extend(prompt, 0, 0, 0)  # fresh prompt KV: the previous policy rewrote it
+                used = apply_plan(arena, 0, prompt_len, 0, plan, with_bias=with_bias, rotary=merge_rotary)
+                logits, _ = runner.extend(cont, 0, used, prompt_len, all_logits=True)
+                results[run][name].add(reference, logits, targets)
+                slots[run][name] += used
+    return {run: {name: {**agg.summary(), "kv_bytes_ratio": slots[run][name] / (prompt_len * len(windows))}
+                  for name, agg in by_policy.items()} for run, by_policy in results.items()}
 
 
 def _policy_plan(name: str, n: int, settings: MergeSettings, scores: torch.Tensor, seed: int,
@@ -65,7 +73,7 @@ def _policy_plan(name: str, n: int, settings: MergeSettings, scores: torch.Tenso
     if name == "segment_sparse":
         return plan_groups(n, merge, evict=evict), True, rotary
     if name == "merge_only":  # no eviction: groups ranked by sum - max, sharpened score weights
-        return plan_groups(n, choose_groups(scores, n, settings, "segment_sparse"), scores=scores), True, rotary
+        return plan_groups(n, choose_groups(scores, n, settings, "merge"), scores=scores), True, rotary
     if name == "merge_score_weighted":
         return plan_groups(n, merge, scores=scores, evict=evict), True, rotary
     if name == "merge_unsharpened":
@@ -77,14 +85,14 @@ def _policy_plan(name: str, n: int, settings: MergeSettings, scores: torch.Tenso
     if name == "evict":
         return plan_groups(n, merge + evict, drop=True), True, None
     if name == "evict_same_ratio":  # evicting a group frees 4 slots: as many groups as free the same slots
-        freed = n - plan_groups(n, merge, evict=evict).num_slots
+        freed = n - compressed_length(n, settings)
         lowest = choose_groups(scores, n, settings, "evict", count=round(freed / GROUP))
         return plan_groups(n, lowest, drop=True), True, None
     if name == "random":  # segment_sparse's counts of merged and evicted groups, on random groups
         merge, evict = choose_compression(None, n, settings, "random", seed=seed)
         return plan_groups(n, merge, evict=evict), True, rotary
     if name == "streaming":
-        return plan_streaming(n, plan_groups(n, merge, evict=evict).num_slots, settings.sinks), True, None
+        return plan_streaming(n, compressed_length(n, settings), settings.sinks), True, None
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 

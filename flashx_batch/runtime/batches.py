@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashx_batch.runtime.kv_merge import apply_plans, choose_compression, max_compressed_length, plan_groups
+from flashx_batch.runtime.kv_merge import apply_plans, choose_compression, plan_groups
 from flashx_batch.runtime.prefix_cache import block_keys
 from flashx_batch.runtime.sampling import SamplingParams
 
@@ -189,10 +189,7 @@ class StripedBatch:
     def _fill_rolling(self, i: int, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """A prompt longer than max_input_len (long_input=rolling_merge) alone into stripe i, folded
         into the slots a row of max_input_len would hold -> (last-token logits [V], cache slots)."""
-        engine, limit = self.engine, self.engine.options.max_input_len
-        sparse = engine.options.cache_policy == "segment_sparse"
-        budget = max_compressed_length(limit, engine.merge) if sparse else limit
-        logits, used = engine.rolling_prefill(prompt, i * self.arena.row_capacity, budget)
+        logits, used = self.engine.rolling_prefill(prompt, i * self.arena.row_capacity, self.engine.prompt_slots)
         self.stats.computed_slots += len(prompt)
         return logits[-1], used
 

@@ -191,6 +191,9 @@ class Engine:
             apply_precision_map(model, load_precision_map(options.precision_map), self.model_dir)
         self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window,
                                    evict_share=options.kv_evict_share)
+        # the most slots a prompt holds once in the cache (what a rolling merge folds a long one into)
+        limit, sparse = options.max_input_len, options.cache_policy == "segment_sparse"
+        self.prompt_slots = max_compressed_length(limit, self.merge) if sparse else limit
         arena = self._build_arena()
         if options.prepack_weights:
             self.backend.prepare_model(model, arena.max_rows)
@@ -220,7 +223,7 @@ class Engine:
             extra = -(-o.prefix_cache_tokens // o.segment_size) + 1
         if o.cache_policy == "segment_sparse":
             seg = o.segment_size
-            capacity = -(-(max_compressed_length(o.max_input_len, self.merge) + o.max_output_len) // seg) * seg
+            capacity = -(-(self.prompt_slots + o.max_output_len) // seg) * seg
             extra = -(-max(0, o.max_input_len - capacity) // seg)
             rows = max(1, (o.max_batch_size * o.row_capacity - extra * seg) // capacity)
         return KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, rows, capacity, o.segment_size,
@@ -460,7 +463,7 @@ class Engine:
         """long_input=rolling_merge: prefill segment by segment; before a segment would overflow
         `budget` slots, fold the oldest slots 4:1 (again and again for the oldest history).
 
-        Called by `_prefill` for over-long rows and by the quality harness. Returns the last
+        Called by `StripedBatch._fill_rolling` (budget `prompt_slots`) and by the quality harness. Returns the last
         position's logits and the slots the row now holds at flat slot `start`."""
         chunk = min(self.options.segment_size, budget - self.merge.sinks - self.merge.window)
         if chunk < 1:

@@ -15,7 +15,6 @@ so a slot standing for 4 identical tokens weighs exactly as the 4 did.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -65,16 +64,19 @@ class MergePlan:
         return torch.tensor([math.log(c) for c in per_slot], dtype=torch.float32)
 
 
-def eligible_groups(length: int, settings: MergeSettings) -> list[int]:
-    """Groups g (tokens 4g..4g+3) clear of the sinks and of the observation window."""
+def _eligible(length: int, settings: MergeSettings) -> range:
     first = -(-settings.sinks // GROUP)
     last = (length - settings.window) // GROUP  # exclusive
-    return list(range(first, max(first, last)))
+    return range(first, max(first, last))
+
+
+def eligible_groups(length: int, settings: MergeSettings) -> list[int]:
+    """Groups g (tokens 4g..4g+3) clear of the sinks and of the observation window."""
+    return list(_eligible(length, settings))
 
 
 def merge_count(length: int, settings: MergeSettings) -> int:
-    first = -(-settings.sinks // GROUP)  # len(eligible_groups(...)) without building the list
-    return round(settings.fraction * max(0, (length - settings.window) // GROUP - first))
+    return round(settings.fraction * len(_eligible(length, settings)))
 
 
 def compression_counts(length: int, settings: MergeSettings) -> tuple[int, int]:
@@ -95,7 +97,6 @@ def compressed_length(length: int, settings: MergeSettings) -> int:
     return length - (GROUP - 1) * merged - GROUP * evicted
 
 
-@functools.lru_cache(maxsize=16)  # asked again for every over-long row a rolling merge folds
 def max_compressed_length(limit: int, settings: MergeSettings) -> int:
     """The most slots any prompt of up to `limit` tokens occupies once compressed. Not simply the
     value at `limit`: rounding the group counts can leave a slightly shorter prompt a slot or two longer."""
@@ -108,11 +109,12 @@ def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSetti
     or random ones for the ablation.
 
     What a group loses depends on what happens to it. Evicted (`policy="evict"`), all its tokens'
-    pooled attention is gone: rank by the sum. Merged with sharpened score weights, its slot keeps
-    the most attended token almost exactly (and the bias restores the group's total weight); what
-    gets blurred is the attention of the other three: rank by sum − max. On the 151 held-out
-    windows that beat ranking by the sum at fraction 0.8 (top-1 0.883 vs 0.880, KL 0.0230 vs
-    0.0234; `python -m flashx_batch.quality`). `ranked`: least loss first instead of sorted by position."""
+    pooled attention is gone: rank by the sum. Merged with sharpened score weights (`policy="merge"`,
+    the merge-only ablation), its slot keeps the most attended token almost exactly (and the bias
+    restores the group's total weight); what gets blurred is the attention of the other three: rank
+    by sum − max. On the 151 held-out windows that beat ranking by the sum at fraction 0.8 (top-1
+    0.883 vs 0.880, KL 0.0230 vs 0.0234; `python -m flashx_batch.quality`). `ranked`: least loss
+    first instead of sorted by position."""
     groups = eligible_groups(length, settings)
     count = merge_count(length, settings) if count is None else count
     if count == 0:
@@ -122,8 +124,10 @@ def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSetti
         return sorted(groups[i] for i in torch.randperm(len(groups), generator=g)[:count].tolist())
     upto = (groups[-1] + 1) * GROUP
     per_group = scores[:upto].float().view(-1, GROUP)[groups]  # [eligible, 4]
+    if policy not in ("evict", "merge"):
+        raise ValueError(f"choose_groups: policy {policy!r} is not evict, merge or random")
     lost = per_group.sum(-1)
-    if policy != "evict":
+    if policy == "merge":
         lost = lost - per_group.max(-1).values
     lowest = [groups[i] for i in torch.argsort(lost, stable=True)[:count].tolist()]
     return lowest if ranked else sorted(lowest)

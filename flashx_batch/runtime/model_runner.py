@@ -111,8 +111,9 @@ class ModelRunner:
             causal = torch.full((count, count), float("-inf"), device=self.device).triu(1)
             bias = self.arena.bias[start : start + cached][None, :].expand(count, cached)
             mask = torch.cat((bias, causal), dim=1)[None, None].to(dtype)  # [1, 1, C, cached + C]
+        scores = torch.zeros(cached + count, device=self.device) if observe else None
         ctx = ForwardContext("extend", cos, sin, start=start, cached=cached, extend_mask=mask, observe=observe,
-                             last_only=not all_logits)
+                             scores=scores, last_only=not all_logits)
         hidden = self.model.hidden_states(ids, ctx, self.arena)[0]  # [C, hidden], or [1, hidden] for the last
         self.arena.bias[start + cached : start + cached + count] = 0.0
         return self.model.logits(hidden), ctx.scores

@@ -84,12 +84,12 @@ def test_plans_cover_every_policy():
     s = MergeSettings(fraction=0.5, sinks=4, window=8, evict_share=0.0)  # merge only
     assert eligible_groups(40, s) == list(range(1, 8))
     scores = torch.arange(40, dtype=torch.float32)  # later tokens matter more
-    assert choose_groups(scores, 40, s, "segment_sparse") == [1, 2, 3, 4]
+    assert choose_groups(scores, 40, s, "merge") == [1, 2, 3, 4]
     assert choose_groups(scores, 40, s, "evict") == [1, 2, 3, 4]
     # one dominant token: merging keeps it (little is lost), evicting loses it (a lot is lost)
     peaked = torch.full((40,), 2.0)
     peaked[8], peaked[9:12] = 50.0, 0.5  # group 2: one dominant token, three quiet ones
-    assert choose_groups(peaked, 40, s, "segment_sparse", count=1) == [2]
+    assert choose_groups(peaked, 40, s, "merge", count=1) == [2]
     assert 2 not in choose_groups(peaked, 40, s, "evict")
     assert len(choose_groups(scores, 40, s, "random", seed=3)) == 4
     assert compressed_length(40, s) == 28
@@ -266,7 +266,7 @@ def test_dense_group_path_equals_the_scatter_path(rerotate):
     length, settings = 96, MergeSettings(fraction=0.6, sinks=4, window=8)
     scores = torch.rand(length)
     merge, evict = choose_compression(scores, length, settings)
-    plans = [plan_groups(length, choose_groups(scores, length, settings, "segment_sparse"), scores=scores),
+    plans = [plan_groups(length, choose_groups(scores, length, settings, "merge"), scores=scores),
              plan_groups(length, merge, scores=scores, evict=evict),
              plan_groups(length, [2, 5, 6]), plan_groups(length, [3, 4], drop=True), plan_streaming(length, 40, 4),
              plan_oldest([1] * length, [float(i) for i in range(length)], 30, settings)]
@@ -338,3 +338,23 @@ def test_an_over_long_row_among_segment_sparse_rows_leaves_theirs_unchanged(llam
     alone = engine.generate(short, params)
     assert [o.token_ids for o in mixed[:2] + mixed[3:]] == [o.token_ids for o in alone]
     assert engine.runner.arena.allocator.is_whole()
+
+
+def test_quality_harness_scores_an_uncompressed_cache_as_the_reference(llama_dir):
+    """`python -m flashx_batch.quality`'s core: at fraction 0 no policy compresses anything, so each
+    must read as the full-cache reference; at 0.8 segment_sparse keeps fewer slots and drifts."""
+    from flashx_batch.quality.kv_quality import policy_quality
+
+    engine = _engine(llama_dir, max_input_len=96, max_output_len=1, kv_observe_window=8)
+    windows = _prompts((57, 57, 57), seed=11)  # 48-token prompts, 8 teacher-forced tokens
+    runs = {"none": (MergeSettings(fraction=0.0, window=8), ("segment_sparse", "evict_same_ratio", "random",
+                                                              "streaming")),
+            "some": (MergeSettings(fraction=0.8, window=8), ("segment_sparse",))}
+    out = policy_quality(engine, windows, 48, runs)
+    for name, r in out["none"].items():
+        assert r["kv_bytes_ratio"] == 1.0 and r["mean_kl"] < 1e-6 and r["top1_agreement"] >= 0.95, name
+    compressed = out["some"]["segment_sparse"]
+    assert compressed["kv_bytes_ratio"] == compressed_length(48, runs["some"][0]) / 48 < 1.0
+    assert compressed["mean_kl"] > 1e-6
+    with pytest.raises(ValueError, match="one window size per call"):
+        policy_quality(engine, windows, 48, {"a": (MergeSettings(window=8), ()), "b": (MergeSettings(window=4), ())})
