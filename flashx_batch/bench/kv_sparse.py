@@ -46,18 +46,21 @@ def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, rep
     for engine in engines.values():
         engine.generate(prompts[:2], params)  # warm-up
     seconds: dict[str, list[float]] = {name: [] for name in engines}
+    phases: dict[str, dict[str, list[float]]] = {name: {"prefill_s": [], "decode_s": []} for name in engines}
     stats = {}
     for _ in range(repeats):
         for name, engine in engines.items():
             seconds[name].append(timed_seconds(engine.generate, prompts, params))
             stats[name] = engine.last_stats.as_dict()
+            for phase, values in phases[name].items():
+                values.append(stats[name][phase])
     tok_s = {name: len(prompts) * new_tokens / statistics.median(s) for name, s in seconds.items()}
     return {
         "model": str(model_dir), "rows": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens,
         "arena_bytes": {n: e.runner.arena.nbytes for n, e in engines.items()},
         "admitted_batch_size": {n: e.admitted_batch_size for n, e in engines.items()},
         "kv_bytes_peak": {n: s["kv_bytes_peak"] for n, s in stats.items()},
-        "output_tok_per_s": tok_s, "seconds": seconds,
+        "output_tok_per_s": tok_s, "seconds": seconds, "phases": phases,  # per repeat, from `generate` stats
         "ratio_admitted_rows": engines["segment_sparse"].admitted_batch_size / engines["static"].admitted_batch_size,
         "ratio_output_tok_per_s": tok_s["segment_sparse"] / tok_s["static"],
         # each repeat runs static then segment_sparse back to back: a pair shares the machine's mood
