@@ -72,9 +72,9 @@ class Backend:
     def set_device(self, index: int = 0) -> None:
         """Make `index` the current device of this process (no-op where devices are implicit)."""
 
-    def prepare_model(self, model: torch.nn.Module, decode_rows: int) -> int:
-        """Backend-specific weight layouts once the model is loaded (CPU: MKL-packed linears for a
-        full decode batch of `decode_rows`). Returns how many weights it re-laid; default none."""
+    def prepare_model(self, model: torch.nn.Module, decode_rows: list[int]) -> int:
+        """Backend-specific weight layouts once the model is loaded (CPU: MKL-packed linears for
+        decode batches of `decode_rows` rows). Returns how many weights it re-laid; default none."""
         return 0
 
     def synchronize(self) -> None:

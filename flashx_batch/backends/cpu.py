@@ -24,7 +24,7 @@ class CpuBackend(Backend):
     def device_name(self, index: int = 0) -> str:
         return platform.processor() or platform.machine()
 
-    def prepare_model(self, model: torch.nn.Module, decode_rows: int) -> int:
+    def prepare_model(self, model: torch.nn.Module, decode_rows: list[int]) -> int:
         """Pack every float32 `Linear` for MKL's few-rows sgemm (see `Linear.prepack`). Quantized
         linears keep their own kernels; builds without MKL keep plain sgemm."""
         from flashx_batch.models.layers import Linear

@@ -50,6 +50,7 @@ class VariantRuns:
     latencies: list[float] = field(default_factory=list)  # every batch of every repeat
     padding_efficiency: float = 1.0
     batches: int = 0
+    peak_rows: int = 0  # the most rows decoding at once, over every batch and repeat
     roofline: dict | None = None
 
     def add(self, result: RunResult) -> None:
@@ -59,6 +60,7 @@ class VariantRuns:
         self.latencies += result.latencies
         self.padding_efficiency = result.padding_efficiency  # same batches every repeat
         self.batches = len(result.batches)
+        self.peak_rows = max([self.peak_rows] + [b.peak_rows for b in result.batches])
 
     def output_rates(self) -> list[float]:
         return [n / s for n, s in zip(self.output_tokens, self.walls)]
@@ -76,7 +78,7 @@ class VariantRuns:
             "output_tok_per_s_min": out["min"], "output_tok_per_s_max": out["max"],
             "total_tok_per_s_min": total["min"], "total_tok_per_s_max": total["max"],
             "wall_s": wall, "repeats": len(self.walls), "batch_size": self.batch_size, "batches": self.batches,
-            "gated": self.gated,
+            "peak_rows": self.peak_rows, "gated": self.gated,
         }
         if self.roofline is not None:
             entry["roofline_floor_s"] = self.roofline["floor_s"]
@@ -123,6 +125,12 @@ def _fmt_spread(median: float, low: float, high: float, digits: int = 1) -> str:
     return f"{median:.{digits}f} ({low:.{digits}f}–{high:.{digits}f})"
 
 
+def _rows(v: dict) -> str:
+    """The B column: the batch size, and the peak rows in flight when batch growth took more."""
+    peak = v.get("peak_rows", 0)
+    return f"{v['batch_size']} (peak {peak})" if peak > v["batch_size"] else str(v["batch_size"])
+
+
 def markdown(doc: dict) -> str:
     """A human summary of `results_document` output."""
     run, machine = doc["run"], doc["machine"]
@@ -137,7 +145,7 @@ def markdown(doc: dict) -> str:
         for name, v in entry["variants"].items():
             roof = f"{v['roofline_fraction']:.3f}" if "roofline_fraction" in v else "–"
             lines.append(
-                f"| {name}{'' if v['gated'] else ' †'} | {v['batch_size']} | "
+                f"| {name}{'' if v['gated'] else ' †'} | {_rows(v)} | "
                 f"{_fmt_spread(v['output_tok_per_s'], v['output_tok_per_s_min'], v['output_tok_per_s_max'])} | "
                 f"{_fmt_spread(v['total_tok_per_s'], v['total_tok_per_s_min'], v['total_tok_per_s_max'])} | "
                 f"{v['p50_batch_latency_s']:.3f} | {v['p95_batch_latency_s']:.3f} | "
@@ -146,7 +154,9 @@ def markdown(doc: dict) -> str:
     lines += ["† not gated: the baseline (logged if it differs) or a lossy path. Padding efficiency counts "
               "only token slots actually computed (prefix-cache hits are neither useful nor computed work). "
               "Latency: seconds per static batch; for our in-flight variants (one `generate` call, finished "
-              "rows refilled: no batch boundaries) seconds per row, admission to last token.", "",
+              "rows refilled: no batch boundaries) seconds per row, admission to last token. B: rows per batch "
+              "at full length; `(peak N)`: the most rows decoding at once once batch growth re-cut the KV "
+              "arena for shorter rows (same arena bytes).", "",
               "## Ratios (output tok/s, paired repeats)", "",
               "| ratio | median (min–max) | target | met |", "|---|---|---|---|"]
     for key, r in doc["ratios"].items():

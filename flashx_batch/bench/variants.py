@@ -45,6 +45,7 @@ class BatchRecord:
     output_tokens: int  # useful: the rows' own requested tokens
     computed_slots: float  # token positions the model ran, padding included
     useful_slots: float  # computed positions that were real tokens (prefix-cache hits are not computed)
+    peak_rows: int = 0  # the most rows decoding at once (ours: batch growth and refill)
 
 
 @dataclass
@@ -90,12 +91,14 @@ class Variant(Protocol):
     def run(self, workload: Workload) -> RunResult: ...
 
 
-def batch_order(workload: Workload, sort_by_length: bool) -> list[int]:
-    """Row indices in the order batches are cut: arrival order, or longest prompt first with the
-    same stable key `Engine.generate` uses, so our per-batch slicing equals the engine's own."""
+def batch_order(workload: Workload, sort_by_length: bool, with_output: bool = False) -> list[int]:
+    """Row indices in the order batches are cut: arrival order, or longest prompt first (with
+    `with_output`: most prompt + new tokens first, the stable key `Engine.generate` uses, so our
+    per-batch slicing equals the engine's own)."""
     order = list(range(workload.rows))
     if sort_by_length:
-        order.sort(key=lambda i: -len(workload.prompts[i]))
+        extra = workload.max_new_tokens if with_output else [0] * workload.rows
+        order.sort(key=lambda i: -(len(workload.prompts[i]) + extra[i]))
     return order
 
 
@@ -151,7 +154,8 @@ class TransformersStatic:
                 outputs[i] = out[row, width : width + wanted[row]].tolist()
             useful = sum(map(len, prompts)) + sum(wanted) - len(batch)
             result.batches.append(BatchRecord(len(batch), took, sum(map(len, prompts)), sum(wanted),
-                                              computed_slots=len(batch) * (width + new - 1), useful_slots=useful))
+                                              computed_slots=len(batch) * (width + new - 1), useful_slots=useful,
+                                              peak_rows=len(batch)))
         return result
 
 
@@ -171,8 +175,8 @@ class OursEngine:
         outputs: list[list[int]] = [[] for _ in range(workload.rows)]
         result = RunResult(outputs, row_latencies=None if self.per_batch else [])
         order = list(range(workload.rows))
-        calls = cut(batch_order(workload, self.engine.options.sort_by_length), self.batch_size) if self.per_batch \
-            else [order]
+        sort = self.engine.options.sort_by_length
+        calls = cut(batch_order(workload, sort, with_output=True), self.batch_size) if self.per_batch else [order]
         for batch in calls:
             prompts = [workload.prompts[i] for i in batch]
             params = [SamplingParams(max_new_tokens=workload.max_new_tokens[i], ignore_eos=True) for i in batch]
@@ -183,7 +187,7 @@ class OursEngine:
             result.batches.append(BatchRecord(len(batch), took, stats.input_tokens, stats.output_tokens,
                                               computed_slots=stats.computed_slots,
                                               useful_slots=stats.prefill_tokens_computed + stats.output_tokens
-                                              - stats.rows))
+                                              - stats.rows, peak_rows=stats.peak_rows))
             if result.row_latencies is not None:
                 result.row_latencies += stats.row_latency_s
         return result

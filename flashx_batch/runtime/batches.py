@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from flashx_batch.runtime.engine import Engine, GenerateStats
 
 
+# a mid-batch re-cut of the stripes must add at least this share of rows (each re-cut copies the live KV)
+REGRID_GAIN = 0.25
+
+
 class StripedBatch:
     def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
                  stats: GenerateStats) -> None:
@@ -121,6 +125,24 @@ class StripedBatch:
         for segments in self.held:
             self.arena.allocator.release(segments)
         self.held = []
+        self.arena.set_layout(self.arena.base_capacity, self.arena.base_rows)  # the next batch starts whole
+
+    def regrid(self, next_slots: int) -> None:
+        """Before a refill: when the rows still decoding and the next queued row (`next_slots` KV
+        slots at its end) fit shorter stripes that make room for at least a quarter more rows, re-cut
+        the stripe region that way, moving the live rows' KV (one copy of it; cheaper than the decode
+        steps the extra rows save). Positions and slot counts do not change, only where stripes start."""
+        seg, arena = self.arena.segment_size, self.arena
+        longest = max([len(h) * seg for h in self.held] + [next_slots])
+        capacity, rows = self.engine.layout_for(longest)
+        if rows < arena.max_rows + max(1, int(arena.max_rows * REGRID_GAIN)):
+            return
+        allocator = arena.allocator
+        for segments in self.held:
+            allocator.release(segments)
+        arena.relayout(self.slots, capacity, rows)
+        self.held = [allocator.take(arena.stripe_segments(j)[: len(h)]) for j, h in enumerate(self.held)]
+        self.stats.relayouts += 1
 
     def _fill(self) -> tuple[torch.Tensor, list[int]]:
         """Prompts' KV into stripes 0..B-1 -> (last-token logits [B, V], cache slots per row).
@@ -231,7 +253,7 @@ class PagedBatch:
 
     def prefill(self) -> torch.Tensor:
         seg, allocator, trash = self.seg, self.arena.allocator, self.engine.trash_slot
-        stripes = range(self.arena.max_rows * self.arena.segments_per_row)
+        stripes = range(self.arena.striped_slots // self.arena.segment_size)
         cached = [len(s) * seg for s in self.shared]
         self.own = []  # filled row by row, so `release` frees exactly what was taken if this fails
         for p, c, q in zip(self.prompts, cached, self.params):

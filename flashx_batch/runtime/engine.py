@@ -72,6 +72,8 @@ class GenerateStats:
     cached_prompt_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
     prefix_tokens_computed: int = 0  # shared-prefix tokens computed once and cached
     batch_sizes: list[int] = field(default_factory=list)
+    peak_rows: int = 0  # the most rows decoding at once (batch_growth and refill can exceed a batch's start)
+    relayouts: int = 0  # times a batch's stripes were re-cut mid-batch to take more, shorter rows
     row_latency_s: list[float] = field(default_factory=list)  # per row: its prefill start -> its last token
 
     @property
@@ -102,7 +104,8 @@ class GenerateStats:
             "prefill_s": self.prefill_s, "decode_s": self.decode_s, "wall_s": self.wall_s,
             "output_tok_per_s": self.output_tok_per_s, "kv_bytes_peak": self.kv_bytes_peak,
             "kv_bytes_arena": self.kv_bytes_arena,
-            "kv_bytes_static_peak": self.kv_bytes_static_peak, "max_batch_size": max(self.batch_sizes, default=0),
+            "kv_bytes_static_peak": self.kv_bytes_static_peak,
+            "max_batch_size": max(self.batch_sizes + [self.peak_rows]), "relayouts": self.relayouts,
             "decode_steps": self.decode_steps, "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "prefix_hit_rate": self.cached_prompt_tokens / self.input_tokens if self.input_tokens else 0.0,
@@ -196,13 +199,15 @@ class Engine:
         self.prompt_slots = max_compressed_length(limit, self.merge) if sparse else limit
         arena = self._build_arena()
         if options.prepack_weights:
-            self.backend.prepare_model(model, arena.max_rows)
+            # decode batches of up to the base rows, or (growing batches) multiples of them up to the growth cap
+            growth = options.batch_growth if self.grows_batches else 1
+            self.backend.prepare_model(model, [arena.base_rows * k for k in range(1, growth + 1)])
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
         self.prefix_cache: PrefixCache | None = None
         self.trash_slot = -1  # paged batches only: where padding positions write (the arena's last segment)
         if options.prefix_cache_tokens:
             self.trash_slot = (arena.num_segments - 1) * arena.segment_size
-            first = arena.max_rows * arena.segments_per_row
+            first = arena.striped_slots // arena.segment_size
             self.prefix_cache = PrefixCache(arena.allocator, range(first, arena.num_segments - 1),
                                             arena.num_segments - 1 - first)
             arena.allocator.take([arena.num_segments - 1])  # the trash segment is never handed out
@@ -231,8 +236,39 @@ class Engine:
 
     @property
     def admitted_batch_size(self) -> int:
-        """Rows per static batch this engine runs (more than max_batch_size under segment_sparse)."""
-        return self.runner.arena.max_rows
+        """Rows per static batch of full-length rows (more than max_batch_size under segment_sparse;
+        with `grows_batches`, a batch of shorter rows holds more, see `layout_for`)."""
+        return self.runner.arena.base_rows
+
+    @property
+    def grows_batches(self) -> bool:
+        """Whether batches of short rows take more rows in the same arena (`batch_growth`).
+
+        Only when rows come sorted longest first (`sort_by_length`): then every queued row fits the
+        stripes cut for the rows ahead of it, so stripes only ever get shorter and no row waits for
+        room. Static cache only: segment-sparse stripes are already cut for merged prompts, and prefix
+        reuse runs paged batches with their own growth (`PAGED_GROWTH`)."""
+        o = self.options
+        return o.batch_growth > 1 and o.sort_by_length and o.cache_policy == "static" and not o.prefix_cache_tokens
+
+    def layout_for(self, slots: int) -> tuple[int, int]:
+        """(stripe capacity, rows) for rows of at most `slots` KV slots each: as many rows as the stripe
+        region holds, at most batch_growth x the base rows, each stripe as long as that leaves it (the
+        slack lets slightly longer rows, with more new tokens, join later without a re-cut)."""
+        arena = self.runner.arena
+        seg = arena.segment_size
+        need = max(seg, -(-slots // seg) * seg)
+        rows = max(1, min(arena.base_rows * self.options.batch_growth, arena.striped_slots // need))
+        return (arena.striped_slots // rows) // seg * seg, rows
+
+    def _bucket_key(self, prompt: list[int], params: SamplingParams) -> int:
+        """`sort_by_length` order: most KV slots at the end first."""
+        return -self._slots_needed(prompt, params)
+
+    def _slots_needed(self, prompt: list[int], params: SamplingParams) -> int:
+        """KV slots a row holds once it is done: its prompt (an over-long one is rolled into
+        `prompt_slots`) plus every new token it may generate."""
+        return min(len(prompt), self.prompt_slots) + params.max_new_tokens
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, **options) -> Engine:
@@ -289,8 +325,8 @@ class Engine:
         order = list(range(len(prompts)))
         if self.prefix_cache is not None:  # rows sharing a prefix become neighbours, then batch-mates
             order.sort(key=lambda i: token_lists[i])
-        elif self.options.sort_by_length:
-            order.sort(key=lambda i: -len(token_lists[i]))
+        elif self.options.sort_by_length:  # longest first, by the KV slots a row will hold at its end
+            order.sort(key=lambda i: self._bucket_key(token_lists[i], params[i]))
         stats = GenerateStats(kv_bytes_arena=self.runner.arena.nbytes)
         results: dict[int, RequestOutput] = {}
         queue = deque(order)
@@ -379,6 +415,7 @@ class Engine:
             steps = torch.zeros(len(new), dtype=torch.long, device=device)
             base = len(live.rows)
             live.join(new, sample(logits, sampling, steps), steps, sampling)
+            stats.peak_rows = max(stats.peak_rows, len(live.rows))
             firsts = live.tokens[base:].tolist()
             stop([base + k for k, tok in enumerate(firsts) if rows[new[k]].append(tok, decode_text)])
 
@@ -395,6 +432,8 @@ class Engine:
             while True:
                 if refill and batch.room:
                     stats.decode_s += lap()
+                    if self.grows_batches:  # the longest rows may have left: shorter stripes, more of them
+                        batch.regrid(self._slots_needed(token_lists[refill[0]], params[refill[0]]))
                     while refill and batch.room:  # rows that stop on their first token free room again
                         new = [refill.popleft() for _ in range(min(batch.room, len(refill)))]
                         since = time.perf_counter()
@@ -438,6 +477,9 @@ class Engine:
                         self.runner.arena.allocator.release(segments)
                     batch = [queue.popleft() for _ in range(fit)]
                     return batch, PagedBatch(self, prompts[:fit], [params[i] for i in batch], stats, shared[:fit])
+        if self.grows_batches:  # sorted: the first queued row is the longest, so every row fits its stripes
+            self.runner.arena.set_layout(*self.layout_for(self._slots_needed(token_lists[queue[0]], params[queue[0]])))
+            size = self.runner.arena.max_rows
         batch = [queue.popleft() for _ in range(min(size, len(queue)))]
         return batch, StripedBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats)
 
@@ -445,7 +487,7 @@ class Engine:
                    at_least: int) -> int:
         """How many leading rows' own segments fit in the stripe region (at least `at_least`)."""
         arena = self.runner.arena
-        free = arena.allocator.free_in(range(arena.max_rows * arena.segments_per_row))
+        free = arena.allocator.free_in(range(arena.striped_slots // arena.segment_size))
         need, fit = 0, 0
         for prompt, p, segments in zip(prompts, params, shared):
             need += arena.allocator.segments_for(len(prompt) - len(segments) * arena.segment_size + p.max_new_tokens)

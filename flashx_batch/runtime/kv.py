@@ -8,7 +8,10 @@ Two owners, as in nano-vllm:
   segment_size + offset. Nothing here allocates per decode step.
 
 Static batching uses *stripes*: batch position i owns segments [i*S, (i+1)*S), so a whole batch's
-cache is a strided view `[B, cap, kv_heads, head_dim]` with no gather. Rows whose tables are not
+cache is a strided view `[B, cap, kv_heads, head_dim]` with no gather. The stripe region is sized for
+`max_batch_size` rows of full length; its *layout* (stripe capacity, and so how many stripes) can be
+changed between batches or mid-batch (`set_layout`, `relayout`): a bucket of short rows is cut into
+more, shorter stripes of the same bytes. Rows whose tables are not
 stripes (shared prefixes, merged rows) will need a gather of their slots; the slot arithmetic
 (segment * segment_size + offset) is already the addressing scheme, so that is a read path to add,
 not a re-layout.
@@ -90,10 +93,10 @@ class KVArena:
         if row_capacity % segment_size:
             raise ValueError("row_capacity must be a multiple of segment_size")
         self.segment_size = segment_size
-        self.max_rows = max_rows
-        self.row_capacity = row_capacity
-        self.segments_per_row = row_capacity // segment_size
-        self.num_segments = max_rows * self.segments_per_row + extra_segments
+        self.base_rows, self.base_capacity = max_rows, row_capacity  # the layout the arena was sized for
+        # the stripe region: fixed bytes, whatever layout cuts it (prefix cache / spare segments follow it)
+        self.striped_slots = max_rows * row_capacity
+        self.num_segments = self.striped_slots // segment_size + extra_segments
         self.num_slots = self.num_segments * segment_size
         self.storage = torch.zeros(num_layers, 2, self.num_slots, num_kv_heads, head_dim, dtype=dtype,
                                    device=device)
@@ -102,17 +105,48 @@ class KVArena:
         self.allocator = SegmentAllocator(self.num_segments, segment_size)
         # per-layer views, built once: slicing the storage anew costs every layer of every step
         self._flat = [(self.storage[layer, 0], self.storage[layer, 1]) for layer in range(num_layers)]
-        shape = (max_rows, row_capacity, num_kv_heads, head_dim)
-        self._stripes = [(k[: self.striped_slots].view(shape), v[: self.striped_slots].view(shape))
-                         for k, v in self._flat]
+        self._layouts: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
+        self.set_layout(row_capacity)
+
+    def set_layout(self, row_capacity: int, max_rows: int | None = None) -> None:
+        """Cut the stripe region into stripes of `row_capacity` slots: `max_rows` of them (default:
+        as many as fit). Moves no data: call it with no row in the stripes, or use `relayout`."""
+        fits = self.striped_slots // row_capacity if row_capacity > 0 else 0
+        rows = fits if max_rows is None else max_rows
+        if row_capacity % self.segment_size or not 1 <= rows <= fits:
+            raise ValueError(f"a layout of {rows} stripes x {row_capacity} slots does not cut a stripe region of "
+                             f"{self.striped_slots} slots in {self.segment_size}-slot segments")
+        self.max_rows, self.row_capacity = rows, row_capacity
+        self.segments_per_row = row_capacity // self.segment_size
+        if row_capacity not in self._layouts:  # views per capacity, built once (a job reuses few layouts)
+            fits_slots = fits * row_capacity
+            shape = (fits, row_capacity, *self.storage.shape[3:])
+            views = [(k[:fits_slots].view(shape), v[:fits_slots].view(shape)) for k, v in self._flat]
+            starts = torch.arange(fits, device=self.storage.device) * row_capacity
+            self._layouts[row_capacity] = (views, starts)
+        self._stripes, self._stripe_starts = self._layouts[row_capacity]
+
+    def relayout(self, lengths: list[int], row_capacity: int, max_rows: int | None = None) -> None:
+        """Switch layouts with rows in the stripes: stripe i's first `lengths[i]` slots (keys, values
+        and merge bias) move to stripe i of the new layout; every length must fit the new capacity."""
+        if any(n > row_capacity for n in lengths):
+            raise ValueError(f"rows of {max(lengths)} slots do not fit stripes of {row_capacity}")
+        old = self.row_capacity
+        # copied out first: a row's new place may overlap its own old one (or, growing, a later row's)
+        saved = [(self.storage[:, :, i * old : i * old + n].clone(), self.bias[i * old : i * old + n].clone())
+                 for i, n in enumerate(lengths)]
+        self.set_layout(row_capacity, max_rows)
+        if len(lengths) > self.max_rows:
+            raise ValueError(f"{len(lengths)} rows do not fit a layout of {self.max_rows} stripes")
+        self.bias[: self.striped_slots] = 0.0
+        for i, (n, (kv, bias)) in enumerate(zip(lengths, saved)):
+            start = i * row_capacity
+            self.storage[:, :, start : start + n] = kv
+            self.bias[start : start + n] = bias
 
     @property
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
-
-    @property
-    def striped_slots(self) -> int:
-        return self.max_rows * self.row_capacity
 
     def bytes_per_token(self) -> int:
         return self.nbytes // self.num_slots
@@ -126,12 +160,18 @@ class KVArena:
         return self._flat[layer]
 
     def stripes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[max_rows, cap, kv_heads, head_dim] views: batch position i is stripe i."""
+        """[rows, cap, kv_heads, head_dim] views of the current layout (rows >= max_rows): batch
+        position i is stripe i."""
         return self._stripes[layer]
+
+    def stripe_starts(self) -> torch.Tensor:
+        """[rows] flat slot where each stripe of the current layout begins."""
+        return self._stripe_starts
 
     def stripe_bias(self) -> torch.Tensor:
         """[max_rows, cap] log-count bias per slot, same striping as `stripes`."""
-        return self.bias[: self.striped_slots].view(self.max_rows, self.row_capacity)
+        used = self.max_rows * self.row_capacity
+        return self.bias[:used].view(self.max_rows, self.row_capacity)
 
     def move_stripe(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` slots of stripe `src` into stripe `dst`, all layers at once.
@@ -139,7 +179,8 @@ class KVArena:
         Used when a row finishes: the last active row moves into its place so the active rows
         stay a dense prefix of the stripes and finished rows cost no more compute.
         """
-        view = self.storage[:, :, : self.striped_slots].view(
+        used = self.max_rows * self.row_capacity
+        view = self.storage[:, :, :used].view(
             self.storage.shape[0], 2, self.max_rows, self.row_capacity, *self.storage.shape[3:])
         view[:, :, dst, :length] = view[:, :, src, :length]
         bias = self.stripe_bias()

@@ -20,7 +20,6 @@ class ModelRunner:
         self.device = model.embed.device
         self.pad_id = pad_id
         self._slot_range = torch.arange(arena.row_capacity, device=self.device)
-        self._stripe_starts = torch.arange(arena.max_rows, device=self.device) * arena.row_capacity
 
     def _prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, ForwardContext]:
         """Right-padded ids [B, T] for teacher-forced scoring (every position's logits)."""
@@ -80,7 +79,7 @@ class ModelRunner:
             bias = self.arena.stripe_bias()[: len(tokens), :kv_len]
             mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
             mask = mask.to(self.arena.storage.dtype)[:, None, None, :]
-        write_flat = self._stripe_starts[: len(tokens)] + write_slots
+        write_flat = self.arena.stripe_starts()[: len(tokens)] + write_slots
         ctx = ForwardContext("decode", cos, sin, write_flat=write_flat, kv_len=kv_len, attn_mask=mask)
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])

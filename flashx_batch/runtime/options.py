@@ -31,6 +31,9 @@ class EngineOptions:
     num_threads: int | None = None  # CPU only; None = every core this process may run on
     sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
     refill: bool = True  # a finished row's stripe takes the next queued row mid-batch (in-flight refill)
+    # static, sorted: a batch of short rows may hold up to batch_growth x max_batch_size rows, as many as the
+    # KV arena (sized for max_batch_size rows of max_input_len + max_output_len) holds; 1 = fixed batch size
+    batch_growth: int = 4
     kv_merge_fraction: float = 0.8  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups
     kv_evict_share: float = 0.8  # segment_sparse: share of the freed slots freed by evicting the least attended groups
@@ -60,6 +63,7 @@ class EngineOptions:
             (not (self.prefix_cache_tokens and self.cache_policy == "segment_sparse"),
              "prefix_cache_tokens (prefix reuse) does not combine with cache_policy=segment_sparse yet; pick one"),
             (self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
+            (self.batch_growth >= 1, f"batch_growth must be >= 1, got {self.batch_growth}"),
         ]
         for ok, message in checks:
             if not ok:

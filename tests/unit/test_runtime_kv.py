@@ -38,3 +38,30 @@ def test_arena_stripes_are_views_and_move_copies_all_layers():
     k0, v0 = arena.stripes(1)
     assert torch.all(k0[0, :5] == 7.0) and torch.all(v0[0, :5] == 9.0) and torch.all(k0[0, 5:] == 0)
     assert arena.stripe_segments(2) == [4, 5]
+
+
+def test_relayout_moves_each_row_to_its_stripe_in_the_new_layout():
+    """Re-cutting the stripes with rows in them: each row's slots (keys, values, merge bias, every
+    layer) land at the start of its stripe in the new layout, shrinking and growing back; nothing
+    else is left behind in the bias."""
+    arena = KVArena(num_layers=2, num_kv_heads=1, head_dim=2, max_rows=2, row_capacity=16, segment_size=4,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    lengths = [7, 3]
+    for row, n in enumerate(lengths):
+        arena.storage[:, :, row * 16 : row * 16 + n] = torch.arange(n, dtype=torch.float32)[:, None, None] + 10 * row
+        arena.bias[row * 16 : row * 16 + n] = row + 1.0
+    expected = [arena.storage[:, :, row * 16 : row * 16 + n].clone() for row, n in enumerate(lengths)]
+    for capacity, rows in ((8, 4), (16, 2)):
+        arena.relayout(lengths, capacity, rows)
+        assert (arena.max_rows, arena.row_capacity, arena.segments_per_row) == (rows, capacity, capacity // 4)
+        keys, _ = arena.stripes(1)
+        for row, n in enumerate(lengths):
+            assert torch.equal(arena.storage[:, :, row * capacity : row * capacity + n], expected[row])
+            assert torch.equal(keys[row, :n], expected[row][1, 0])
+            assert torch.all(arena.stripe_bias()[row, :n] == row + 1.0)
+        assert arena.bias.sum() == 7 * 1.0 + 3 * 2.0
+        assert arena.stripe_starts().tolist()[:rows] == [capacity * r for r in range(rows)]
+    with pytest.raises(ValueError, match="do not fit"):
+        arena.relayout([9, 3], 8, 4)
+    with pytest.raises(ValueError, match="does not cut"):
+        arena.set_layout(10)  # not whole segments
