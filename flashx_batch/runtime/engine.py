@@ -37,6 +37,9 @@ from flashx_batch.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# packed weight copies for every grown decode batch size only while the model is small: 4 sizes of a 1 GiB model
+# are 4 GiB more host memory
+PACK_ALL_SIZES_BYTES = 1 << 30
 PAGED_GROWTH = 4  # a batch of rows sharing cached prefixes may hold up to 4 x max_batch_size rows
 
 
@@ -199,9 +202,7 @@ class Engine:
         self.prompt_slots = max_compressed_length(limit, self.merge) if sparse else limit
         arena = self._build_arena()
         if options.prepack_weights:
-            # decode batches of up to the base rows, or (growing batches) multiples of them up to the growth cap
-            growth = options.batch_growth if self.grows_batches else 1
-            self.backend.prepare_model(model, [arena.base_rows * k for k in range(1, growth + 1)])
+            self.backend.prepare_model(model, self._decode_pack_sizes(model, arena.base_rows))
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
         self.prefix_cache: PrefixCache | None = None
         self.trash_slot = -1  # paged batches only: where padding positions write (the arena's last segment)
@@ -217,6 +218,17 @@ class Engine:
         self.last_stats = GenerateStats()
         log.info("engine ready: %s %s on %s (%s), arena %.1f MiB, %.2fs", self.config.architecture,
                  self.model_dir.name, self.device, self.dtype, arena.nbytes / 2**20, time.perf_counter() - started)
+
+    def _decode_pack_sizes(self, model: torch.nn.Module, base_rows: int) -> list[int]:
+        """Decode batch sizes to keep packed weights for: the base rows, and with growing batches each
+        multiple of them up to the growth cap — one more copy of the weights per size, so a model over
+        PACK_ALL_SIZES_BYTES of weights keeps the base size only (grown batches then use plain sgemm)."""
+        growth = self.options.batch_growth if self.grows_batches else 1
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if growth > 1 and weight_bytes > PACK_ALL_SIZES_BYTES:
+            log.info("weights of %.1f GiB: packed for %d-row decode batches only", weight_bytes / 2**30, base_rows)
+            growth = 1
+        return [base_rows * k for k in range(1, growth + 1)]
 
     def _build_arena(self) -> KVArena:
         """Static: `max_batch_size` stripes of max_input_len + max_output_len. Segment-sparse: the
