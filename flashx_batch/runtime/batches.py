@@ -128,7 +128,7 @@ class StripedBatch:
         self.arena.set_layout(self.arena.base_capacity, self.arena.base_rows)  # the next batch starts whole
 
     def regrid(self, next_slots: int) -> None:
-        """Before a refill: when the rows still decoding and the next queued row (`next_slots` KV
+        """Before a refill: when the rows still decoding and every queued row (at most `next_slots` KV
         slots at its end) fit shorter stripes that make room for at least a quarter more rows, re-cut
         the stripe region that way, moving the live rows' KV (one copy of it; cheaper than the decode
         steps the extra rows save). Positions and slot counts do not change, only where stripes start."""

@@ -256,12 +256,13 @@ class Engine:
     def grows_batches(self) -> bool:
         """Whether batches of short rows take more rows in the same arena (`batch_growth`).
 
-        Only when rows come sorted longest first (`sort_by_length`): then every queued row fits the
-        stripes cut for the rows ahead of it, so stripes only ever get shorter and no row waits for
-        room. Static cache only: segment-sparse stripes are already cut for merged prompts, and prefix
-        reuse runs paged batches with their own growth (`PAGED_GROWTH`)."""
+        Stripes are cut for the longest row still decoding or queued, so they only ever get shorter and
+        no row waits for room. Sorted rows (`sort_by_length`) are what lets them shrink early: in
+        arrival order one long row near the end of the queue keeps every stripe long until it is
+        admitted. Static cache only: segment-sparse stripes are already cut for merged prompts, and
+        prefix reuse runs paged batches with their own growth (`PAGED_GROWTH`)."""
         o = self.options
-        return o.batch_growth > 1 and o.sort_by_length and o.cache_policy == "static" and not o.prefix_cache_tokens
+        return o.batch_growth > 1 and o.cache_policy == "static" and not o.prefix_cache_tokens
 
     def layout_for(self, slots: int) -> tuple[int, int]:
         """(stripe capacity, rows) for rows of at most `slots` KV slots each: as many rows as the stripe
@@ -342,13 +343,18 @@ class Engine:
         stats = GenerateStats(kv_bytes_arena=self.runner.arena.nbytes)
         results: dict[int, RequestOutput] = {}
         queue = deque(order)
+        # per row: the most KV slots any row from it to the end of the queue will hold (batch growth
+        # cuts stripes no shorter, so no queued row ever waits for room)
+        longest_from, longest = {}, 0
+        for i in reversed(order):
+            longest = longest_from[i] = max(longest, self._slots_needed(token_lists[i], params[i]))
         while queue:
-            batch, runner = self._next_batch(queue, token_lists, params, stats)
+            batch, runner = self._next_batch(queue, token_lists, params, stats, longest_from)
             # in-flight refill: a striped batch takes the next queued rows into finished rows' stripes
             # (not under prefix reuse: there a striped batch is a fallback, and the rows after it may
             # share prefixes again in a paged batch)
             refill = queue if self.options.refill and self.prefix_cache is None else None
-            done = self._run_batch(runner, batch, token_lists, params, stats, refill)
+            done = self._run_batch(runner, batch, token_lists, params, stats, refill, longest_from)
             for i, row in done.items():
                 results[i] = RequestOutput(i, row.token_ids, self._final_text(row), row.finish_reason or "length",
                                            len(token_lists[i]), truncated[i])
@@ -399,7 +405,8 @@ class Engine:
 
     def _run_batch(self, batch: StripedBatch | PagedBatch, indices: list[int], token_lists: list[list[int]],
                    params: list[SamplingParams], stats: GenerateStats,
-                   refill: deque[int] | None = None) -> dict[int, RowState]:
+                   refill: deque[int] | None = None, longest_from: dict[int, int] | None = None
+                   ) -> dict[int, RowState]:
         """Prefill, then decode until every row has stopped; finished rows leave the batch at once.
 
         With `refill` (a striped batch and the rest of the queue), freed stripes are refilled from
@@ -445,7 +452,7 @@ class Engine:
                 if refill and batch.room:
                     stats.decode_s += lap()
                     if self.grows_batches:  # the longest rows may have left: shorter stripes, more of them
-                        batch.regrid(self._slots_needed(token_lists[refill[0]], params[refill[0]]))
+                        batch.regrid(longest_from[refill[0]])
                     while refill and batch.room:  # rows that stop on their first token free room again
                         new = [refill.popleft() for _ in range(min(batch.room, len(refill)))]
                         since = time.perf_counter()
@@ -470,7 +477,7 @@ class Engine:
         return rows
 
     def _next_batch(self, queue: deque[int], token_lists: list[list[int]], params: list[SamplingParams],
-                    stats: GenerateStats) -> tuple[list[int], StripedBatch | PagedBatch]:
+                    stats: GenerateStats, longest_from: dict[int, int]) -> tuple[list[int], StripedBatch | PagedBatch]:
         """Take the next batch off the front of `queue` (indices into token_lists / params).
 
         Striped: `admitted_batch_size` rows. Paged (rows share cached prefix segments): a row only
@@ -489,8 +496,8 @@ class Engine:
                         self.runner.arena.allocator.release(segments)
                     batch = [queue.popleft() for _ in range(fit)]
                     return batch, PagedBatch(self, prompts[:fit], [params[i] for i in batch], stats, shared[:fit])
-        if self.grows_batches:  # sorted: the first queued row is the longest, so every row fits its stripes
-            self.runner.arena.set_layout(*self.layout_for(self._slots_needed(token_lists[queue[0]], params[queue[0]])))
+        if self.grows_batches:  # stripes for the longest row still queued: every later row fits them
+            self.runner.arena.set_layout(*self.layout_for(longest_from[queue[0]]))
             size = self.runner.arena.max_rows
         batch = [queue.popleft() for _ in range(min(size, len(queue)))]
         return batch, StripedBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats)

@@ -124,7 +124,8 @@ def test_last_token_only_prefills_give_the_full_forward_last_logits(arch, tiny_m
 def test_growing_batches_match_fixed_batches_and_take_more_rows(arch, tiny_models):
     """batch_growth: once the longest rows have left, the stripes are re-cut shorter mid-batch and more
     rows decode at once. Every row's tokens (greedy, seeded sampling, a stop id) equal the fixed-size
-    run, in fewer decode steps; the arena comes back whole and in its base layout."""
+    run, sorted or not, in fewer decode steps; the arena comes back whole and in its base layout. In
+    arrival order with the long rows last, the stripes stay as long as the longest row still to come."""
     model_dir, _ = tiny_models[arch]
     lengths = (60, 58, 55, 50, 20, 18, 16, 14, 12, 10, 9, 8, 7, 6, 5, 4)
     prompts = _prompts(12, lengths)
@@ -132,28 +133,35 @@ def test_growing_batches_match_fixed_batches_and_take_more_rows(arch, tiny_model
     params[5] = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
     params[9] = SamplingParams(max_new_tokens=10, temperature=1.0, seed=9, stop_token_ids=[7, 8, 9, 10, 11])
     runs = {}
-    for growth in (1, 4):
-        engine = _engine(model_dir, batch_growth=growth)
-        outs = engine.generate(prompts, params)
-        runs[growth] = ([(o.token_ids, o.finish_reason) for o in outs], engine.last_stats)
+    for growth, order in ((1, "sorted"), (4, "sorted"), (4, "arrival"), (4, "long_last")):
+        engine = _engine(model_dir, batch_growth=growth, sort_by_length=order == "sorted")
+        rows = list(range(len(prompts)))[::-1] if order == "long_last" else list(range(len(prompts)))
+        outs = engine.generate([prompts[i] for i in rows], [params[i] for i in rows])
+        by_row = dict(zip(rows, ((o.token_ids, o.finish_reason) for o in outs)))
+        runs[growth, order] = ([by_row[i] for i in range(len(prompts))], engine.last_stats)
         arena = engine.runner.arena
         assert arena.allocator.is_whole() and (arena.max_rows, arena.row_capacity) == (4, 112)
-    (fixed_outs, fixed), (grown_outs, grown) = runs[1], runs[4]
-    assert grown_outs == fixed_outs
+    fixed_outs, fixed = runs[1, "sorted"]
     assert fixed.peak_rows == 4 and fixed.relayouts == 0
-    assert grown.relayouts >= 1 and grown.peak_rows > 4
-    assert grown.decode_steps < fixed.decode_steps and grown.output_tokens == fixed.output_tokens
+    for key in ((4, "sorted"), (4, "arrival")):
+        outs, grown = runs[key]
+        assert outs == fixed_outs, key
+        assert grown.relayouts >= 1 and grown.peak_rows > 4, key
+        assert grown.decode_steps < fixed.decode_steps and grown.output_tokens == fixed.output_tokens
+    outs, long_last = runs[4, "long_last"]
+    # the longest row ends with 60 + 10 slots -> 5 segments: 5 stripes of 80 from the start, never re-cut
+    assert outs == fixed_outs and long_last.peak_rows == 5 and long_last.relayouts == 0
 
 
-def test_growing_batches_stay_off_unsorted_and_fit_layouts():
+def test_growing_batch_layouts():
     """Layouts: as many rows as the stripe region holds for the longest row, capped at batch_growth x
-    the base rows; batch growth only runs when rows come sorted (so stripes only ever shrink)."""
+    the base rows; static cache only."""
     engine = _engine(None, max_batch_size=4, max_input_len=64, max_output_len=48)  # bundled model
-    assert engine.grows_batches
-    assert engine.runner.arena.striped_slots == 4 * 112
+    assert engine.grows_batches and engine.runner.arena.striped_slots == 4 * 112
     assert engine.layout_for(112) == (112, 4)  # full-length rows: the base layout
     assert engine.layout_for(40) == (48, 9)  # 40 slots -> 3 segments each: 9 rows of 48 in 448 slots
     assert engine.layout_for(100) == (112, 4)  # 7 segments: still only 4 rows; the stripes keep the slack
     assert engine.layout_for(1) == (16, 16)  # 28 rows would fit: capped at batch_growth x 4
-    assert not _engine(None, max_batch_size=4, max_input_len=64, max_output_len=48, sort_by_length=False).grows_batches
     assert not _engine(None, max_batch_size=4, max_input_len=64, max_output_len=48, batch_growth=1).grows_batches
+    assert not _engine(None, max_batch_size=4, max_input_len=64, max_output_len=48,
+                       cache_policy="segment_sparse").grows_batches
