@@ -93,8 +93,8 @@ class Variant(Protocol):
 
 def batch_order(workload: Workload, sort_by_length: bool, with_output: bool = False) -> list[int]:
     """Row indices in the order batches are cut: arrival order, or longest prompt first (with
-    `with_output`: most prompt + new tokens first, the stable key `Engine.generate` uses, so our
-    per-batch slicing equals the engine's own)."""
+    `with_output`: most prompt + new tokens first, the stable key the torch `Engine.generate` uses for
+    prompts within max_input_len, so our per-batch slicing equals the engine's own)."""
     order = list(range(workload.rows))
     if sort_by_length:
         extra = workload.max_new_tokens if with_output else [0] * workload.rows

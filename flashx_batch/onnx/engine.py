@@ -211,6 +211,7 @@ class OnnxEngine:
         stats.rows += len(prompts)
         stats.batches += 1
         stats.batch_sizes.append(len(prompts))
+        stats.peak_rows = max(stats.peak_rows, len(prompts))
         stats.input_tokens += int(lengths.sum())
         stats.output_tokens += sum(len(r.token_ids) for r in rows)
         return rows

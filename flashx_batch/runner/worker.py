@@ -125,8 +125,9 @@ class ShardWorker:
             "wall_s": wall, "output_tok_per_s": g.output_tokens / wall if wall else 0.0,
             "total_tok_per_s": (g.input_tokens + g.output_tokens) / wall if wall else 0.0,
             "kv_bytes_peak": g.kv_bytes_peak, "cache_policy": job.runtime.cache_policy,
-            # admitted rows per batch: more than max_batch_size under segment_sparse
-            "batch_size": self.engine.admitted_batch_size, "device": str(self.engine.device), "attempt": attempt,
+            # the most rows decoding at once: more than max_batch_size under segment_sparse and batch growth
+            "batch_size": max(self.engine.admitted_batch_size, g.peak_rows),
+            "device": str(self.engine.device), "attempt": attempt,
             "batches": g.batches, "kv_bytes_arena": g.kv_bytes_arena, "kv_bytes_static_peak": g.kv_bytes_static_peak,
             "cached_prompt_tokens": g.cached_prompt_tokens, "prefill_tokens_computed": g.prefill_tokens_computed,
             "prefix_hit_rate": g.cached_prompt_tokens / g.input_tokens if g.input_tokens else 0.0,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashx_batch.runtime.kv import ArenaFullError
 from flashx_batch.runtime.kv_merge import apply_plans, choose_compression, plan_groups
 from flashx_batch.runtime.prefix_cache import block_keys
 from flashx_batch.runtime.sampling import SamplingParams
@@ -48,7 +49,7 @@ class StripedBatch:
         logits, self.slots = self._fill()
         allocator, device = self.arena.allocator, self.engine.device
         # segments held per row: its (possibly merged) prompt plus room for every new token
-        self.held = [allocator.take(self.arena.stripe_segments(i)[: allocator.segments_for(n + p.max_new_tokens)])
+        self.held = [self._take_stripe(i, allocator.segments_for(n + p.max_new_tokens))
                      for i, (n, p) in enumerate(zip(self.slots, self.params))]
         self.static_need = [allocator.segments_for(len(t) + p.max_new_tokens)
                             for t, p in zip(self.prompts, self.params)]
@@ -75,7 +76,7 @@ class StripedBatch:
         logits, used = self._fill_rows(first, prompts)
         for j, (prompt, p, n) in enumerate(zip(prompts, params, used), start=first):
             needed = allocator.segments_for(n + p.max_new_tokens)
-            self.held.append(allocator.take(self.arena.stripe_segments(j)[:needed]))  # first: `release` frees it
+            self.held.append(self._take_stripe(j, needed))  # first: `release` frees it
             self.slots.append(n)
             self.static_need.append(allocator.segments_for(len(prompt) + p.max_new_tokens))
         self._record_kv()
@@ -110,7 +111,7 @@ class StripedBatch:
             if j != last:
                 self.runner.move_row(last, j, self.slots[last])
                 allocator.release(self.held[last])
-                self.held[j] = allocator.take(self.arena.stripe_segments(j)[: len(self.held[last])])
+                self.held[j] = self._take_stripe(j, len(self.held[last]))
                 self.slots[j], old_of[j] = self.slots[last], old_of[last]
                 self.static_need[j] = self.static_need[last]
             for seq in (self.held, self.slots, old_of, self.static_need):
@@ -122,10 +123,10 @@ class StripedBatch:
         return old_of
 
     def release(self) -> None:
+        self.arena.set_layout(self.arena.base_capacity, self.arena.base_rows)  # the next batch starts whole
         for segments in self.held:
             self.arena.allocator.release(segments)
         self.held = []
-        self.arena.set_layout(self.arena.base_capacity, self.arena.base_rows)  # the next batch starts whole
 
     def regrid(self, next_slots: int) -> None:
         """Before a refill: when the rows still decoding and every queued row (at most `next_slots` KV
@@ -137,12 +138,19 @@ class StripedBatch:
         capacity, rows = self.engine.layout_for(longest)
         if rows < arena.max_rows + max(1, int(arena.max_rows * REGRID_GAIN)):
             return
+        arena.relayout(self.slots, capacity, rows)  # first: if it fails, `held` still matches the allocator
         allocator = arena.allocator
         for segments in self.held:
             allocator.release(segments)
-        arena.relayout(self.slots, capacity, rows)
-        self.held = [allocator.take(arena.stripe_segments(j)[: len(h)]) for j, h in enumerate(self.held)]
+        self.held = [self._take_stripe(j, len(h)) for j, h in enumerate(self.held)]
         self.stats.relayouts += 1
+
+    def _take_stripe(self, row: int, segments: int) -> list[int]:
+        """The first `segments` segments of stripe `row` in the current layout, refusing more than a
+        stripe holds (a row must never write into the next stripe)."""
+        if segments > self.arena.segments_per_row:
+            raise ArenaFullError(f"row {row} needs {segments} segments, its stripe holds {self.arena.segments_per_row}")
+        return self.arena.allocator.take(self.arena.stripe_segments(row)[:segments])
 
     def _fill(self) -> tuple[torch.Tensor, list[int]]:
         """Prompts' KV into stripes 0..B-1 -> (last-token logits [B, V], cache slots per row).

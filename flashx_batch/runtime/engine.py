@@ -349,11 +349,11 @@ class Engine:
         for i in reversed(order):
             longest = longest_from[i] = max(longest, self._slots_needed(token_lists[i], params[i]))
         while queue:
-            batch, runner = self._next_batch(queue, token_lists, params, stats, longest_from)
             # in-flight refill: a striped batch takes the next queued rows into finished rows' stripes
             # (not under prefix reuse: there a striped batch is a fallback, and the rows after it may
             # share prefixes again in a paged batch)
             refill = queue if self.options.refill and self.prefix_cache is None else None
+            batch, runner = self._next_batch(queue, token_lists, params, stats, longest_from if refill else None)
             done = self._run_batch(runner, batch, token_lists, params, stats, refill, longest_from)
             for i, row in done.items():
                 results[i] = RequestOutput(i, row.token_ids, self._final_text(row), row.finish_reason or "length",
@@ -477,7 +477,8 @@ class Engine:
         return rows
 
     def _next_batch(self, queue: deque[int], token_lists: list[list[int]], params: list[SamplingParams],
-                    stats: GenerateStats, longest_from: dict[int, int]) -> tuple[list[int], StripedBatch | PagedBatch]:
+                    stats: GenerateStats, longest_from: dict[int, int] | None
+                    ) -> tuple[list[int], StripedBatch | PagedBatch]:
         """Take the next batch off the front of `queue` (indices into token_lists / params).
 
         Striped: `admitted_batch_size` rows. Paged (rows share cached prefix segments): a row only
@@ -496,11 +497,26 @@ class Engine:
                         self.runner.arena.allocator.release(segments)
                     batch = [queue.popleft() for _ in range(fit)]
                     return batch, PagedBatch(self, prompts[:fit], [params[i] for i in batch], stats, shared[:fit])
-        if self.grows_batches:  # stripes for the longest row still queued: every later row fits them
-            self.runner.arena.set_layout(*self.layout_for(longest_from[queue[0]]))
+        if self.grows_batches:
+            self.runner.arena.set_layout(*self._first_layout(queue, token_lists, params, longest_from))
             size = self.runner.arena.max_rows
         batch = [queue.popleft() for _ in range(min(size, len(queue)))]
         return batch, StripedBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats)
+
+    def _first_layout(self, queue: deque[int], token_lists: list[list[int]], params: list[SamplingParams],
+                      longest_from: dict[int, int] | None) -> tuple[int, int]:
+        """The layout a striped batch starts in. Refilled (`longest_from` given): stripes for the longest
+        row still queued, since every one of them may join this batch. Static batches (no refill): for
+        the longest of the rows this batch takes, shrinking the row count until they all fit."""
+        if longest_from is not None:
+            return self.layout_for(longest_from[queue[0]])
+        need = self._slots_needed(token_lists[queue[0]], params[queue[0]])
+        while True:
+            capacity, rows = self.layout_for(need)
+            longest = max(self._slots_needed(token_lists[i], params[i]) for i in itertools.islice(queue, rows))
+            if longest <= capacity:
+                return capacity, rows
+            need = longest
 
     def _paged_fit(self, prompts: list[list[int]], params: list[SamplingParams], shared: list[list[int]],
                    at_least: int) -> int:

@@ -31,8 +31,8 @@ class EngineOptions:
     num_threads: int | None = None  # CPU only; None = every core this process may run on
     sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
     refill: bool = True  # a finished row's stripe takes the next queued row mid-batch (in-flight refill)
-    # static, sorted: a batch of short rows may hold up to batch_growth x max_batch_size rows, as many as the
-    # KV arena (sized for max_batch_size rows of max_input_len + max_output_len) holds; 1 = fixed batch size
+    # static cache: stripes cut for the longest row still decoding or queued, so short rows run up to
+    # batch_growth x max_batch_size at once in the KV arena sized for max_batch_size full rows; 1 = fixed size
     batch_growth: int = 4
     kv_merge_fraction: float = 0.8  # segment_sparse: share of eligible 4-token groups merged 4:1
     kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups

@@ -65,3 +65,23 @@ def test_relayout_moves_each_row_to_its_stripe_in_the_new_layout():
         arena.relayout([9, 3], 8, 4)
     with pytest.raises(ValueError, match="does not cut"):
         arena.set_layout(10)  # not whole segments
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.mkl, "_mkl_linear") or not torch.backends.mkl.is_available(),
+                    reason="no MKL packed sgemm in this torch build")
+def test_packed_linear_pads_between_sizes_and_matches_plain_matmul():
+    """Weights packed for 4 and 8 rows: 4 or 8 rows run packed, 5-7 are padded up to 8, fewer than 4 and
+    more than 8 run plain sgemm; every shape (2-D, 3-D) gives F.linear's values to rounding."""
+    from flashx_batch.models.layers import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(24, 16, True, torch.float32, torch.device("cpu"))
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    layer.prepack([8, 4])
+    assert sorted(layer.packed) == [4, 8] and layer._pack_for[1:9] == [0, 0, 0, 4, 8, 8, 8, 8]
+    for shape in ((1, 16), (3, 16), (4, 16), (6, 16), (8, 16), (11, 16), (6, 1, 16), (2, 3, 16)):
+        x = torch.randn(shape)
+        out = layer.forward(x)
+        assert out.shape == (*shape[:-1], 24)
+        assert torch.allclose(out, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5), shape

@@ -165,3 +165,38 @@ def test_growing_batch_layouts():
     assert not _engine(None, max_batch_size=4, max_input_len=64, max_output_len=48, batch_growth=1).grows_batches
     assert not _engine(None, max_batch_size=4, max_input_len=64, max_output_len=48,
                        cache_policy="segment_sparse").grows_batches
+
+
+def test_a_failed_re_cut_surfaces_its_own_error_and_leaves_the_arena_whole(tiny_models, monkeypatch):
+    """If moving the live rows into a new layout fails (say, out of memory for the copy), generate raises
+    that error, not a bookkeeping one, and the engine is back in its base layout with every segment free."""
+    model_dir, _ = tiny_models["llama"]
+    engine = _engine(model_dir)
+    prompts = _prompts(13, (60, 58, 20, 18, 16, 14, 12, 10, 9, 8))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 3) + (6,) * 8]
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated: no memory for the copy")
+
+    monkeypatch.setattr(engine.runner.arena, "relayout", fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate(prompts, params)
+    arena = engine.runner.arena
+    assert arena.allocator.is_whole() and (arena.max_rows, arena.row_capacity) == (4, 112)
+    monkeypatch.undo()
+    assert len(engine.score([prompts[0] + [5] * 50])[0]) == 110  # a full-length row fits again
+
+
+def test_static_batches_grow_to_the_rows_they_take(tiny_models):
+    """refill=false: each static batch is cut for its own longest row, not for a long row queued later."""
+    model_dir, _ = tiny_models["llama"]
+    prompts = _prompts(14, (10,) * 16 + (90,))
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 17
+    outs = {}
+    for growth in (1, 4):
+        engine = _engine(model_dir, refill=False, sort_by_length=False, batch_growth=growth, max_input_len=96,
+                         max_output_len=16)
+        outs[growth] = [o.token_ids for o in engine.generate(prompts, params)]
+        sizes = engine.last_stats.batch_sizes
+    assert outs[1] == outs[4]
+    assert sizes == [16, 1]  # 16 rows of 16 slots at once (4 x 4 rows, the cap), then the long row alone
