@@ -274,10 +274,6 @@ class Engine:
         rows = max(1, min(arena.base_rows * self.options.batch_growth, arena.striped_slots // need))
         return (arena.striped_slots // rows) // seg * seg, rows
 
-    def _bucket_key(self, prompt: list[int], params: SamplingParams) -> int:
-        """`sort_by_length` order: most KV slots at the end first."""
-        return -self._slots_needed(prompt, params)
-
     def _slots_needed(self, prompt: list[int], params: SamplingParams) -> int:
         """KV slots a row holds once it is done: its prompt (an over-long one is rolled into
         `prompt_slots`) plus every new token it may generate."""
@@ -336,10 +332,11 @@ class Engine:
         token_lists = [self.encode(p) for p in prompts]
         token_lists, truncated = self._fit_inputs(token_lists)
         order = list(range(len(prompts)))
+        needs = [self._slots_needed(t, p) for t, p in zip(token_lists, params)]  # KV slots each row ends with
         if self.prefix_cache is not None:  # rows sharing a prefix become neighbours, then batch-mates
             order.sort(key=lambda i: token_lists[i])
         elif self.options.sort_by_length:  # longest first, by the KV slots a row will hold at its end
-            order.sort(key=lambda i: self._bucket_key(token_lists[i], params[i]))
+            order.sort(key=lambda i: -needs[i])
         stats = GenerateStats(kv_bytes_arena=self.runner.arena.nbytes)
         results: dict[int, RequestOutput] = {}
         queue = deque(order)
@@ -347,13 +344,13 @@ class Engine:
         # cuts stripes no shorter, so no queued row ever waits for room)
         longest_from, longest = {}, 0
         for i in reversed(order):
-            longest = longest_from[i] = max(longest, self._slots_needed(token_lists[i], params[i]))
+            longest = longest_from[i] = max(longest, needs[i])
         while queue:
             # in-flight refill: a striped batch takes the next queued rows into finished rows' stripes
             # (not under prefix reuse: there a striped batch is a fallback, and the rows after it may
             # share prefixes again in a paged batch)
             refill = queue if self.options.refill and self.prefix_cache is None else None
-            batch, runner = self._next_batch(queue, token_lists, params, stats, longest_from if refill else None)
+            batch, runner = self._next_batch(queue, token_lists, params, stats, needs, longest_from if refill else None)
             done = self._run_batch(runner, batch, token_lists, params, stats, refill, longest_from)
             for i, row in done.items():
                 results[i] = RequestOutput(i, row.token_ids, self._final_text(row), row.finish_reason or "length",
@@ -477,7 +474,7 @@ class Engine:
         return rows
 
     def _next_batch(self, queue: deque[int], token_lists: list[list[int]], params: list[SamplingParams],
-                    stats: GenerateStats, longest_from: dict[int, int] | None
+                    stats: GenerateStats, needs: list[int], longest_from: dict[int, int] | None
                     ) -> tuple[list[int], StripedBatch | PagedBatch]:
         """Take the next batch off the front of `queue` (indices into token_lists / params).
 
@@ -498,22 +495,22 @@ class Engine:
                     batch = [queue.popleft() for _ in range(fit)]
                     return batch, PagedBatch(self, prompts[:fit], [params[i] for i in batch], stats, shared[:fit])
         if self.grows_batches:
-            self.runner.arena.set_layout(*self._first_layout(queue, token_lists, params, longest_from))
+            self.runner.arena.set_layout(*self._first_layout(queue, needs, longest_from))
             size = self.runner.arena.max_rows
         batch = [queue.popleft() for _ in range(min(size, len(queue)))]
         return batch, StripedBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats)
 
-    def _first_layout(self, queue: deque[int], token_lists: list[list[int]], params: list[SamplingParams],
-                      longest_from: dict[int, int] | None) -> tuple[int, int]:
+    def _first_layout(self, queue: deque[int], needs: list[int], longest_from: dict[int, int] | None
+                      ) -> tuple[int, int]:
         """The layout a striped batch starts in. Refilled (`longest_from` given): stripes for the longest
         row still queued, since every one of them may join this batch. Static batches (no refill): for
         the longest of the rows this batch takes, shrinking the row count until they all fit."""
         if longest_from is not None:
             return self.layout_for(longest_from[queue[0]])
-        need = self._slots_needed(token_lists[queue[0]], params[queue[0]])
+        need = needs[queue[0]]
         while True:
             capacity, rows = self.layout_for(need)
-            longest = max(self._slots_needed(token_lists[i], params[i]) for i in itertools.islice(queue, rows))
+            longest = max(needs[i] for i in itertools.islice(queue, rows))
             if longest <= capacity:
                 return capacity, rows
             need = longest

@@ -114,14 +114,15 @@ def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSetti
     restores the group's total weight); what gets blurred is the attention of the other three: rank
     by sum − max. On the 151 held-out windows that beat ranking by the sum at fraction 0.8 (top-1
     0.883 vs 0.880, KL 0.0230 vs 0.0234; `python -m flashx_batch.quality`). `ranked`: least loss
-    first instead of sorted by position."""
+    (random: drawn) first instead of sorted by position."""
     groups = eligible_groups(length, settings)
     count = merge_count(length, settings) if count is None else count
     if count == 0:
         return []
     if policy == "random":
         g = torch.Generator().manual_seed(seed)
-        return sorted(groups[i] for i in torch.randperm(len(groups), generator=g)[:count].tolist())
+        drawn = [groups[i] for i in torch.randperm(len(groups), generator=g)[:count].tolist()]
+        return drawn if ranked else sorted(drawn)
     upto = (groups[-1] + 1) * GROUP
     per_group = scores[:upto].float().view(-1, GROUP)[groups]  # [eligible, 4]
     if policy not in ("evict", "merge"):
@@ -148,12 +149,8 @@ def choose_compression(scores: torch.Tensor | None, length: int, settings: Merge
     merged, evicted = compression_counts(length, settings)
     if merged + evicted == 0:
         return [], []
-    if policy == "random":
-        groups = eligible_groups(length, settings)
-        g = torch.Generator().manual_seed(seed)
-        picked = [groups[i] for i in torch.randperm(len(groups), generator=g)[: merged + evicted].tolist()]
-        return sorted(picked[evicted:]), sorted(picked[:evicted])
-    order = choose_groups(scores, length, settings, "evict", count=merged + evicted, ranked=True)
+    order = choose_groups(scores, length, settings, "random" if policy == "random" else "evict", seed=seed,
+                          count=merged + evicted, ranked=True)
     return sorted(order[evicted:]), sorted(order[:evicted])
 
 
