@@ -49,6 +49,7 @@ class ForwardContext:
     slot_table: torch.Tensor | None = None  # paged: [B, L]
     kv_len: int = 0
     attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, kv_len]
+    decode_groups: tuple[tuple[int, int, int], ...] | None = None  # decode: runs of rows (start, end, slots read)
     start: int = 0  # extend
     cached: int = 0
     extend_mask: torch.Tensor | None = None
@@ -147,8 +148,14 @@ class Attention(nn.Module):
         k_flat.index_copy_(0, ctx.write_flat, k[:, 0])  # row i's new token -> its stripe slot
         v_flat.index_copy_(0, ctx.write_flat, v[:, 0])
         k_cache, v_cache = arena.stripes(self.layer)
-        return self._attend_one(q, k_cache[:batch, : ctx.kv_len].transpose(1, 2),
-                                v_cache[:batch, : ctx.kv_len].transpose(1, 2), ctx.attn_mask)
+        mask = ctx.attn_mask
+        if ctx.decode_groups is None:
+            return self._attend_one(q, k_cache[:batch, : ctx.kv_len].transpose(1, 2),
+                                    v_cache[:batch, : ctx.kv_len].transpose(1, 2), mask)
+        # rows of very different lengths: each run reads its stripes only up to its own longest row
+        return torch.cat([self._attend_one(q[a:b], k_cache[a:b, :n].transpose(1, 2), v_cache[a:b, :n].transpose(1, 2),
+                                           None if mask is None else mask[a:b, ..., :n])
+                          for a, b, n in ctx.decode_groups])
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor | None) -> torch.Tensor:

@@ -64,12 +64,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-               write_slots: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
+               write_slots: torch.Tensor | None = None, aligned: bool = False,
+               groups: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor:
         """One step: tokens [B] at RoPE positions [B] (row i = stripe i) -> logits [B, V].
 
         `write_slots` (default = positions) differ from positions once a row's KV is merged; then
         the mask also carries each slot's log-count bias from the arena. `aligned`: every row writes
         slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask.
+        `groups` (see `batches.attention_groups`): attend in runs of rows (start, end, slots read).
         """
         cos, sin = self.model.rotary.lookup(positions[:, None])
         if write_slots is None:
@@ -80,7 +82,8 @@ class ModelRunner:
             mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
             mask = mask.to(self.arena.storage.dtype)[:, None, None, :]
         write_flat = self.arena.stripe_starts()[: len(tokens)] + write_slots
-        ctx = ForwardContext("decode", cos, sin, write_flat=write_flat, kv_len=kv_len, attn_mask=mask)
+        ctx = ForwardContext("decode", cos, sin, write_flat=write_flat, kv_len=kv_len, attn_mask=mask,
+                             decode_groups=groups)
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])
 

@@ -5,6 +5,8 @@ import torch
 from model_factory import ARCHS
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.runtime import batches
+from flashx_batch.runtime.model_runner import ModelRunner
 
 NEW_TOKENS = 32
 
@@ -200,3 +202,55 @@ def test_static_batches_grow_to_the_rows_they_take(tiny_models):
         sizes = engine.last_stats.batch_sizes
     assert outs[1] == outs[4]
     assert sizes == [16, 1]  # 16 rows of 16 slots at once (4 x 4 rows, the cap), then the long row alone
+
+
+def test_attention_groups_cut_where_the_fewest_slots_are_read():
+    """One decode step's attention: one call unless two runs of rows read at least SPLIT_MIN_BYTES
+    less of a layer's cache; the cut is the cheapest of every possible cut."""
+    big = batches.SPLIT_MIN_BYTES  # bytes per slot: any saved slot is worth a cut
+    assert batches.attention_groups([600, 40, 40, 40], big) == ((0, 1, 600), (1, 4, 40))
+    assert batches.attention_groups([40, 600, 40, 40, 41], big) == ((0, 2, 600), (2, 5, 41))
+    assert batches.attention_groups([50] * 6, big) is None  # equal rows: nothing to save
+    assert batches.attention_groups([600], big) is None
+    assert batches.attention_groups([600, 40, 40, 40], 1) is None  # 1680 bytes saved: not worth a call
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        lengths = torch.randint(1, 700, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
+        n = len(lengths)
+        cheapest = min(k * max(lengths[:k]) + (n - k) * max(lengths[k:]) for k in range(1, n))
+        groups = batches.attention_groups(lengths, big)
+        if cheapest == n * max(lengths):
+            assert groups is None
+            continue
+        (a, cut, first), (cut2, end, second) = groups
+        assert (a, cut2, end) == (0, cut, n) and first == max(lengths[:cut]) and second == max(lengths[cut:])
+        assert cut * first + (n - cut) * second == cheapest
+
+
+@pytest.mark.parametrize(("arch", "policy"), [("llama", "static"), ("glm4", "segment_sparse")])
+def test_split_decode_attention_gives_the_same_tokens(arch, policy, tiny_models, monkeypatch):
+    """Rows of very different lengths decode in two attention calls, each reading its rows' stripes only
+    up to its own longest row: every row's tokens (greedy, seeded sampling; merged rows' biased masks
+    with segment_sparse) equal the one-call run, and the split really ran."""
+    model_dir, _ = tiny_models[arch]
+    lengths = (60, 4, 6, 5, 58, 3, 7, 50, 9, 8, 2, 40)
+    prompts = _prompts(13, lengths)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 25, 20, 6, 28, 9, 14, 22, 5, 16, 8)]
+    params[2] = SamplingParams(max_new_tokens=25, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+    split_steps = []
+    decode = ModelRunner.decode
+
+    def counting(self, *args, groups=None, **kw):
+        split_steps.append(groups is not None)
+        return decode(self, *args, groups=groups, **kw)
+
+    monkeypatch.setattr(ModelRunner, "decode", counting)
+    runs = {}
+    for threshold in (1 << 62, 0):  # never split, split whenever a slot is saved
+        monkeypatch.setattr(batches, "SPLIT_MIN_BYTES", threshold)
+        split_steps.clear()
+        engine = _engine(model_dir, sort_by_length=False, cache_policy=policy)
+        runs[threshold] = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
+        assert engine.runner.arena.allocator.is_whole()
+        assert any(split_steps) == (threshold == 0)
+    assert runs[0] == runs[1 << 62]
