@@ -28,23 +28,22 @@ if TYPE_CHECKING:
 
 # a mid-batch re-cut of the stripes must add at least this share of rows (each re-cut copies the live KV)
 REGRID_GAIN = 0.25
-# a decode step's attention is split in two calls when that skips reading at least this many bytes of
-# one layer's cache: each call costs ~20 us on a CPU, about what reading ~130 KiB of cache costs there
-SPLIT_MIN_BYTES = 256 << 10
 
 
-def attention_groups(lengths: list[int], bytes_per_slot: int) -> tuple[tuple[int, int, int], ...] | None:
+def attention_groups(lengths: list[int], bytes_per_slot: int, min_bytes: int | None
+                     ) -> tuple[tuple[int, int, int], ...] | None:
     """How one decode step's attention reads the stripes: None for one call over every row up to
     the longest row's `lengths` (visible slots per row, in stripe order), else two contiguous runs
     of rows (start, end, visible slots), each read only up to its own longest row.
 
     Masked slots past a row's end are read all the same by one call; rows of mixed lengths (the
     rows a refill brings in are shorter than those already decoding) can waste a third of those
-    reads. The cut is the one that reads least, taken when it saves SPLIT_MIN_BYTES per layer
-    (`bytes_per_slot`: keys + values of one slot of one layer). Each row attends to its own
-    slots either way, so outputs do not change."""
+    reads. The cut is the one that reads least, taken when it saves at least `min_bytes` of one
+    layer's cache (`bytes_per_slot`: keys + values of one slot of one layer; the backend's
+    `attention_split_min_bytes`, None: never split). Each row attends to its own slots either
+    way, so outputs do not change."""
     n = len(lengths)
-    if n < 2:
+    if n < 2 or min_bytes is None:
         return None
     suffix = lengths[:]
     for i in range(n - 2, -1, -1):
@@ -55,7 +54,7 @@ def attention_groups(lengths: list[int], bytes_per_slot: int) -> tuple[tuple[int
         reads = k * head + (n - k) * suffix[k]
         if reads < best:
             best, cut = reads, k
-    if (whole - best) * bytes_per_slot < SPLIT_MIN_BYTES:
+    if best == whole or (whole - best) * bytes_per_slot < min_bytes:
         return None
     return (0, cut, max(lengths[:cut])), (cut, n, suffix[cut])
 
@@ -122,7 +121,9 @@ class StripedBatch:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         longest = max(self.slots)
-        groups = attention_groups([n + 1 for n in self.slots], self.engine.kv_bytes_per_slot)
+        engine = self.engine
+        groups = attention_groups([n + 1 for n in self.slots], engine.kv_bytes_per_slot,
+                                  engine.attention_split_min_bytes)
         logits = self.runner.decode(tokens, self.positions, longest + 1, self.write_slots,
                                     aligned=min(self.slots) == longest, groups=groups)
         self.positions += 1

@@ -205,6 +205,7 @@ class Engine:
             self.backend.prepare_model(model, self._decode_pack_sizes(model, arena.base_rows))
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
         self.kv_bytes_per_slot = arena.bytes_per_token() // self.config.num_layers  # one layer's keys + values
+        self.attention_split_min_bytes = self.backend.attention_split_min_bytes  # see batches.attention_groups
         self.prefix_cache: PrefixCache | None = None
         self.trash_slot = -1  # paged batches only: where padding positions write (the arena's last segment)
         if options.prefix_cache_tokens:

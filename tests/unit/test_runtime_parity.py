@@ -205,20 +205,21 @@ def test_static_batches_grow_to_the_rows_they_take(tiny_models):
 
 
 def test_attention_groups_cut_where_the_fewest_slots_are_read():
-    """One decode step's attention: one call unless two runs of rows read at least SPLIT_MIN_BYTES
-    less of a layer's cache; the cut is the cheapest of every possible cut."""
-    big = batches.SPLIT_MIN_BYTES  # bytes per slot: any saved slot is worth a cut
-    assert batches.attention_groups([600, 40, 40, 40], big) == ((0, 1, 600), (1, 4, 40))
-    assert batches.attention_groups([40, 600, 40, 40, 41], big) == ((0, 2, 600), (2, 5, 41))
-    assert batches.attention_groups([50] * 6, big) is None  # equal rows: nothing to save
-    assert batches.attention_groups([600], big) is None
-    assert batches.attention_groups([600, 40, 40, 40], 1) is None  # 1680 bytes saved: not worth a call
+    """One decode step's attention: one call unless two runs of rows read at least the backend's
+    minimum fewer bytes of a layer's cache; the cut is the cheapest of every possible cut."""
+    groups, limit = batches.attention_groups, 256 << 10
+    assert groups([600, 40, 40, 40], 1024, limit) == ((0, 1, 600), (1, 4, 40))
+    assert groups([40, 600, 40, 40, 41], 1024, 0) == ((0, 2, 600), (2, 5, 41))
+    assert groups([600, 40, 40, 40], 1024, None) is None  # the backend never splits
+    assert groups([50] * 6, 1024, 0) is None  # equal rows: nothing to save
+    assert groups([600], 1024, 0) is None
+    assert groups([600, 40, 40, 40], 100, limit) is None  # 168,000 bytes saved: not worth a call
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         lengths = torch.randint(1, 700, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
         n = len(lengths)
         cheapest = min(k * max(lengths[:k]) + (n - k) * max(lengths[k:]) for k in range(1, n))
-        groups = batches.attention_groups(lengths, big)
+        groups = batches.attention_groups(lengths, 1, 0)
         if cheapest == n * max(lengths):
             assert groups is None
             continue
@@ -246,11 +247,11 @@ def test_split_decode_attention_gives_the_same_tokens(arch, policy, tiny_models,
 
     monkeypatch.setattr(ModelRunner, "decode", counting)
     runs = {}
-    for threshold in (1 << 62, 0):  # never split, split whenever a slot is saved
-        monkeypatch.setattr(batches, "SPLIT_MIN_BYTES", threshold)
+    for threshold in (None, 0):  # never split, split whenever a slot is saved
         split_steps.clear()
         engine = _engine(model_dir, sort_by_length=False, cache_policy=policy)
+        engine.attention_split_min_bytes = threshold
         runs[threshold] = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
         assert engine.runner.arena.allocator.is_whole()
         assert any(split_steps) == (threshold == 0)
-    assert runs[0] == runs[1 << 62]
+    assert runs[0] == runs[None]
