@@ -151,3 +151,27 @@ def test_harness_exits_nonzero_and_writes_no_results_when_the_gate_fails(tiny_ll
     finally:
         torch.set_num_threads(torch_threads)
     assert (tmp_path / "gate_failure.json").is_file() and not (tmp_path / "results.json").exists()
+
+
+def test_gpu_protocol_runs_end_to_end_in_its_cpu_smoke_mode(tmp_path):
+    """The GPU protocol has to work the first time a GPU is lent (device minutes are scarce): its
+    --cpu-smoke mode runs every phase on a tiny shape and writes the JSON the README quotes."""
+    from flashx_batch.bench import gpu_protocol
+
+    assert gpu_protocol.main(["--out", str(tmp_path), "--cpu-smoke", "--repeats", "1"]) == 0
+    result = json.loads((tmp_path / "gpu_protocol.json").read_text())
+    w1 = result["W1"]
+    assert w1["rows"] == gpu_protocol.SMOKE_W1.rows and w1["ratio_ours_bucketed_over_transformers_arrival"]["median"] > 0
+    assert w1["greedy_agreement_on_sample"]["ours_bucketed"] == 1.0  # float32 on CPU: token for token
+    assert set(result["decode_steps"]) == {"1", "4", "8"} and not result["skipped"]
+    for step in result["decode_steps"].values():
+        assert step["ours_step_s"] > 0 and step["transformers_step_s"] > 0
+        assert 0 < step["ours_fraction_of_bound"] == pytest.approx(step["bandwidth_bound_step_s"] / step["ours_step_s"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_protocol_refuses_to_start_without_a_gpu(tmp_path):
+    from flashx_batch.bench import gpu_protocol
+
+    assert gpu_protocol.main(["--out", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())
