@@ -71,8 +71,11 @@ class ModelRunner:
         `write_slots` (default = positions) differ from positions once a row's KV is merged; then
         the mask also carries each slot's log-count bias from the arena. `aligned`: every row writes
         slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask.
-        `groups` (see `batches.attention_groups`): attend in runs of rows (start, end, slots read).
+        `groups` (see `batches.attention_groups`): attend in runs of rows (start, end, slots read);
+        rows of mixed lengths only, so they always come with a mask.
         """
+        if groups is not None and aligned and write_slots is None:
+            raise ValueError("decode groups need rows of mixed lengths, and aligned rows have none")
         cos, sin = self.model.rotary.lookup(positions[:, None])
         if write_slots is None:
             write_slots = positions

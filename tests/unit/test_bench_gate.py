@@ -176,3 +176,17 @@ def test_gpu_protocol_refuses_to_start_without_a_gpu(tmp_path):
 
     assert gpu_protocol.main(["--out", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())
+
+
+def test_paged_schedule_count_admits_rows_as_their_own_slots_free():
+    """The README's schedule count: rows in order, each admitted once its own need fits; a row's
+    first token comes from its prefill, so it decodes new_tokens - 1 steps."""
+    from flashx_batch.bench.schedule_count import paged_decode_steps
+
+    # rows 0 and 1 fill the 64 slots; row 1 leaves after 1 step and row 2 takes its place
+    assert paged_decode_steps([32, 32, 32], [3, 2, 2], slots=64, max_rows=8) == 2
+    assert paged_decode_steps([32, 32, 32], [3, 2, 2], slots=64, max_rows=1) == 4  # one row at a time
+    assert paged_decode_steps([48, 16, 16], [3, 2, 2], slots=64, max_rows=8) == 2  # row 2 waits for row 1
+    assert paged_decode_steps([16], [1], slots=64, max_rows=8) == 0  # done at its prefill
+    with pytest.raises(ValueError, match="row 0 needs 100 slots"):
+        paged_decode_steps([100], [5], slots=64, max_rows=8)

@@ -214,6 +214,8 @@ def test_attention_groups_cut_where_the_fewest_slots_are_read():
     assert groups([50] * 6, 1024, 0) is None  # equal rows: nothing to save
     assert groups([600], 1024, 0) is None
     assert groups([600, 40, 40, 40], 100, limit) is None  # 168,000 bytes saved: not worth a call
+    saved = (2400 - 720) * 1024  # one call reads 4 x 600 slots, the cut 600 + 3 x 40
+    assert groups([600, 40, 40, 40], 1024, saved) is not None and groups([600, 40, 40, 40], 1024, saved + 1) is None
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         lengths = torch.randint(1, 700, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
@@ -250,6 +252,9 @@ def test_split_decode_attention_gives_the_same_tokens(arch, policy, tiny_models,
     for threshold in (None, 0):  # never split, split whenever a slot is saved
         split_steps.clear()
         engine = _engine(model_dir, sort_by_length=False, cache_policy=policy)
+        cfg = engine.config  # one layer's keys + values per slot; the CPU backend's default threshold
+        assert engine.kv_bytes_per_slot == 2 * cfg.num_kv_heads * cfg.head_dim * 4
+        assert engine.attention_split_min_bytes == 256 << 10
         engine.attention_split_min_bytes = threshold
         runs[threshold] = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
         assert engine.runner.arena.allocator.is_whole()
