@@ -58,8 +58,8 @@ class Backend:
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     supports_graphs: bool = False  # CUDA graphs / torch.compile with static shapes
     # decode attention in two calls when that saves reading this many bytes of one layer's cache
-    # (`runtime.batches.attention_groups`); None: one call always (measured on CPU only, where a
-    # call costs ~20 us; on a GPU a launch costs more than re-reading a few MiB saves)
+    # (`runtime.batches.attention_groups`); None: one call always (measured on CPU only; on a GPU a
+    # kernel launch weighs more against the bytes it reads)
     attention_split_min_bytes: int | None = None
     torch_runtime: bool = True  # False: the torch `Engine` cannot run on it (the ONNX Runtime path)
 

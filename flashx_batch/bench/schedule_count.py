@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.bench.variants import batch_order
 from flashx_batch.bench.workloads import FULL, mixed_intake
 from flashx_batch.runtime.options import bundled_model_dir
 
@@ -63,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                for name in ("sorted", "arrival")}
     w1 = mixed_intake(FULL, engines["sorted"].config.vocab_size)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in w1.max_new_tokens]
-    needs = [-(-(len(p) + n) // SEGMENT) * SEGMENT for p, n in zip(w1.prompts, w1.max_new_tokens)]
-    orders = {"sorted": sorted(range(w1.rows), key=lambda i: -needs[i]), "arrival": list(range(w1.rows))}
+    # what a row holds at its end, in whole segments (the engine's own arithmetic), in the engine's orders
+    engine, allocator = engines["sorted"], engines["sorted"].runner.arena.allocator
+    needs = [SEGMENT * allocator.segments_for(engine._slots_needed(p, q)) for p, q in zip(w1.prompts, params)]
+    orders = {name: batch_order(w1, name == "sorted", with_output=True) for name in engines}
     counts = {}
     for name, order in orders.items():
         engine = engines[name]

@@ -122,9 +122,8 @@ class StripedBatch:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         longest = max(self.slots)
-        engine = self.engine
-        groups = attention_groups([n + 1 for n in self.slots], engine.kv_bytes_per_slot,
-                                  engine.attention_split_min_bytes)
+        groups = attention_groups([n + 1 for n in self.slots], self.arena.layer_slot_bytes(),
+                                  self.engine.backend.attention_split_min_bytes)
         logits = self.runner.decode(tokens, self.positions, longest + 1, self.write_slots,
                                     aligned=min(self.slots) == longest, groups=groups)
         self.positions += 1
@@ -294,7 +293,7 @@ class PagedBatch:
 
     def prefill(self) -> torch.Tensor:
         seg, allocator, trash = self.seg, self.arena.allocator, self.engine.trash_slot
-        stripes = range(self.arena.striped_slots // self.arena.segment_size)
+        stripes = range(self.arena.striped_segments)
         cached = [len(s) * seg for s in self.shared]
         self.own = []  # filled row by row, so `release` frees exactly what was taken if this fails
         for p, c, q in zip(self.prompts, cached, self.params):

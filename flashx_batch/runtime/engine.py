@@ -204,13 +204,11 @@ class Engine:
         if options.prepack_weights:
             self.backend.prepare_model(model, self._decode_pack_sizes(model, arena.base_rows))
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
-        self.kv_bytes_per_slot = arena.bytes_per_token() // self.config.num_layers  # one layer's keys + values
-        self.attention_split_min_bytes = self.backend.attention_split_min_bytes  # see batches.attention_groups
         self.prefix_cache: PrefixCache | None = None
         self.trash_slot = -1  # paged batches only: where padding positions write (the arena's last segment)
         if options.prefix_cache_tokens:
             self.trash_slot = (arena.num_segments - 1) * arena.segment_size
-            first = arena.striped_slots // arena.segment_size
+            first = arena.striped_segments
             self.prefix_cache = PrefixCache(arena.allocator, range(first, arena.num_segments - 1),
                                             arena.num_segments - 1 - first)
             arena.allocator.take([arena.num_segments - 1])  # the trash segment is never handed out
@@ -521,7 +519,7 @@ class Engine:
                    at_least: int) -> int:
         """How many leading rows' own segments fit in the stripe region (at least `at_least`)."""
         arena = self.runner.arena
-        free = arena.allocator.free_in(range(arena.striped_slots // arena.segment_size))
+        free = arena.allocator.free_in(range(arena.striped_segments))
         need, fit = 0, 0
         for prompt, p, segments in zip(prompts, params, shared):
             need += arena.allocator.segments_for(len(prompt) - len(segments) * arena.segment_size + p.max_new_tokens)

@@ -96,7 +96,8 @@ class KVArena:
         self.base_rows, self.base_capacity = max_rows, row_capacity  # the layout the arena was sized for
         # the stripe region: fixed bytes, whatever layout cuts it (prefix cache / spare segments follow it)
         self.striped_slots = max_rows * row_capacity
-        self.num_segments = self.striped_slots // segment_size + extra_segments
+        self.striped_segments = self.striped_slots // segment_size  # segments 0.. these: stripes, then the rest
+        self.num_segments = self.striped_segments + extra_segments
         self.num_slots = self.num_segments * segment_size
         self.storage = torch.zeros(num_layers, 2, self.num_slots, num_kv_heads, head_dim, dtype=dtype,
                                    device=device)
@@ -150,6 +151,10 @@ class KVArena:
 
     def bytes_per_token(self) -> int:
         return self.nbytes // self.num_slots
+
+    def layer_slot_bytes(self) -> int:
+        """Bytes of one slot's keys and values in one layer (what attention reads per slot and layer)."""
+        return self.bytes_per_token() // self.storage.shape[0]
 
     def stripe_segments(self, row: int) -> list[int]:
         start = row * self.segments_per_row

@@ -72,10 +72,8 @@ class ModelRunner:
         the mask also carries each slot's log-count bias from the arena. `aligned`: every row writes
         slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask.
         `groups` (see `batches.attention_groups`): attend in runs of rows (start, end, slots read);
-        rows of mixed lengths only, so they always come with a mask.
+        only rows of mixed lengths are split, so `aligned` (no mask) never comes with groups.
         """
-        if groups is not None and aligned and write_slots is None:
-            raise ValueError("decode groups need rows of mixed lengths, and aligned rows have none")
         cos, sin = self.model.rotary.lookup(positions[:, None])
         if write_slots is None:
             write_slots = positions

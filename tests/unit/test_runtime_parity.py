@@ -253,9 +253,9 @@ def test_split_decode_attention_gives_the_same_tokens(arch, policy, tiny_models,
         split_steps.clear()
         engine = _engine(model_dir, sort_by_length=False, cache_policy=policy)
         cfg = engine.config  # one layer's keys + values per slot; the CPU backend's default threshold
-        assert engine.kv_bytes_per_slot == 2 * cfg.num_kv_heads * cfg.head_dim * 4
-        assert engine.attention_split_min_bytes == 256 << 10
-        engine.attention_split_min_bytes = threshold
+        assert engine.runner.arena.layer_slot_bytes() == 2 * cfg.num_kv_heads * cfg.head_dim * 4
+        assert engine.backend.attention_split_min_bytes == 256 << 10
+        engine.backend.attention_split_min_bytes = threshold  # this engine's backend instance only
         runs[threshold] = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
         assert engine.runner.arena.allocator.is_whole()
         assert any(split_steps) == (threshold == 0)
