@@ -61,6 +61,9 @@ class Backend:
     # (`runtime.batches.attention_groups`); None: one call always (measured on CPU only; on a GPU a
     # kernel launch weighs more against the bytes it reads)
     attention_split_min_bytes: int | None = None
+    # growing refilled batches keep each row in a KV extent of its own (`runtime.batches.ExtentBatch`):
+    # attention then runs once per run of rows, which a CPU pays in microseconds and a GPU in launches
+    prefers_row_extents: bool = False
     torch_runtime: bool = True  # False: the torch `Engine` cannot run on it (the ONNX Runtime path)
 
     @classmethod

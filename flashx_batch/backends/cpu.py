@@ -16,6 +16,7 @@ class CpuBackend(Backend):
     # a second attention call plus the cat: ~8 us more (measured); reading 256 KiB of cache ~40 us at the
     # ~6.6 GB/s decode attention reaches, so a cut this size pays for itself several times over
     attention_split_min_bytes = 256 << 10
+    prefers_row_extents = True
 
     @classmethod
     def is_available(cls) -> bool:

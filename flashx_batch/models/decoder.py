@@ -27,6 +27,7 @@ class ForwardContext:
     decode: one token per row; row i writes stripe slot `write_slots[i]` (flat slot `write_flat[i]`,
       computed once per step, not per layer) and reads slots
       0..kv_len-1; `attn_mask` (bool, or float carrying merged slots' log-count bias) hides the rest.
+      With `row_runs` (rows in extents of their own) each run of rows reads its own view instead.
     extend: one row, a chunk of C tokens appended after `cached` slots of a flat region starting at
       slot `start` (segment-sparse prefill, rolling merge, teacher-forced scoring). `extend_mask`
       [1, 1, C, cached + C] is None for a plain causal chunk with nothing cached.
@@ -50,6 +51,9 @@ class ForwardContext:
     kv_len: int = 0
     attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, kv_len]
     decode_groups: tuple[tuple[int, int, int], ...] | None = None  # decode: runs of rows (start, end, slots read)
+    # decode, rows in extents of their own: per run of rows (`batches.extent_runs`), (first row, end row,
+    # keys and values of every layer [layers, 2, rows, Hkv, slots, D], slots the mask must hide past or None)
+    row_runs: tuple[tuple[int, int, torch.Tensor, int | None], ...] | None = None
     start: int = 0  # extend
     cached: int = 0
     extend_mask: torch.Tensor | None = None
@@ -147,6 +151,8 @@ class Attention(nn.Module):
         k_flat, v_flat = arena.flat(self.layer)
         k_flat.index_copy_(0, ctx.write_flat, k[:, 0])  # row i's new token -> its stripe slot
         v_flat.index_copy_(0, ctx.write_flat, v[:, 0])
+        if ctx.row_runs is not None:
+            return self._attend_runs(q, ctx)
         k_cache, v_cache = arena.stripes(self.layer)
         mask = ctx.attn_mask
         if ctx.decode_groups is None:
@@ -156,6 +162,16 @@ class Attention(nn.Module):
         return torch.cat([self._attend_one(q[a:b], k_cache[a:b, :n].transpose(1, 2), v_cache[a:b, :n].transpose(1, 2),
                                            None if mask is None else mask[a:b, ..., :n])
                           for a, b, n in ctx.decode_groups])
+
+    def _attend_runs(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Rows in extents of their own: each run of rows (see `batches.extent_runs`) read in place
+        through its strided view of the cache, up to its own longest row (masked: rows of one run
+        differ in length)."""
+        outs, mask, layer = [], ctx.attn_mask, self.layer
+        for a, b, kv, masked in ctx.row_runs:
+            keys, values = kv[layer]
+            outs.append(self._attend_one(q[a:b], keys, values, None if masked is None else mask[a:b, ..., :masked]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor | None) -> torch.Tensor:

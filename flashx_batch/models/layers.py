@@ -20,13 +20,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        # mean = sum / dim, as ATen computes it on CPU (bitwise equal); dividing by a ready tensor
+        # skips the scalar-to-tensor copy `mean` makes on every call (13 norms per decode step).
+        # Made on first use: the model is built on the meta device and materialized later.
+        self._dim: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' order of operations (so float32 results are bitwise equal to it), with the
         # temporaries updated in place: on CPU a fresh multi-MB temporary costs page faults, and
         # this form is ~10x faster than the out-of-place one (and than F.rms_norm) on a prefill.
         x32 = x.float()
-        scale = torch.mean(x32 * x32, -1, keepdim=True).add_(self.eps).rsqrt_()
+        dim = self._dim
+        if dim is None or dim.device != x.device:
+            dim = self._dim = torch.tensor(float(x.shape[-1]), dtype=torch.float32, device=x.device)
+        scale = torch.sum(x32 * x32, -1, keepdim=True).div_(dim).add_(self.eps).rsqrt_()
         if x.dtype == torch.float32:
             return torch.mul(x32, scale).mul_(self.weight)
         return self.weight * torch.mul(x32, scale).to(x.dtype)
@@ -52,7 +59,11 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos / sin for every position up to `max_positions`, built once at load, indexed per step."""
+    """cos / signed sin for every position up to `max_positions`, built once at load, indexed per step.
+
+    The sin table carries the rotation's sign (see `angles`), so applying RoPE is
+    x * cos + swap(x) * signed_sin: a swap of halves (or of pairs) and no negation per call.
+    """
 
     def __init__(self, rope: RopeConfig, rotary_dim: int, max_positions: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -60,20 +71,27 @@ class RotaryTable:
         self.rotary_dim = rotary_dim
         self.interleaved = rope.interleaved
         self.max_positions = max_positions
-        cos, sin = self.angles(torch.arange(max_positions, dtype=torch.int64).float())
+        cos, signed_sin = self.angles(torch.arange(max_positions, dtype=torch.int64).float())
         self.cos = cos.to(dtype=dtype, device=device)
-        self.sin = sin.to(dtype=dtype, device=device)
+        self.signed_sin = signed_sin.to(dtype=dtype, device=device)
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos, sin [P, rotary_dim] for any (also fractional) positions [P]."""
+        """float32 cos, signed sin [P, rotary_dim] for any (also fractional) positions [P].
+
+        `transformers` computes x * cos + rotate(x) * sin, where rotate negates half of the swapped
+        channels (the first half, or the first of each pair); here that sign sits in the sin table
+        instead: (-a) * s and a * (-s) are the same float, so results stay bitwise equal."""
         freqs = positions.float().cpu()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
+        half = self.rotary_dim // 2
         if self.interleaved:
             # GLM pairs adjacent channels: channel 2i and 2i+1 share frequency i.
-            half = self.rotary_dim // 2
             cos = cos[:, :half].repeat_interleave(2, dim=-1)
             sin = sin[:, :half].repeat_interleave(2, dim=-1)
+            sin[:, 0::2] = -sin[:, 0::2]
+        else:
+            sin[:, :half] = -sin[:, :half]
         return cos, sin
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -82,34 +100,32 @@ class RotaryTable:
         return apply_rotary(x, cos, -sin if inverse else sin, self.interleaved)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, T, 1, rotary_dim] (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+        """positions [B, T] -> cos, signed sin [B, T, 1, rotary_dim] (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(2), self.signed_sin[positions].unsqueeze(2)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., 0::2]
-    x2 = x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """x [B, T, H, D]; rotates the first `cos.shape[-1]` channels, passes the rest through (into a
-    new tensor: x is left as it is)."""
-    return apply_rotary_(x.clone(), cos, sin, interleaved)
+    new tensor: x is left as it is). `signed_sin` as `RotaryTable.angles` makes it."""
+    return apply_rotary_(x.clone(), cos, signed_sin, interleaved)
 
 
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotary embedding written into x itself (a projection's fresh output) and returned:
-    x * cos + rotate(x) * sin, transformers' operations in its order (float32 results bitwise equal),
-    with only the rotated copy a new tensor (on a CPU prefill each fresh multi-MB temporary costs
-    page faults). The pass-through channels of a partial rotary are simply left alone."""
+    x * cos + swap(x) * signed_sin, transformers' operations in its order (float32 results bitwise
+    equal), with only the swapped copy a new tensor (on a CPU prefill each fresh multi-MB temporary
+    costs page faults). The pass-through channels of a partial rotary are simply left alone."""
     x_rot = x[..., : cos.shape[-1]]
-    turned = (_rotate_pairs if interleaved else _rotate_half)(x_rot).mul_(sin)
+    turned = (_swap_pairs if interleaved else _swap_halves)(x_rot).mul_(signed_sin)
     x_rot.mul_(cos).add_(turned)
     return x
 

@@ -78,7 +78,7 @@ class PrefillGraph(nn.Module):
         super().__init__()
         self.model = model
         self.register_buffer("cos", model.rotary.cos, persistent=False)  # [P_max, rotary_dim]
-        self.register_buffer("sin", model.rotary.sin, persistent=False)
+        self.register_buffer("sin", model.rotary.signed_sin, persistent=False)  # sign folded in: RotaryTable
 
     def forward(self, input_ids: torch.Tensor, last_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m, seq = self.model, input_ids.shape[1]
@@ -100,7 +100,7 @@ class DecodeGraph(nn.Module):
         super().__init__()
         self.model = model
         self.register_buffer("cos", model.rotary.cos, persistent=False)
-        self.register_buffer("sin", model.rotary.sin, persistent=False)
+        self.register_buffer("sin", model.rotary.signed_sin, persistent=False)  # sign folded in: RotaryTable
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn_bias: torch.Tensor,
                 past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

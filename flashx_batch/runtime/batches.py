@@ -13,6 +13,8 @@ batch also takes `admit(prompts, params)` (in-flight refill) while it has `room`
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,9 +64,11 @@ def attention_groups(lengths: list[int], bytes_per_slot: int, min_bytes: int | N
 
 class StripedBatch:
     def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
-                 stats: GenerateStats) -> None:
+                 stats: GenerateStats, longest_from: dict[int, int] | None = None) -> None:
         # the rows the batch starts with; rows admitted later are tracked by position (slots, held)
         self.engine, self.prompts, self.params, self.stats = engine, prompts, params, stats
+        # growing batches: the most KV slots any queued row from a given one on will hold (`regrid`)
+        self.longest_from = longest_from
         self.runner, self.arena = engine.runner, engine.runner.arena
         self.held: list[list[int]] = []
         self.static_need: list[int] = []  # per batch position: segments a static cache would hold
@@ -95,6 +99,13 @@ class StripedBatch:
     def room(self) -> int:
         """Free stripes `admit` can fill (in-flight refill)."""
         return self.arena.max_rows - self.size
+
+    def joinable(self, queue: deque[int]) -> int:
+        """How many rows from the front of `queue` `admit` can take now; a growing batch first re-cuts
+        its stripes when the rows left allow shorter ones (`regrid`)."""
+        if self.room and self.longest_from is not None:
+            self.regrid(self.longest_from[queue[0]])
+        return min(self.room, len(queue))
 
     def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> torch.Tensor:
         """Prefill more rows into the first free stripes while the others are mid-decode (in-flight
@@ -254,6 +265,149 @@ class StripedBatch:
         logits, used = self.engine.rolling_prefill(prompt, i * self.arena.row_capacity, self.engine.prompt_slots)
         self.stats.computed_slots += len(prompt)
         return logits[-1], used
+
+
+def extent_runs(starts: list[int], sizes: list[int], lengths: list[int]
+                ) -> tuple[tuple[int, int, int, int, int, bool], ...]:
+    """How one decode step's attention reads rows that each have their own extent (`ExtentBatch`):
+    runs of rows (first row, end row, first flat slot, stride, slots read, aligned), in batch order.
+
+    Rows next to each other in the batch whose extents are equally long and follow one another in
+    the arena form one run, read as one strided view up to the run's longest row (`aligned`: every
+    row that long, so no mask); any other row is a run of its own, read exactly to its length."""
+    runs: list[tuple[int, int, int, int, int, bool]] = []
+    a = 0
+    for i in range(1, len(starts) + 1):
+        if i < len(starts) and sizes[i] == sizes[a] and starts[i] == starts[i - 1] + sizes[a]:
+            continue
+        run = lengths[a:i]
+        longest = max(run)
+        runs.append((a, i, starts[a], sizes[a] if i - a > 1 else longest, longest, min(run) == longest))
+        a = i
+    return tuple(runs)
+
+
+class ExtentBatch:
+    """Static-cache rows, each in one contiguous extent of the stripe region sized to its own
+    prompt + new tokens (whole segments), instead of equal stripes cut for the longest row.
+
+    A row joins whenever the free segments hold its extent (up to batch_growth x max_batch_size
+    rows), so a long row still decoding no longer shortens what every other row may use — the
+    decode steps a paged cache would take, without a gather: attention reads each row's extent in
+    place, one call per run of rows (`extent_runs`). Extents are placed first-fit; when the free
+    segments add up but no run of them is long enough, the live rows are moved to the front of the
+    region (`compact`, one copy of the live cache). Finished rows leave without moving anyone."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                 stats: GenerateStats, needs: list[int]) -> None:
+        # needs: KV slots each row of the engine's queue ends with (by row index), for `joinable`
+        self.engine, self.prompts, self.params, self.stats, self.needs = engine, prompts, params, stats, needs
+        self.runner, self.arena = engine.runner, engine.runner.arena
+        self.region = range(self.arena.striped_segments)
+        self.max_rows = self.arena.base_rows * engine.options.batch_growth
+        self.extents: list[list[int]] = []  # per batch position: its segments, consecutive
+        self.slots: list[int] = []  # cache slots per batch position (= RoPE position of the next token)
+        self.positions = torch.zeros(0, dtype=torch.long, device=engine.device)
+        self.starts = torch.zeros(0, dtype=torch.long, device=engine.device)  # flat slot of each extent
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    def prefill(self) -> torch.Tensor:
+        return self.admit(self.prompts, self.params)
+
+    def joinable(self, queue: deque[int]) -> int:
+        """How many rows from the front of `queue` (indices into `needs`) fit now, in order."""
+        allocator = self.arena.allocator
+        free, count = allocator.free_in(self.region), 0
+        for i in itertools.islice(queue, self.max_rows - self.size):
+            wanted = allocator.segments_for(self.needs[i])
+            if wanted > free:
+                break
+            free -= wanted
+            count += 1
+        return count
+
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> torch.Tensor:
+        """Prefill rows (packed, one pass) into new extents; returns their last-token logits [k, V]."""
+        allocator, device = self.arena.allocator, self.engine.device
+        wanted = [allocator.segments_for(len(t) + p.max_new_tokens) for t, p in zip(prompts, params)]
+        extents = self._place(wanted)
+        if extents is None:  # the free segments add up (`joinable`), but not in long enough runs
+            self.compact()
+            extents = self._place(wanted)
+            if extents is None:
+                raise ArenaFullError(f"rows needing {wanted} segments do not fit the {allocator.free_in(self.region)} "
+                                     "free ones")
+        seg = self.arena.segment_size
+        self.extents += extents
+        starts = [e[0] * seg for e in extents]
+        self.stats.computed_slots += sum(map(len, prompts))
+        logits = self.runner.prefill_packed_at(prompts, starts)[0]
+        lengths = [len(t) for t in prompts]
+        self.slots += lengths
+        self.positions = torch.cat((self.positions, torch.tensor(lengths, dtype=torch.long, device=device)))
+        self.starts = torch.cat((self.starts, torch.tensor(starts, dtype=torch.long, device=device)))
+        held = sum(map(len, self.extents))
+        self.engine._record_kv(self.stats, held, held)
+        return logits
+
+    def _place(self, wanted: list[int]) -> list[list[int]] | None:
+        """First-fit extents for `wanted` segments each, all or none."""
+        allocator, taken = self.arena.allocator, []
+        for count in wanted:
+            extent = allocator.allocate_run(count, self.region)
+            if extent is None:
+                for done in taken:
+                    allocator.release(done)
+                return None
+            taken.append(extent)
+        return taken
+
+    def compact(self) -> None:
+        """Move every live row's extent to the front of the region, in arena order (one copy of the
+        live cache), so the free segments become one run at the end."""
+        arena, allocator, seg = self.arena, self.arena.allocator, self.arena.segment_size
+        order = sorted(range(self.size), key=lambda j: self.extents[j][0])
+        # copied out first: a row's new place may overlap its own old one
+        saved = [arena.storage[:, :, self.extents[j][0] * seg : self.extents[j][0] * seg + self.slots[j]].clone()
+                 for j in order]
+        for extent in self.extents:
+            allocator.release(extent)
+        first = 0
+        for j, kv in zip(order, saved):
+            count = len(self.extents[j])
+            self.extents[j] = allocator.take(list(range(first, first + count)))
+            arena.storage[:, :, first * seg : first * seg + self.slots[j]] = kv
+            first += count
+        self.starts = torch.tensor([e[0] * seg for e in self.extents], dtype=torch.long, device=self.engine.device)
+        self.stats.relayouts += 1
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        seg = self.arena.segment_size
+        runs = extent_runs([e[0] * seg for e in self.extents], [len(e) * seg for e in self.extents],
+                           [n + 1 for n in self.slots])
+        logits = self.runner.decode_runs(tokens, self.positions, self.starts, runs)
+        self.positions += 1
+        self.slots = [n + 1 for n in self.slots]
+        return logits
+
+    def drop(self, finished: list[int]) -> list[int]:
+        gone = set(finished)
+        keep = [j for j in range(self.size) if j not in gone]
+        for j in finished:
+            self.arena.allocator.release(self.extents[j])
+        self.extents = [self.extents[j] for j in keep]
+        self.slots = [self.slots[j] for j in keep]
+        index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        self.positions, self.starts = self.positions[index], self.starts[index]
+        return keep
+
+    def release(self) -> None:
+        for extent in self.extents:
+            self.arena.allocator.release(extent)
+        self.extents = []
 
 
 def _staged_rows(free_start: int, free_end: int, cap: int, lengths: list[int]) -> int:

@@ -25,7 +25,7 @@ from flashx_batch.errors import ConfigError, PromptTooLongError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.layers import RotaryTable
 from flashx_batch.models.loader import load_model
-from flashx_batch.runtime.batches import PagedBatch, StripedBatch, share_prefixes
+from flashx_batch.runtime.batches import ExtentBatch, PagedBatch, StripedBatch, share_prefixes
 from flashx_batch.runtime.kv import KVArena
 from flashx_batch.runtime.kv_merge import MergeSettings, apply_plan, max_compressed_length, plan_oldest
 from flashx_batch.runtime.model_runner import ModelRunner
@@ -264,6 +264,17 @@ class Engine:
         o = self.options
         return o.batch_growth > 1 and o.cache_policy == "static" and not o.prefix_cache_tokens
 
+    @property
+    def uses_extents(self) -> bool:
+        """Whether refilled batches keep each row in an extent of its own (`batches.ExtentBatch`)
+        instead of equal stripes: `kv_layout=extents`, or `auto` on a backend that prefers them
+        (one attention call per run of rows: cheap on CPU, a kernel launch each on a GPU). Needs
+        `grows_batches` (static cache, no prefix reuse, batch_growth > 1), and prompts that fit
+        max_input_len (a rolled long prompt's positions and slots part ways: stripes handle that)."""
+        layout = self.options.kv_layout
+        wanted = layout == "extents" or (layout == "auto" and self.backend.prefers_row_extents)
+        return wanted and self.grows_batches and self.options.long_input != "rolling_merge"
+
     def layout_for(self, slots: int) -> tuple[int, int]:
         """(stripe capacity, rows) for rows of at most `slots` KV slots each: as many rows as the stripe
         region holds, at most batch_growth x the base rows, each stripe as long as that leaves it (the
@@ -446,14 +457,13 @@ class Engine:
             start(list(indices), batch.prefill(), clock)
             stats.prefill_s += lap()
             while True:
-                if refill and batch.room:
+                if refill and (take := batch.joinable(refill)):
                     stats.decode_s += lap()
-                    if self.grows_batches:  # the longest rows may have left: shorter stripes, more of them
-                        batch.regrid(longest_from[refill[0]])
-                    while refill and batch.room:  # rows that stop on their first token free room again
-                        new = [refill.popleft() for _ in range(min(batch.room, len(refill)))]
+                    while take:  # rows that stop on their first token free room again
+                        new = [refill.popleft() for _ in range(take)]
                         since = time.perf_counter()
                         start(new, batch.admit([token_lists[i] for i in new], [params[i] for i in new]), since)
+                        take = batch.joinable(refill) if refill else 0
                     stats.prefill_s += lap()
                 if not live.rows:
                     break
@@ -494,11 +504,16 @@ class Engine:
                         self.runner.arena.allocator.release(segments)
                     batch = [queue.popleft() for _ in range(fit)]
                     return batch, PagedBatch(self, prompts[:fit], [params[i] for i in batch], stats, shared[:fit])
+        if self.uses_extents and longest_from is not None:
+            first = ExtentBatch(self, [], [], stats, needs)
+            batch = [queue.popleft() for _ in range(max(1, first.joinable(queue)))]
+            return batch, ExtentBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats, needs)
         if self.grows_batches:
             self.runner.arena.set_layout(*self._first_layout(queue, needs, longest_from))
             size = self.runner.arena.max_rows
         batch = [queue.popleft() for _ in range(min(size, len(queue)))]
-        return batch, StripedBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats)
+        return batch, StripedBatch(self, [token_lists[i] for i in batch], [params[i] for i in batch], stats,
+                                   longest_from if self.grows_batches else None)
 
     def _first_layout(self, queue: deque[int], needs: list[int], longest_from: dict[int, int] | None
                       ) -> tuple[int, int]:

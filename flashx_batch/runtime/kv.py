@@ -63,6 +63,16 @@ class SegmentAllocator:
             raise ArenaFullError(f"need {count} segments, {len(free)} free of {self.num_segments}")
         return self.take(free[:count])
 
+    def allocate_run(self, count: int, within: range) -> list[int] | None:
+        """Claim `count` free segments in a row — the lowest-numbered such run inside `within` — or
+        None when no run is that long (the free segments may still add up: see `free_in`)."""
+        run = 0
+        for s in within:
+            run = run + 1 if s in self._free else 0
+            if run == count:
+                return self.take(list(range(s - count + 1, s + 1)))
+        return None
+
     def share(self, segment_id: int) -> None:
         """Another row now reads this segment (prefix reuse)."""
         if self.refcount[segment_id] <= 0:

@@ -88,6 +88,28 @@ class ModelRunner:
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])
 
+    @torch.inference_mode()
+    def decode_runs(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
+                    runs: tuple[tuple[int, int, int, int, int, bool], ...]) -> torch.Tensor:
+        """One step for rows in extents of their own (`batches.ExtentBatch`): row i's cache begins at
+        flat slot starts[i] and its new token goes to slot positions[i] of it; attention reads the
+        `runs` (`batches.extent_runs`) -> logits [B, V]."""
+        cos, sin = self.model.rotary.lookup(positions[:, None])
+        mask = None
+        if not all(run[-1] for run in runs):  # some run holds rows of different lengths
+            mask = self._visible(max(run[4] for run in runs), positions)
+        # each run's keys and values of every layer as one view [layers, 2, rows, Hkv, slots, D], built
+        # once per step (not per layer: a few microseconds per view, rows x layers of them)
+        storage = self.arena.storage
+        layers, _, _, heads, dim = storage.shape
+        views = []
+        for a, b, first, stride, slots, aligned in runs:
+            kv = storage[:, :, first : first + (b - a) * stride].view(layers, 2, b - a, stride, heads, dim)
+            views.append((a, b, kv[:, :, :, :slots].transpose(3, 4), None if aligned else slots))
+        ctx = ForwardContext("decode", cos, sin, write_flat=starts + positions, attn_mask=mask, row_runs=tuple(views))
+        hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
+        return self.model.logits(hidden[:, 0])
+
     def _visible(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
         """Additive mask [B, 1, 1, kv_len]: 0 up to each row's `last` slot, -inf after (built once
         per step, so no layer converts a boolean mask again)."""

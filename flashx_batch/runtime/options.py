@@ -11,6 +11,7 @@ from flashx_batch.errors import ConfigError
 CACHE_POLICIES = ("static", "segment_sparse")
 LONG_INPUT_POLICIES = ("error", "truncate", "rolling_merge")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_LAYOUTS = ("auto", "stripes", "extents")
 
 
 def bundled_model_dir() -> Path:
@@ -40,6 +41,9 @@ class EngineOptions:
     prefix_cache_tokens: int = 0  # prefix reuse: KV tokens kept for shared prefixes (0 = off)
     precision_map: str | None = None  # JSON from `python -m flashx_batch.quantize`: per-tensor weight formats
     prepack_weights: bool = True  # CPU float32: MKL-packed weight copies for the decode batch (2x weight memory)
+    # growing refilled batches: "stripes" (equal, cut for the longest row), "extents" (each row its own
+    # prompt + new tokens), "auto" (the backend's preference: extents on CPU)
+    kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [
@@ -64,6 +68,7 @@ class EngineOptions:
              "prefix_cache_tokens (prefix reuse) does not combine with cache_policy=segment_sparse yet; pick one"),
             (self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
             (self.batch_growth >= 1, f"batch_growth must be >= 1, got {self.batch_growth}"),
+            (self.kv_layout in KV_LAYOUTS, f"kv_layout={self.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -26,6 +26,16 @@ def test_allocator_refcounts_and_wholeness():
         alloc.take([1])
 
 
+def test_allocate_run_takes_the_first_long_enough_run_of_free_segments():
+    alloc = SegmentAllocator(12, 16)
+    alloc.take([2, 5, 6])  # free runs: 0-1, 3-4, 7-11
+    assert alloc.allocate_run(2, range(12)) == [0, 1]
+    assert alloc.allocate_run(3, range(12)) == [7, 8, 9]
+    assert alloc.allocate_run(3, range(12)) is None  # 3-4 and 10-11 are free, but no 3 in a row
+    assert alloc.allocate_run(2, range(0, 10)) == [3, 4]  # only inside `within`
+    assert alloc.allocate_run(1, range(0, 10)) is None and alloc.num_free == 2
+
+
 def test_arena_stripes_are_views_and_move_copies_all_layers():
     arena = KVArena(num_layers=3, num_kv_heads=2, head_dim=4, max_rows=4, row_capacity=8, segment_size=4,
                     dtype=torch.float32, device=torch.device("cpu"))

@@ -5,6 +5,7 @@ import torch
 from model_factory import ARCHS
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.errors import ConfigError
 from flashx_batch.runtime import batches
 from flashx_batch.runtime.model_runner import ModelRunner
 
@@ -136,7 +137,7 @@ def test_growing_batches_match_fixed_batches_and_take_more_rows(arch, tiny_model
     params[9] = SamplingParams(max_new_tokens=10, temperature=1.0, seed=9, stop_token_ids=[7, 8, 9, 10, 11])
     runs = {}
     for growth, order in ((1, "sorted"), (4, "sorted"), (4, "arrival"), (4, "long_last")):
-        engine = _engine(model_dir, batch_growth=growth, sort_by_length=order == "sorted")
+        engine = _engine(model_dir, batch_growth=growth, sort_by_length=order == "sorted", kv_layout="stripes")
         rows = list(range(len(prompts)))[::-1] if order == "long_last" else list(range(len(prompts)))
         outs = engine.generate([prompts[i] for i in rows], [params[i] for i in rows])
         by_row = dict(zip(rows, ((o.token_ids, o.finish_reason) for o in outs)))
@@ -153,6 +154,81 @@ def test_growing_batches_match_fixed_batches_and_take_more_rows(arch, tiny_model
     outs, long_last = runs[4, "long_last"]
     # the longest row ends with 60 + 10 slots -> 5 segments: 5 stripes of 80 from the start, never re-cut
     assert outs == fixed_outs and long_last.peak_rows == 5 and long_last.relayouts == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm4"])
+def test_extent_batches_match_fixed_batches_and_take_more_rows(arch, tiny_models):
+    """kv_layout=extents (the CPU default): each row in an extent of its own prompt + new tokens, so
+    short rows join while a long one still decodes. Every row's tokens (greedy, seeded sampling, a stop
+    id) equal the fixed-size striped run, sorted or not; arrival order with long rows late takes fewer
+    decode steps and more rows than stripes can; fragmented free space is compacted (a copy of the
+    live rows) and the arena comes back whole."""
+    model_dir, _ = tiny_models[arch]
+    lengths = (20, 60, 10, 58, 12, 55, 8, 50, 30, 62, 9, 40, 6, 61, 5, 45)
+    prompts = _prompts(21, lengths)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 40, 3, 30, 2, 35, 4, 20, 5, 44, 3, 10,
+                                                                          2, 40, 3, 12)]
+    params[4] = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+    params[8] = SamplingParams(max_new_tokens=10, temperature=1.0, seed=9, stop_token_ids=[7, 8, 9, 10, 11])
+    runs = {}
+    for layout, growth, sort in (("stripes", 1, True), ("stripes", 4, False), ("extents", 4, True),
+                                 ("extents", 4, False)):
+        engine = _engine(model_dir, kv_layout=layout, batch_growth=growth, sort_by_length=sort)
+        assert engine.uses_extents == (layout == "extents")
+        runs[layout, sort] = ([(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)],
+                              engine.last_stats)
+        assert engine.runner.arena.allocator.is_whole()
+    fixed_outs, _ = runs["stripes", True]
+    for key, (outs, _) in runs.items():
+        assert outs == fixed_outs, key
+    striped, extents = runs["stripes", False][1], runs["extents", False][1]
+    assert extents.decode_steps < striped.decode_steps and extents.peak_rows > striped.peak_rows
+    assert extents.relayouts >= 1  # compactions: the arrival order leaves holes too short for the long rows
+    assert extents.output_tokens == striped.output_tokens
+
+
+def test_extent_layout_applies_where_rows_keep_plain_stripes_otherwise():
+    """auto picks extents on CPU for growing refilled static batches; stripes elsewhere (segment-sparse,
+    rolling long prompts, batch_growth=1, or a backend that prefers stripes)."""
+    assert _engine(None).uses_extents
+    assert not _engine(None, kv_layout="stripes").uses_extents
+    assert not _engine(None, cache_policy="segment_sparse").uses_extents
+    assert not _engine(None, long_input="rolling_merge").uses_extents
+    assert not _engine(None, batch_growth=1, kv_layout="extents").uses_extents
+    engine = _engine(None)
+    engine.backend.prefers_row_extents = False  # this engine's backend instance only
+    assert not engine.uses_extents
+    with pytest.raises(ConfigError, match="kv_layout"):
+        _engine(None, kv_layout="paged")
+
+
+def test_extent_runs_read_adjacent_equal_extents_together():
+    """One decode step's runs for rows in extents: rows next to each other in the batch and in the arena,
+    with equal extents, share one strided view; every other row is read alone, exactly to its length."""
+    runs = batches.extent_runs
+    # rows 0-2: 64-slot extents back to back; row 3 elsewhere
+    assert runs([0, 64, 128, 320], [64, 64, 64, 32], [60, 50, 64, 20]) == ((0, 3, 0, 64, 64, False),
+                                                                           (3, 4, 320, 20, 20, True))
+    assert runs([0, 64], [64, 64], [33, 33]) == ((0, 2, 0, 64, 33, True),)  # equal lengths: no mask
+    assert runs([64, 0], [64, 64], [10, 20]) == ((0, 1, 64, 10, 10, True), (1, 2, 0, 20, 20, True))  # out of order
+    assert runs([0, 64], [64, 48], [10, 20]) == ((0, 1, 0, 10, 10, True), (1, 2, 64, 20, 20, True))  # unequal
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):  # random batches: the runs tile the rows in order and read every row's slots
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        sizes = [16 * int(torch.randint(1, 4, (1,), generator=g)) for _ in range(n)]
+        starts, at = [], 0
+        for size in sizes:
+            at += 16 * int(torch.randint(0, 2, (1,), generator=g))  # sometimes a gap
+            starts.append(at)
+            at += size
+        lengths = [int(torch.randint(1, size + 1, (1,), generator=g)) for size in sizes]
+        out = runs(starts, sizes, lengths)
+        assert [r[0] for r in out] == [0] + [r[1] for r in out[:-1]] and out[-1][1] == n
+        for a, b, first, stride, slots, aligned in out:
+            assert first == starts[a] and slots == max(lengths[a:b]) and aligned == (min(lengths[a:b]) == slots)
+            assert all(starts[i] == first + (i - a) * stride and lengths[i] <= stride for i in range(a, b))
+            if b - a == 1:
+                assert stride == lengths[a]
 
 
 def test_growing_batch_layouts():
@@ -173,7 +249,7 @@ def test_a_failed_re_cut_surfaces_its_own_error_and_leaves_the_arena_whole(tiny_
     """If moving the live rows into a new layout fails (say, out of memory for the copy), generate raises
     that error, not a bookkeeping one, and the engine is back in its base layout with every segment free."""
     model_dir, _ = tiny_models["llama"]
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, kv_layout="stripes")
     prompts = _prompts(13, (60, 58, 20, 18, 16, 14, 12, 10, 9, 8))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 3) + (6,) * 8]
 
@@ -251,7 +327,7 @@ def test_split_decode_attention_gives_the_same_tokens(arch, policy, tiny_models,
     runs = {}
     for threshold in (None, 0):  # never split, split whenever a slot is saved
         split_steps.clear()
-        engine = _engine(model_dir, sort_by_length=False, cache_policy=policy)
+        engine = _engine(model_dir, sort_by_length=False, cache_policy=policy, kv_layout="stripes")
         cfg = engine.config  # one layer's keys + values per slot; the CPU backend's default threshold
         assert engine.runner.arena.layer_slot_bytes() == 2 * cfg.num_kv_heads * cfg.head_dim * 4
         assert engine.backend.attention_split_min_bytes == 256 << 10
