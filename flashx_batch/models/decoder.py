@@ -167,11 +167,15 @@ class Attention(nn.Module):
         """Rows in extents of their own: each run of rows (see `batches.extent_runs`) read in place
         through its strided view of the cache, up to its own longest row (masked: rows of one run
         differ in length)."""
-        outs, mask, layer = [], ctx.attn_mask, self.layer
+        batch, group = q.shape[0], self.num_heads // self.num_kv_heads
+        folded = q.reshape(batch, self.num_kv_heads, group, self.head_dim)  # as in `_attend_one`, once per layer
+        outs, mask, layer, scale = [], ctx.attn_mask, self.layer, self.scale
         for a, b, kv, masked in ctx.row_runs:
             keys, values = kv[layer]
-            outs.append(self._attend_one(q[a:b], keys, values, None if masked is None else mask[a:b, ..., :masked]))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            outs.append(F.scaled_dot_product_attention(folded[a:b], keys, values, scale=scale,
+                                                       attn_mask=None if masked is None else mask[a:b, ..., :masked]))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.reshape(batch, self.num_heads, 1, self.head_dim)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor | None) -> torch.Tensor:
