@@ -1,11 +1,13 @@
-"""Decode steps W1 takes under two ways of handing out the KV arena: ours (equal stripes, cut for the
-longest row still to come — measured by running the engine) and per-row (paged) allocation, counted.
+"""Decode steps W1 takes under three ways of handing out the KV arena: equal stripes cut for the
+longest row still to come and per-row extents (both measured by running the engine, `kv_layout`
+stripes / extents), and per-row (paged) allocation, counted.
 
     python -m flashx_batch.bench.schedule_count [--model PATH] [--out FILE.json]
 
-Backs the README's schedule count: how much of bucketing's gain is a property of contiguous stripes.
-Both sides use the same arena bytes (max_batch_size rows of max_input_len + max_output_len slots),
-the same row cap (batch_growth x max_batch_size) and the harness's W1 (full size, seed 0).
+Backs the README's schedule count: how many steps equal stripes cost, and that extents reach the
+paged count (compaction keeps fragmentation from making rows wait). All use the same arena bytes
+(max_batch_size rows of max_input_len + max_output_len slots), the same row cap (batch_growth x
+max_batch_size) and the harness's W1 (full size, seed 0).
 """
 
 from __future__ import annotations
@@ -58,29 +60,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the counts here as JSON")
     args = parser.parse_args(argv)
     model = args.model or bundled_model_dir()
-    engines = {name: Engine.from_pretrained(model, backend="cpu", dtype="float32", max_batch_size=BATCH,
-                                            max_input_len=MAX_INPUT, max_output_len=MAX_OUTPUT, segment_size=SEGMENT,
-                                            batch_growth=GROWTH, sort_by_length=name == "sorted")
-               for name in ("sorted", "arrival")}
-    w1 = mixed_intake(FULL, engines["sorted"].config.vocab_size)
+    engines = {(layout, order): Engine.from_pretrained(model, backend="cpu", dtype="float32", max_batch_size=BATCH,
+                                                       max_input_len=MAX_INPUT, max_output_len=MAX_OUTPUT,
+                                                       segment_size=SEGMENT, batch_growth=GROWTH, kv_layout=layout,
+                                                       sort_by_length=order == "sorted")
+               for layout in ("stripes", "extents") for order in ("sorted", "arrival")}
+    engine = engines["stripes", "sorted"]
+    w1 = mixed_intake(FULL, engine.config.vocab_size)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in w1.max_new_tokens]
     # what a row holds at its end, in whole segments (the engine's own arithmetic), in the engine's orders
-    engine, allocator = engines["sorted"], engines["sorted"].runner.arena.allocator
+    allocator = engine.runner.arena.allocator
     needs = [SEGMENT * allocator.segments_for(engine._slots_needed(p, q)) for p, q in zip(w1.prompts, params)]
-    orders = {name: batch_order(w1, name == "sorted", with_output=True) for name in engines}
-    counts = {}
-    for name, order in orders.items():
-        engine = engines[name]
-        engine.generate(w1.prompts, params)
-        paged = paged_decode_steps([needs[i] for i in order], [w1.max_new_tokens[i] for i in order],
-                                   BATCH * (MAX_INPUT + MAX_OUTPUT), GROWTH * BATCH)
-        counts[name] = {"stripes": engine.last_stats.decode_steps, "paged": paged,
-                        "peak_rows_stripes": engine.last_stats.peak_rows}
+    counts: dict[str, dict[str, int]] = {}
+    for order in ("sorted", "arrival"):
+        rows = batch_order(w1, order == "sorted", with_output=True)
+        counts[order] = {"paged": paged_decode_steps([needs[i] for i in rows], [w1.max_new_tokens[i] for i in rows],
+                                                     BATCH * (MAX_INPUT + MAX_OUTPUT), GROWTH * BATCH)}
+        for layout in ("stripes", "extents"):
+            engine = engines[layout, order]
+            engine.generate(w1.prompts, params)
+            counts[order][layout] = engine.last_stats.decode_steps
+            counts[order][f"peak_rows_{layout}"] = engine.last_stats.peak_rows
     print(f"W1 ({w1.rows} rows, {w1.output_tokens} output tokens), decode steps in {BATCH * (MAX_INPUT + MAX_OUTPUT)} "
           f"KV slots, at most {GROWTH * BATCH} rows:")
-    print("order    stripes (ours)  paged (counted)")
+    print("order    stripes (ours)  extents (ours)  paged (counted)")
     for name, c in counts.items():
-        print(f"{name:8} {c['stripes']:>14} {c['paged']:>16}")
+        print(f"{name:8} {c['stripes']:>14} {c['extents']:>15} {c['paged']:>16}")
     if args.out:
         args.out.write_text(json.dumps(counts, indent=2))
     return 0

@@ -187,6 +187,29 @@ def test_extent_batches_match_fixed_batches_and_take_more_rows(arch, tiny_models
     assert extents.output_tokens == striped.output_tokens
 
 
+def test_extent_batches_take_the_decode_steps_a_paged_cache_would(tiny_models):
+    """With extents a row joins as soon as the free segments hold its prompt + new tokens (compaction
+    undoes fragmentation): exactly the decode steps of per-row (paged) allocation, counted by
+    `schedule_count.paged_decode_steps`, sorted or not."""
+    from flashx_batch.bench.schedule_count import paged_decode_steps
+
+    model_dir, _ = tiny_models["llama"]
+    g = torch.Generator().manual_seed(4)
+    lengths = [int(torch.randint(2, 64, (1,), generator=g)) for _ in range(30)]
+    new = [int(torch.randint(1, 48, (1,), generator=g)) for _ in range(30)]
+    prompts = _prompts(22, tuple(lengths))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in new]
+    for sort in (True, False):
+        engine = _engine(model_dir, sort_by_length=sort)
+        engine.generate(prompts, params)
+        arena = engine.runner.arena
+        needs = [16 * arena.allocator.segments_for(n + k) for n, k in zip(lengths, new)]
+        order = sorted(range(30), key=lambda i: -(lengths[i] + new[i])) if sort else list(range(30))
+        counted = paged_decode_steps([needs[i] for i in order], [new[i] for i in order], arena.striped_slots,
+                                     arena.base_rows * engine.options.batch_growth)
+        assert engine.last_stats.decode_steps == counted, sort
+
+
 def test_extent_layout_applies_where_rows_keep_plain_stripes_otherwise():
     """auto picks extents on CPU for growing refilled static batches; stripes elsewhere (segment-sparse,
     rolling long prompts, batch_growth=1, or a backend that prefers stripes)."""
