@@ -9,7 +9,8 @@ report each batch's latency; in-flight runs (no batch boundaries) report each ro
   `max_new_tokens` per call), as vLLM's `--backend hf` offline benchmark does.
 - `transformers_sorted`: the same, rows sorted by prompt length first.
 - `ours_unbucketed` / `ours_bucketed`: our `Engine` with `sort_by_length` off / on, the whole workload
-  in one `generate` call as a job shard runs it (in-flight refill keeps the batch full).
+  in one `generate` call as a job shard runs it (in-flight refill keeps the batch full; on CPU each
+  row in a KV extent of its own, `kv_layout=auto`).
 - `ours_static`: bucketed, static batches (one call per batch, so no refill; prompts still packed), for reference.
 - `ours_segment_sparse`: bucketed, `cache_policy="segment_sparse"` (lossy, so outside the gate).
 - `ours_prefix_reuse`: the hook `prefix_reuse_options` — runs only once the engine offers prefix reuse.

@@ -1,12 +1,16 @@
 """One batch on the device: how its prompts get into the KV arena and how it steps.
 
-`Engine._run_batch` drives either kind through the same four calls — `prefill()`, `step(tokens)`,
-`drop(finished)`, `release()` — and keeps the sampling and stop bookkeeping to itself; a striped
-batch also takes `admit(prompts, params)` (in-flight refill) while it has `room`.
+`Engine._run_batch` drives every kind through the same four calls — `prefill()`, `step(tokens)`,
+`drop(finished)`, `release()` — and keeps the sampling and stop bookkeeping to itself; striped and
+extent batches also take `admit(prompts, params)` (in-flight refill) for as many queued rows as
+`joinable(queue)` says fit.
 
-- `StripedBatch`: row i lives in stripe i (static cache, segment-sparse merging, rolling merge).
-  Attention reads the stripes as one strided view; a finished row's stripe is refilled by the
-  last active row so the active rows stay a dense prefix, and new rows are admitted after them.
+- `ExtentBatch`: static cache on CPU (`kv_layout`): row i lives in a contiguous extent of its own
+  prompt + new tokens, anywhere in the stripe region; attention reads each run of rows in place.
+- `StripedBatch`: row i lives in stripe i (segment-sparse merging, rolling merge, static cache on
+  other backends). Attention reads the stripes as one strided view; a finished row's stripe is
+  refilled by the last active row so the active rows stay a dense prefix, and new rows are admitted
+  after them.
 - `PagedBatch`: rows share read-only prefix segments from the `PrefixCache`; each row's slot table
   is its shared segments followed by its own, and attention gathers through the table.
 """
@@ -101,11 +105,13 @@ class StripedBatch:
         return self.arena.max_rows - self.size
 
     def joinable(self, queue: deque[int]) -> int:
-        """How many rows from the front of `queue` `admit` can take now; a growing batch first re-cuts
-        its stripes when the rows left allow shorter ones (`regrid`)."""
-        if self.room and self.longest_from is not None:
-            self.regrid(self.longest_from[queue[0]])
+        """How many rows from the front of `queue` `admit` can take now."""
         return min(self.room, len(queue))
+
+    def prepare_refill(self, queue: deque[int]) -> None:
+        """Before a refill: a growing batch re-cuts its stripes when the rows left allow shorter ones."""
+        if self.longest_from is not None:
+            self.regrid(self.longest_from[queue[0]])
 
     def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> torch.Tensor:
         """Prefill more rows into the first free stripes while the others are mid-decode (in-flight
@@ -304,6 +310,8 @@ class ExtentBatch:
         self.engine, self.prompts, self.params, self.stats, self.needs = engine, prompts, params, stats, needs
         self.runner, self.arena = engine.runner, engine.runner.arena
         self.region = range(self.arena.striped_segments)
+        if self.arena.num_segments != self.arena.striped_segments:  # `joinable` counts every free segment
+            raise ValueError("extent batches need an arena of stripes only (no prefix cache, no spare segments)")
         self.max_rows = self.arena.base_rows * engine.options.batch_growth
         self.extents: list[list[int]] = []  # per batch position: its segments, consecutive
         self.slots: list[int] = []  # cache slots per batch position (= RoPE position of the next token)
@@ -317,10 +325,13 @@ class ExtentBatch:
     def prefill(self) -> torch.Tensor:
         return self.admit(self.prompts, self.params)
 
+    def prepare_refill(self, queue: deque[int]) -> None:
+        """Nothing to re-cut before a refill: every row has its own extent."""
+
     def joinable(self, queue: deque[int]) -> int:
         """How many rows from the front of `queue` (indices into `needs`) fit now, in order."""
         allocator = self.arena.allocator
-        free, count = allocator.free_in(self.region), 0
+        free, count = allocator.num_free, 0
         for i in itertools.islice(queue, self.max_rows - self.size):
             wanted = allocator.segments_for(self.needs[i])
             if wanted > free:
@@ -338,8 +349,7 @@ class ExtentBatch:
             self.compact()
             extents = self._place(wanted)
             if extents is None:
-                raise ArenaFullError(f"rows needing {wanted} segments do not fit the {allocator.free_in(self.region)} "
-                                     "free ones")
+                raise ArenaFullError(f"rows needing {wanted} segments do not fit the {allocator.num_free} free ones")
         seg = self.arena.segment_size
         self.extents += extents
         starts = [e[0] * seg for e in extents]
@@ -366,23 +376,23 @@ class ExtentBatch:
         return taken
 
     def compact(self) -> None:
-        """Move every live row's extent to the front of the region, in arena order (one copy of the
-        live cache), so the free segments become one run at the end."""
+        """Move every live row's extent to the front of the region, in arena order, so the free
+        segments become one run at the end. The bookkeeping moves first (it cannot fail half way),
+        then the caches (`KVArena.move_slots`; in arena order a row's new place never reaches a later
+        row's old one)."""
         arena, allocator, seg = self.arena, self.arena.allocator, self.arena.segment_size
         order = sorted(range(self.size), key=lambda j: self.extents[j][0])
-        # copied out first: a row's new place may overlap its own old one
-        saved = [arena.storage[:, :, self.extents[j][0] * seg : self.extents[j][0] * seg + self.slots[j]].clone()
-                 for j in order]
+        old = [self.extents[j][0] * seg for j in order]
         for extent in self.extents:
             allocator.release(extent)
         first = 0
-        for j, kv in zip(order, saved):
+        for j in order:
             count = len(self.extents[j])
             self.extents[j] = allocator.take(list(range(first, first + count)))
-            arena.storage[:, :, first * seg : first * seg + self.slots[j]] = kv
             first += count
         self.starts = torch.tensor([e[0] * seg for e in self.extents], dtype=torch.long, device=self.engine.device)
         self.stats.relayouts += 1
+        arena.move_slots([(src, self.extents[j][0] * seg, self.slots[j]) for j, src in zip(order, old)])
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         seg = self.arena.segment_size

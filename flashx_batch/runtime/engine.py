@@ -1,11 +1,11 @@
 """`Engine`: the public Python API (DESIGN.md "Python API") for static-batch generation.
 
 Who calls it: users directly, each Ray actor / the local executor once per shard, the benchmarks.
-One `generate` call = rows sorted by length; the first `max_batch_size` are prefilled together
-(packed, no padding), then decode steps run until every row stops. A finished row leaves the batch
-at once (the last active row takes its stripe), so it costs no more compute, and with
-`refill` the next queued rows are prefilled into the freed stripes between two steps. Without
-refill (or with prefix reuse, whose batches are paged) the queue is cut into static batches.
+One `generate` call = rows sorted by length; the first batch is prefilled together (packed, no
+padding), then decode steps run until every row stops. A finished row leaves the batch at once, so
+it costs no more compute, and with `refill` the next queued rows are prefilled into the freed KV
+(extents or stripes, see `kv_layout`) between two steps. Without refill (or with prefix reuse, whose
+batches are paged) the queue is cut into static batches.
 """
 
 from __future__ import annotations
@@ -269,11 +269,13 @@ class Engine:
         """Whether refilled batches keep each row in an extent of its own (`batches.ExtentBatch`)
         instead of equal stripes: `kv_layout=extents`, or `auto` on a backend that prefers them
         (one attention call per run of rows: cheap on CPU, a kernel launch each on a GPU). Needs
-        `grows_batches` (static cache, no prefix reuse, batch_growth > 1), and prompts that fit
-        max_input_len (a rolled long prompt's positions and slots part ways: stripes handle that)."""
+        `grows_batches` (static cache, no prefix reuse, batch_growth > 1), refill (static batches
+        keep stripes), and prompts that fit max_input_len (a rolled long prompt's positions and
+        slots part ways: stripes handle that)."""
         layout = self.options.kv_layout
         wanted = layout == "extents" or (layout == "auto" and self.backend.prefers_row_extents)
-        return wanted and self.grows_batches and self.options.long_input != "rolling_merge"
+        o = self.options
+        return wanted and self.grows_batches and o.refill and o.long_input != "rolling_merge"
 
     def layout_for(self, slots: int) -> tuple[int, int]:
         """(stripe capacity, rows) for rows of at most `slots` KV slots each: as many rows as the stripe
@@ -357,12 +359,12 @@ class Engine:
         for i in reversed(order):
             longest = longest_from[i] = max(longest, needs[i])
         while queue:
-            # in-flight refill: a striped batch takes the next queued rows into finished rows' stripes
-            # (not under prefix reuse: there a striped batch is a fallback, and the rows after it may
-            # share prefixes again in a paged batch)
+            # in-flight refill: the batch takes the next queued rows into finished rows' KV (not under
+            # prefix reuse: there a striped batch is a fallback, and the rows after it may share
+            # prefixes again in a paged batch)
             refill = queue if self.options.refill and self.prefix_cache is None else None
             batch, runner = self._next_batch(queue, token_lists, params, stats, needs, longest_from if refill else None)
-            done = self._run_batch(runner, batch, token_lists, params, stats, refill, longest_from)
+            done = self._run_batch(runner, batch, token_lists, params, stats, refill)
             for i, row in done.items():
                 results[i] = RequestOutput(i, row.token_ids, self._final_text(row), row.finish_reason or "length",
                                            len(token_lists[i]), truncated[i])
@@ -411,15 +413,15 @@ class Engine:
     def _final_text(self, row: RowState) -> str | None:
         return row.final_text(self.tokenizer.decode) if self.tokenizer is not None else None
 
-    def _run_batch(self, batch: StripedBatch | PagedBatch, indices: list[int], token_lists: list[list[int]],
-                   params: list[SamplingParams], stats: GenerateStats,
-                   refill: deque[int] | None = None, longest_from: dict[int, int] | None = None
-                   ) -> dict[int, RowState]:
+    def _run_batch(self, batch: ExtentBatch | StripedBatch | PagedBatch, indices: list[int],
+                   token_lists: list[list[int]], params: list[SamplingParams], stats: GenerateStats,
+                   refill: deque[int] | None = None) -> dict[int, RowState]:
         """Prefill, then decode until every row has stopped; finished rows leave the batch at once.
 
-        With `refill` (a striped batch and the rest of the queue), freed stripes are refilled from
-        the front of the queue between two decode steps (one packed prefill for all the rows taken),
-        so the batch stays full until the queue runs dry. Returns the rows by index into `token_lists`."""
+        With `refill` (an extent or striped batch and the rest of the queue), freed KV is refilled
+        from the front of the queue between two decode steps (one packed prefill for all the rows
+        taken), so the batch stays full until the queue runs dry. Returns the rows by index into
+        `token_lists`."""
         sync, device = self.backend.synchronize, self.device
         rows: dict[int, RowState] = {}
         began: dict[int, float] = {}  # row -> when its prefill started
@@ -457,13 +459,13 @@ class Engine:
             start(list(indices), batch.prefill(), clock)
             stats.prefill_s += lap()
             while True:
-                if refill and (take := batch.joinable(refill)):
+                if refill and batch.joinable(refill):
                     stats.decode_s += lap()
-                    while take:  # rows that stop on their first token free room again
-                        new = [refill.popleft() for _ in range(take)]
+                    batch.prepare_refill(refill)  # growing stripes: re-cut them for the rows left
+                    while refill and (take := batch.joinable(refill)):  # rows that stop on their first token
+                        new = [refill.popleft() for _ in range(take)]  # free room again
                         since = time.perf_counter()
                         start(new, batch.admit([token_lists[i] for i in new], [params[i] for i in new]), since)
-                        take = batch.joinable(refill) if refill else 0
                     stats.prefill_s += lap()
                 if not live.rows:
                     break
@@ -485,7 +487,7 @@ class Engine:
 
     def _next_batch(self, queue: deque[int], token_lists: list[list[int]], params: list[SamplingParams],
                     stats: GenerateStats, needs: list[int], longest_from: dict[int, int] | None
-                    ) -> tuple[list[int], StripedBatch | PagedBatch]:
+                    ) -> tuple[list[int], ExtentBatch | StripedBatch | PagedBatch]:
         """Take the next batch off the front of `queue` (indices into token_lists / params).
 
         Striped: `admitted_batch_size` rows. Paged (rows share cached prefix segments): a row only

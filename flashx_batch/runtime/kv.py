@@ -188,6 +188,18 @@ class KVArena:
         used = self.max_rows * self.row_capacity
         return self.bias[:used].view(self.max_rows, self.row_capacity)
 
+    def move_slots(self, moves: list[tuple[int, int, int]]) -> None:
+        """Copy each (src, dst, n) run of flat slots — keys, values and merge bias, all layers — in
+        order. A run that overlaps its own destination is copied out first; the caller orders the
+        moves so that no destination overwrites a source still to come."""
+        for src, dst, n in moves:
+            if src == dst:
+                continue
+            overlaps = dst < src + n and src < dst + n
+            kv, bias = self.storage[:, :, src : src + n], self.bias[src : src + n]
+            self.storage[:, :, dst : dst + n] = kv.clone() if overlaps else kv
+            self.bias[dst : dst + n] = bias.clone() if overlaps else bias
+
     def move_stripe(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` slots of stripe `src` into stripe `dst`, all layers at once.
 

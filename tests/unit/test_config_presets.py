@@ -51,6 +51,10 @@ def test_overrides_reach_the_dataclass():
                        "data.passthrough_columns=[source,lang]"])
     assert job.runtime.max_batch_size == 2 and job.sampling.stop == ["END"]
     assert job.executor.resources == {"NPU": 1.0} and job.data.passthrough_columns == ["source", "lang"]
+    assert compose_job(["conf=smoke", "runtime.kv_layout=stripes"]).engine_options().kv_layout == "stripes"
+    assert compose_job(["conf=smoke"]).engine_options().kv_layout == "auto"
+    with pytest.raises(ConfigError, match="runtime.kv_layout='paged' is not one of auto, stripes, extents"):
+        compose_job(["conf=smoke", "runtime.kv_layout=paged"]).engine_options()
 
 
 @pytest.mark.parametrize("override, fragment", [

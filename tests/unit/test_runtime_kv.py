@@ -36,6 +36,18 @@ def test_allocate_run_takes_the_first_long_enough_run_of_free_segments():
     assert alloc.allocate_run(1, range(0, 10)) is None and alloc.num_free == 2
 
 
+def test_move_slots_copies_runs_down_even_onto_themselves():
+    arena = KVArena(num_layers=2, num_kv_heads=1, head_dim=2, max_rows=2, row_capacity=16, segment_size=16,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    arena.storage.copy_(torch.arange(arena.storage.numel(), dtype=torch.float32).view_as(arena.storage))
+    arena.bias.copy_(torch.arange(32, dtype=torch.float32))
+    before, bias = arena.storage.clone(), arena.bias.clone()
+    arena.move_slots([(4, 0, 6), (20, 8, 5)])  # overlaps its own old place; then one that does not
+    assert torch.equal(arena.storage[:, :, 0:6], before[:, :, 4:10]) and torch.equal(arena.bias[0:6], bias[4:10])
+    assert torch.equal(arena.storage[:, :, 8:13], before[:, :, 20:25]) and torch.equal(arena.bias[8:13], bias[20:25])
+    assert torch.equal(arena.storage[:, :, 13:], before[:, :, 13:])  # nothing else written
+
+
 def test_arena_stripes_are_views_and_move_copies_all_layers():
     arena = KVArena(num_layers=3, num_kv_heads=2, head_dim=4, max_rows=4, row_capacity=8, segment_size=4,
                     dtype=torch.float32, device=torch.device("cpu"))

@@ -76,11 +76,12 @@ def test_dtype_auto_is_float32_on_cpu_and_bfloat16_tracks_it(tiny_models):
     assert (a - b).abs().max().item() < 0.05 * a.abs().max().item() + 0.05
 
 
-@pytest.mark.parametrize(("arch", "policy"), [("llama", "static"), ("qwen3", "static"), ("glm4", "segment_sparse")])
-def test_inflight_refill_matches_static_batches_with_fewer_steps(arch, policy, tiny_models):
-    """A finished row's stripe takes the next queued row mid-batch: every row's tokens (greedy and
-    seeded sampling, rows stopping on their first token, on a stop id, on length) equal the pure
-    static-batch run, the queue runs as one batch in fewer decode steps, and the arena comes back whole."""
+@pytest.mark.parametrize(("arch", "policy", "layout"), [("llama", "static", "extents"), ("llama", "static", "stripes"),
+                                                     ("qwen3", "static", "auto"), ("glm4", "segment_sparse", "auto")])
+def test_inflight_refill_matches_static_batches_with_fewer_steps(arch, policy, layout, tiny_models):
+    """A finished row's KV (extent or stripe) takes the next queued row mid-batch: every row's tokens
+    (greedy and seeded sampling, rows stopping on their first token, on a stop id, on length) equal the
+    pure static-batch run, the queue runs as one batch in fewer decode steps, and the arena comes back whole."""
     model_dir, _ = tiny_models[arch]
     lengths = (12, 40, 5, 33, 64, 9, 21, 50, 3, 17, 28)
     prompts = _prompts(11, lengths)
@@ -89,7 +90,8 @@ def test_inflight_refill_matches_static_batches_with_fewer_steps(arch, policy, t
     params[6] = SamplingParams(max_new_tokens=40, temperature=1.0, seed=9, stop_token_ids=[7, 8, 9, 10, 11])
     runs = {}
     for refill in (False, True):
-        engine = _engine(model_dir, sort_by_length=False, refill=refill, cache_policy=policy)
+        engine = _engine(model_dir, sort_by_length=False, refill=refill, cache_policy=policy, kv_layout=layout)
+        assert engine.uses_extents == (refill and layout != "stripes" and policy == "static")
         outs = engine.generate(prompts, params)
         runs[refill] = ([(o.token_ids, o.finish_reason) for o in outs], engine.last_stats)
         assert engine.runner.arena.allocator.is_whole()
@@ -208,16 +210,19 @@ def test_extent_batches_take_the_decode_steps_a_paged_cache_would(tiny_models):
         counted = paged_decode_steps([needs[i] for i in order], [new[i] for i in order], arena.striped_slots,
                                      arena.base_rows * engine.options.batch_growth)
         assert engine.last_stats.decode_steps == counted, sort
+        assert engine.last_stats.relayouts >= 1  # compactions happened: fragmentation never made a row wait
 
 
 def test_extent_layout_applies_where_rows_keep_plain_stripes_otherwise():
     """auto picks extents on CPU for growing refilled static batches; stripes elsewhere (segment-sparse,
-    rolling long prompts, batch_growth=1, or a backend that prefers stripes)."""
+    rolling long prompts, batch_growth=1, no refill, prefix reuse, or a backend that prefers stripes)."""
     assert _engine(None).uses_extents
     assert not _engine(None, kv_layout="stripes").uses_extents
     assert not _engine(None, cache_policy="segment_sparse").uses_extents
     assert not _engine(None, long_input="rolling_merge").uses_extents
     assert not _engine(None, batch_growth=1, kv_layout="extents").uses_extents
+    assert not _engine(None, refill=False, kv_layout="extents").uses_extents  # static batches: stripes
+    assert not _engine(None, prefix_cache_tokens=64).uses_extents  # paged batches, striped fallback
     engine = _engine(None)
     engine.backend.prefers_row_extents = False  # this engine's backend instance only
     assert not engine.uses_extents
@@ -286,6 +291,27 @@ def test_a_failed_re_cut_surfaces_its_own_error_and_leaves_the_arena_whole(tiny_
     assert arena.allocator.is_whole() and (arena.max_rows, arena.row_capacity) == (4, 112)
     monkeypatch.undo()
     assert len(engine.score([prompts[0] + [5] * 50])[0]) == 110  # a full-length row fits again
+
+
+def test_a_failed_compaction_surfaces_its_own_error_and_leaves_the_arena_whole(tiny_models, monkeypatch):
+    """If copying the rows' KV down fails mid-compaction, generate raises that error, not a bookkeeping
+    one, and every segment is free again."""
+    model_dir, _ = tiny_models["llama"]
+    engine = _engine(model_dir, sort_by_length=False)
+    assert engine.uses_extents
+    lengths = (20, 60, 10, 58, 12, 55, 8, 50, 30, 62, 9, 40, 6, 61, 5, 45)
+    news = (2, 40, 3, 30, 2, 35, 4, 20, 5, 44, 3, 10, 2, 40, 3, 12)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news]
+
+    def fail(moves):
+        raise RuntimeError("simulated: no memory for the copy")
+
+    monkeypatch.setattr(engine.runner.arena, "move_slots", fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate(_prompts(21, lengths), params)
+    assert engine.runner.arena.allocator.is_whole()
+    monkeypatch.undo()
+    assert len(engine.generate(_prompts(21, lengths), params)) == 16
 
 
 def test_static_batches_grow_to_the_rows_they_take(tiny_models):
