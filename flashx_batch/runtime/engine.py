@@ -76,7 +76,7 @@ class GenerateStats:
     prefix_tokens_computed: int = 0  # shared-prefix tokens computed once and cached
     batch_sizes: list[int] = field(default_factory=list)
     peak_rows: int = 0  # the most rows decoding at once (batch_growth and refill can exceed a batch's start)
-    relayouts: int = 0  # times a batch's stripes were re-cut mid-batch to take more, shorter rows
+    relayouts: int = 0  # times a batch moved its live KV: stripes re-cut for more, shorter rows, or extents compacted
     row_latency_s: list[float] = field(default_factory=list)  # per row: its prefill start -> its last token
 
     @property
