@@ -302,7 +302,7 @@ class ExtentBatch:
     decode steps a paged cache would take, without a gather: attention reads each row's extent in
     place, one call per run of rows (`extent_runs`). Extents are placed first-fit; when the free
     segments add up but no run of them is long enough, the live rows are moved to the front of the
-    region (`compact`, one copy of the live cache). Finished rows leave without moving anyone."""
+    region (`compact`: each live row's KV copied once). Finished rows leave without moving anyone."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
                  stats: GenerateStats, needs: list[int]) -> None:
