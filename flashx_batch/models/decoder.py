@@ -24,10 +24,10 @@ class ForwardContext:
 
     prefill: rows right-padded to T; row i writes stripe i, positions 0..T-1. Causal attention
       means a real token never sees the padding that follows it.
-    decode: one token per row; row i writes stripe slot `write_slots[i]` (flat slot `write_flat[i]`,
-      computed once per step, not per layer) and reads slots
-      0..kv_len-1; `attn_mask` (bool, or float carrying merged slots' log-count bias) hides the rest.
-      With `row_runs` (rows in extents of their own) each run of rows reads its own view instead.
+    decode: one token per row; row i writes flat slot `write_flat[i]` (computed once per step, not
+      per layer); each run of rows in `runs` reads its own strided view of the cache (stripes, or
+      extents of their own), and `attn_mask` (float, carrying merged slots' log-count bias) hides
+      the slots past each row of a run whose rows differ in length.
     extend: one row, a chunk of C tokens appended after `cached` slots of a flat region starting at
       slot `start` (segment-sparse prefill, rolling merge, teacher-forced scoring). `extend_mask`
       [1, 1, C, cached + C] is None for a plain causal chunk with nothing cached.
@@ -48,12 +48,10 @@ class ForwardContext:
     write_slots: torch.Tensor | None = None  # paged: [B, T] flat slots
     write_flat: torch.Tensor | None = None  # decode: [B], packed: [N] flat arena slots to write
     slot_table: torch.Tensor | None = None  # paged: [B, L]
-    kv_len: int = 0
-    attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, kv_len]
-    decode_groups: tuple[tuple[int, int, int], ...] | None = None  # decode: runs of rows (start, end, slots read)
-    # decode, rows in extents of their own: per run of rows (`batches.extent_runs`), (first row, end row,
-    # keys and values of every layer [layers, 2, rows, Hkv, slots, D], slots the mask must hide past or None)
-    row_runs: tuple[tuple[int, int, torch.Tensor, int | None], ...] | None = None
+    attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, L]
+    # decode: per run of rows (first row, end row, keys and values of every layer [layers, 2, rows, Hkv,
+    # slots, D], slots the mask covers or None: every row of the run that long)
+    runs: tuple[tuple[int, int, torch.Tensor, int | None], ...] = ()
     start: int = 0  # extend
     cached: int = 0
     extend_mask: torch.Tensor | None = None
@@ -147,35 +145,16 @@ class Attention(nn.Module):
         )
 
     def _decode(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
-        batch = q.shape[0]
         k_flat, v_flat = arena.flat(self.layer)
-        k_flat.index_copy_(0, ctx.write_flat, k[:, 0])  # row i's new token -> its stripe slot
+        k_flat.index_copy_(0, ctx.write_flat, k[:, 0])  # row i's new token -> its slot
         v_flat.index_copy_(0, ctx.write_flat, v[:, 0])
-        if ctx.row_runs is not None:
-            return self._attend_runs(q, ctx)
-        k_cache, v_cache = arena.stripes(self.layer)
-        mask = ctx.attn_mask
-        if ctx.decode_groups is None:
-            return self._attend_one(q, k_cache[:batch, : ctx.kv_len].transpose(1, 2),
-                                    v_cache[:batch, : ctx.kv_len].transpose(1, 2), mask)
-        # rows of very different lengths: each run reads its stripes only up to its own longest row
-        return torch.cat([self._attend_one(q[a:b], k_cache[a:b, :n].transpose(1, 2), v_cache[a:b, :n].transpose(1, 2),
-                                           None if mask is None else mask[a:b, ..., :n])
-                          for a, b, n in ctx.decode_groups])
-
-    def _attend_runs(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Rows in extents of their own: each run of rows (see `batches.extent_runs`) read in place
-        through its strided view of the cache, up to its own longest row (masked: rows of one run
-        differ in length)."""
-        batch, group = q.shape[0], self.num_heads // self.num_kv_heads
-        folded = q.reshape(batch, self.num_kv_heads, group, self.head_dim)  # as in `_attend_one`, once per layer
-        outs, mask, layer, scale = [], ctx.attn_mask, self.layer, self.scale
-        for a, b, kv, masked in ctx.row_runs:
-            keys, values = kv[layer]
-            outs.append(F.scaled_dot_product_attention(folded[a:b], keys, values, scale=scale,
-                                                       attn_mask=None if masked is None else mask[a:b, ..., :masked]))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.reshape(batch, self.num_heads, 1, self.head_dim)
+        # each run of rows read in place through its strided view, up to its own longest row
+        # (rows of very different lengths split into runs read only as far as each needs)
+        outs, mask = [], ctx.attn_mask
+        for a, b, kv, masked in ctx.runs:
+            keys, values = kv[self.layer]
+            outs.append(self._attend_one(q[a:b], keys, values, None if masked is None else mask[a:b, ..., :masked]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor | None) -> torch.Tensor:

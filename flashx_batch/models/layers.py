@@ -20,27 +20,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
-        # CPU: mean = sum / dim, as ATen computes it there (bitwise equal); dividing by a ready tensor
-        # skips the scalar-to-tensor copy `mean` makes on every call (13 norms per decode step). Other
-        # devices keep `mean` (their reduction need not divide last). Made on first use: the model is
-        # built on the meta device and materialized later. False: not on a CPU.
-        self._dim: torch.Tensor | bool | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' order of operations (so float32 results are bitwise equal to it), with the
         # temporaries updated in place: on CPU a fresh multi-MB temporary costs page faults, and
         # this form is ~10x faster than the out-of-place one (and than F.rms_norm) on a prefill.
         x32 = x.float()
-        dim = self._dim
-        if dim is None:
-            dim = torch.tensor(float(x.shape[-1]), dtype=torch.float32) if x.device.type == "cpu" else False
-            if not torch.compiler.is_exporting():  # an export traces, it must not cache a tensor
-                self._dim = dim
-        if dim is False:
-            square_mean = torch.mean(x32 * x32, -1, keepdim=True)
-        else:
-            square_mean = torch.sum(x32 * x32, -1, keepdim=True).div_(dim)
-        scale = square_mean.add_(self.eps).rsqrt_()
+        scale = torch.mean(x32 * x32, -1, keepdim=True).add_(self.eps).rsqrt_()
         if x.dtype == torch.float32:
             return torch.mul(x32, scale).mul_(self.weight)
         return self.weight * torch.mul(x32, scale).to(x.dtype)

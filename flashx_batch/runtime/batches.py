@@ -315,8 +315,6 @@ class ExtentBatch:
         self.max_rows = self.arena.base_rows * engine.options.batch_growth
         self.extents: list[list[int]] = []  # per batch position: its segments, consecutive
         self.slots: list[int] = []  # cache slots per batch position (= RoPE position of the next token)
-        self.positions = torch.zeros(0, dtype=torch.long, device=engine.device)
-        self.starts = torch.zeros(0, dtype=torch.long, device=engine.device)  # flat slot of each extent
 
     @property
     def size(self) -> int:
@@ -342,7 +340,7 @@ class ExtentBatch:
 
     def admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> torch.Tensor:
         """Prefill rows (packed, one pass) into new extents; returns their last-token logits [k, V]."""
-        allocator, device = self.arena.allocator, self.engine.device
+        allocator = self.arena.allocator
         wanted = [allocator.segments_for(len(t) + p.max_new_tokens) for t, p in zip(prompts, params)]
         extents = self._place(wanted)
         if extents is None:  # the free segments add up (`joinable`), but not in long enough runs
@@ -355,10 +353,7 @@ class ExtentBatch:
         starts = [e[0] * seg for e in extents]
         self.stats.computed_slots += sum(map(len, prompts))
         logits = self.runner.prefill_packed_at(prompts, starts)[0]
-        lengths = [len(t) for t in prompts]
-        self.slots += lengths
-        self.positions = torch.cat((self.positions, torch.tensor(lengths, dtype=torch.long, device=device)))
-        self.starts = torch.cat((self.starts, torch.tensor(starts, dtype=torch.long, device=device)))
+        self.slots += [len(t) for t in prompts]
         held = sum(map(len, self.extents))
         self.engine._record_kv(self.stats, held, held)
         return logits
@@ -390,16 +385,15 @@ class ExtentBatch:
             count = len(self.extents[j])
             self.extents[j] = allocator.take(list(range(first, first + count)))
             first += count
-        self.starts = torch.tensor([e[0] * seg for e in self.extents], dtype=torch.long, device=self.engine.device)
         self.stats.relayouts += 1
         arena.move_slots([(src, self.extents[j][0] * seg, self.slots[j]) for j, src in zip(order, old)])
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        seg = self.arena.segment_size
-        runs = extent_runs([e[0] * seg for e in self.extents], [len(e) * seg for e in self.extents],
-                           [n + 1 for n in self.slots])
-        logits = self.runner.decode_runs(tokens, self.positions, self.starts, runs)
-        self.positions += 1
+        seg, device = self.arena.segment_size, self.engine.device
+        starts = [e[0] * seg for e in self.extents]
+        runs = extent_runs(starts, [len(e) * seg for e in self.extents], [n + 1 for n in self.slots])
+        logits = self.runner.decode_runs(tokens, torch.tensor(self.slots, dtype=torch.long, device=device),
+                                         torch.tensor(starts, dtype=torch.long, device=device), runs)
         self.slots = [n + 1 for n in self.slots]
         return logits
 
@@ -410,8 +404,6 @@ class ExtentBatch:
             self.arena.allocator.release(self.extents[j])
         self.extents = [self.extents[j] for j in keep]
         self.slots = [self.slots[j] for j in keep]
-        index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
-        self.positions, self.starts = self.positions[index], self.starts[index]
         return keep
 
     def release(self) -> None:

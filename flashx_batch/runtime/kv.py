@@ -206,10 +206,7 @@ class KVArena:
         Used when a row finishes: the last active row moves into its place so the active rows
         stay a dense prefix of the stripes and finished rows cost no more compute.
         """
-        used = self.max_rows * self.row_capacity
-        view = self.storage[:, :, :used].view(
-            self.storage.shape[0], 2, self.max_rows, self.row_capacity, *self.storage.shape[3:])
-        view[:, :, dst, :length] = view[:, :, src, :length]
-        bias = self.stripe_bias()
-        bias[dst, :length] = bias[src, :length]
-        bias[dst, length:] = 0.0  # the slots the moved row writes next must not keep the old row's bias
+        cap = self.row_capacity
+        self.move_slots([(src * cap, dst * cap, length)])
+        # the slots the moved row writes next must not keep the old row's bias
+        self.bias[dst * cap + length : (dst + 1) * cap] = 0.0

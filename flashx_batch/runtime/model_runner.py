@@ -74,7 +74,6 @@ class ModelRunner:
         `groups` (see `batches.attention_groups`): attend in runs of rows (start, end, slots read);
         only rows of mixed lengths are split, so `aligned` (no mask) never comes with groups.
         """
-        cos, sin = self.model.rotary.lookup(positions[:, None])
         if write_slots is None:
             write_slots = positions
             mask = None if aligned else self._visible(kv_len, positions)
@@ -82,11 +81,9 @@ class ModelRunner:
             bias = self.arena.stripe_bias()[: len(tokens), :kv_len]
             mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
             mask = mask.to(self.arena.storage.dtype)[:, None, None, :]
-        write_flat = self.arena.stripe_starts()[: len(tokens)] + write_slots
-        ctx = ForwardContext("decode", cos, sin, write_flat=write_flat, kv_len=kv_len, attn_mask=mask,
-                             decode_groups=groups)
-        hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
-        return self.model.logits(hidden[:, 0])
+        cap = self.arena.row_capacity  # stripe i begins at flat slot i * cap
+        runs = tuple((a, b, a * cap, cap, n, mask is None) for a, b, n in groups or ((0, len(tokens), kv_len),))
+        return self._step(tokens, positions, self.arena.stripe_starts()[: len(tokens)] + write_slots, mask, runs)
 
     @torch.inference_mode()
     def decode_runs(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
@@ -94,10 +91,17 @@ class ModelRunner:
         """One step for rows in extents of their own (`batches.ExtentBatch`): row i's cache begins at
         flat slot starts[i] and its new token goes to slot positions[i] of it; attention reads the
         `runs` (`batches.extent_runs`) -> logits [B, V]."""
-        cos, sin = self.model.rotary.lookup(positions[:, None])
         mask = None
         if not all(run[-1] for run in runs):  # some run holds rows of different lengths
             mask = self._visible(max(run[4] for run in runs), positions)
+        return self._step(tokens, positions, starts + positions, mask, runs)
+
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,
+              mask: torch.Tensor | None, runs: tuple[tuple[int, int, int, int, int, bool], ...]) -> torch.Tensor:
+        """The decode forward: each run of rows (first row, end row, first flat slot, stride, slots
+        read, aligned) attends through one strided view of the cache; `mask` [B, 1, 1, L] hides the
+        slots past each row of a run that is not aligned."""
+        cos, sin = self.model.rotary.lookup(positions[:, None])
         # each run's keys and values of every layer as one view [layers, 2, rows, Hkv, slots, D], built
         # once per step (not per layer: a few microseconds per view, rows x layers of them)
         storage = self.arena.storage
@@ -106,7 +110,7 @@ class ModelRunner:
         for a, b, first, stride, slots, aligned in runs:
             kv = storage[:, :, first : first + (b - a) * stride].view(layers, 2, b - a, stride, heads, dim)
             views.append((a, b, kv[:, :, :, :slots].transpose(3, 4), None if aligned else slots))
-        ctx = ForwardContext("decode", cos, sin, write_flat=starts + positions, attn_mask=mask, row_runs=tuple(views))
+        ctx = ForwardContext("decode", cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views))
         hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
         return self.model.logits(hidden[:, 0])
 
