@@ -76,6 +76,7 @@ class RuntimeSection:
     batch_growth: int = 4  # short rows: up to batch_growth x max_batch_size rows in the same KV memory (1 = off)
     prepack_weights: bool = True  # CPU float32: MKL-packed weight copies for the decode batch (2x weight memory)
     kv_layout: str = "auto"  # growing batches: stripes | extents (each row its own KV extent) | auto (CPU: extents)
+    cuda_graphs: str = "auto"  # striped decode steps replayed from CUDA graphs: auto (where the backend can) | on | off
     shard_size: int = 64  # rows per shard (the unit of commit and retry)
     bucket_edges: list[int] = field(default_factory=list)  # token-length bucket upper bounds; [] = powers of 2
 
@@ -121,7 +122,8 @@ class JobConfig:
                              kv_evict_share=r.kv_evict_share,
                              prefix_cache_tokens=r.prefix_cache_tokens, precision_map=r.precision_map,
                              num_threads=r.num_threads or num_threads, sort_by_length=True, refill=r.refill,
-                             batch_growth=r.batch_growth, prepack_weights=r.prepack_weights, kv_layout=r.kv_layout)
+                             batch_growth=r.batch_growth, prepack_weights=r.prepack_weights, kv_layout=r.kv_layout,
+                             cuda_graphs=r.cuda_graphs)
 
 
 def resolve_model_dir(path: str) -> Path:

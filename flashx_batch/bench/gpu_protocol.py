@@ -10,8 +10,9 @@ the README. Steps, each skipped with a note once the time budget is spent:
 3. W1 (mixed intake): ours bucketed vs `transformers` arrival order, interleaved, output tok/s ratio,
    plus greedy-token agreement on a sample (bf16: reported, not gated — the float32 CPU gate is the
    correctness check);
-4. decode step time at B in {1, 64, 256}, ours and `transformers`, each as a fraction of the
-   memory-bandwidth bound (weights + the rows' KV read once per step).
+4. decode step time at B in {1, 64, 256}, ours (CUDA graphs, and eager: `cuda_graphs=off`) and
+   `transformers`, each as a fraction of the memory-bandwidth bound (weights + the rows' KV read
+   once per step), and the graphs' token agreement with the eager steps.
 Writes DIR/gpu_protocol.json. Exits 2 at once, before building anything, when no GPU is visible.
 """
 
@@ -108,20 +109,26 @@ def w1_comparison(model_dir: Path, hf, sizes: WorkloadSizes, backend: str, dtype
 
 def step_times(model_dir: Path, hf, backend: str, dtype: str, batches: tuple[int, ...], cost: ModelCost,
                bandwidth: float, budget: Budget) -> dict:
-    """Seconds per decode step at each B, ours and transformers, and the fraction of the bandwidth bound."""
-    engine = Engine.from_pretrained(model_dir, backend=backend, dtype=dtype, max_batch_size=max(batches),
-                                    max_input_len=STEP_PROMPT, max_output_len=STEP_NEW, segment_size=16)
+    """Seconds per decode step at each B: ours from CUDA graphs (the default on cuda), ours eager
+    (cuda_graphs=off) and transformers, each also as a fraction of the bandwidth bound."""
+    engines = {mode: Engine.from_pretrained(model_dir, backend=backend, dtype=dtype, max_batch_size=max(batches),
+                                            max_input_len=STEP_PROMPT, max_output_len=STEP_NEW, segment_size=16,
+                                            cuda_graphs=mode)
+               for mode in ("auto", "off")}
     gen = torch.Generator().manual_seed(0)
     out = {}
     for b in batches:
-        if not budget.allows(f"decode step B={b}", 30):
+        if not budget.allows(f"decode step B={b}", 40):
             continue
         prompts = torch.randint(3, hf.config.vocab_size, (b, STEP_PROMPT), generator=gen)
         params = SamplingParams(max_new_tokens=STEP_NEW, ignore_eos=True)
-        engine.generate(prompts[: min(b, 4)].tolist(), params)  # warm-up
-        engine.generate(prompts.tolist(), params)
-        stats = engine.last_stats
-        ours = stats.decode_s / stats.decode_steps
+        ours, tokens = {}, {}
+        for mode, engine in engines.items():
+            engine.generate(prompts[: min(b, 4)].tolist(), params)  # warm-up (and the small graphs' capture)
+            engine.generate(prompts.tolist(), params)  # captures this B's graphs
+            result = engine.generate(prompts.tolist(), params)
+            stats = engine.last_stats
+            ours[mode], tokens[mode] = stats.decode_s / stats.decode_steps, [o.token_ids for o in result]
         mask = torch.ones_like(prompts)
         hf_greedy(hf, prompts, mask, 2, 0)  # warm-up
         _, short = timed(hf_greedy, hf, prompts, mask, 1, 0)
@@ -129,10 +136,19 @@ def step_times(model_dir: Path, hf, backend: str, dtype: str, batches: tuple[int
         theirs = (long - short) / STEP_NEW
         mean_context = STEP_PROMPT + STEP_NEW / 2
         bound = (cost.weight_bytes + b * mean_context * cost.kv_bytes_per_token) / bandwidth
-        out[str(b)] = {"ours_step_s": ours, "transformers_step_s": theirs, "bandwidth_bound_step_s": bound,
-                       "ours_fraction_of_bound": bound / ours, "transformers_fraction_of_bound": bound / theirs}
-        log.info("B=%d: ours %.2f ms/step, transformers %.2f ms/step, bound %.2f ms (ours at %.0f %%)", b,
-                 ours * 1e3, theirs * 1e3, bound * 1e3, 100 * bound / ours)
+        pairs = [(x, y) for a, e in zip(tokens["auto"], tokens["off"]) for x, y in zip(a, e)]
+        out[str(b)] = {"ours_step_s": ours["auto"], "ours_eager_step_s": ours["off"], "transformers_step_s": theirs,
+                       "bandwidth_bound_step_s": bound, "ours_fraction_of_bound": bound / ours["auto"],
+                       "ours_eager_fraction_of_bound": bound / ours["off"],
+                       "transformers_fraction_of_bound": bound / theirs,
+                       "graphs_speedup": ours["off"] / ours["auto"],
+                       # bf16: graphs and eager run the same kernels, so this should be 1.0
+                       "graphs_vs_eager_token_agreement": sum(x == y for x, y in pairs) / len(pairs)}
+        log.info("B=%d: ours %.2f ms/step (eager %.2f), transformers %.2f ms/step, bound %.2f ms (ours at %.0f %%)",
+                 b, ours["auto"] * 1e3, ours["off"] * 1e3, theirs * 1e3, bound * 1e3, 100 * bound / ours["auto"])
+    graphs = engines["auto"].runner.graphs
+    if graphs is not None:
+        out["graphs_captured"] = len(graphs.graphs)
     return out
 
 

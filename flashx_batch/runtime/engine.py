@@ -26,6 +26,7 @@ from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.layers import RotaryTable
 from flashx_batch.models.loader import load_model
 from flashx_batch.runtime.batches import ExtentBatch, PagedBatch, StripedBatch, share_prefixes
+from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.kv import KVArena
 from flashx_batch.runtime.kv_merge import MergeSettings, apply_plan, max_compressed_length, plan_oldest
 from flashx_batch.runtime.model_runner import ModelRunner
@@ -181,6 +182,10 @@ class Engine:
         if not self.backend.torch_runtime:
             raise ConfigError(f"runtime.backend={options.backend} runs through Engine.from_pretrained, "
                               "which dispatches it to its own engine; do not construct Engine directly.")
+        if options.cuda_graphs == "on" and not self.backend.supports_graphs:
+            raise ConfigError(f"runtime.cuda_graphs=on needs a backend that captures CUDA graphs (cuda); this "
+                              f"engine runs on {self.backend.name}. Use cuda_graphs=auto (graphs where the "
+                              "backend has them) or off.")
         self.dtype = self._resolve_dtype(options.dtype)
         if self.backend.name == "cpu":
             torch.set_num_threads(options.cpu_threads())
@@ -204,6 +209,8 @@ class Engine:
         if options.prepack_weights:
             self.backend.prepare_model(model, self._decode_pack_sizes(model, arena.base_rows))
         self.runner = ModelRunner(model, arena, pad_id=self.config.pad_token_id or 0)
+        if options.cuda_graphs != "off" and self.backend.supports_graphs:
+            self.runner.graphs = DecodeGraphs(self.runner)
         self.prefix_cache: PrefixCache | None = None
         self.trash_slot = -1  # paged batches only: where padding positions write (the arena's last segment)
         if options.prefix_cache_tokens:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashx_batch.models.decoder import DecoderModel, ForwardContext
+from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.kv import KVArena
 
 
@@ -20,6 +21,7 @@ class ModelRunner:
         self.device = model.embed.device
         self.pad_id = pad_id
         self._slot_range = torch.arange(arena.row_capacity, device=self.device)
+        self.graphs: DecodeGraphs | None = None  # striped decode steps from CUDA graphs (`Engine` sets it)
 
     def _prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, ForwardContext]:
         """Right-padded ids [B, T] for teacher-forced scoring (every position's logits)."""
@@ -73,17 +75,24 @@ class ModelRunner:
         slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask.
         `groups` (see `batches.attention_groups`): attend in runs of rows (start, end, slots read);
         only rows of mixed lengths are split, so `aligned` (no mask) never comes with groups.
+        With `graphs` set, the step runs from a CUDA graph at padded shapes (groups are not needed there).
         """
-        if write_slots is None:
-            write_slots = positions
-            mask = None if aligned else self._visible(kv_len, positions)
-        else:
-            bias = self.arena.stripe_bias()[: len(tokens), :kv_len]
-            mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
-            mask = mask.to(self.arena.storage.dtype)[:, None, None, :]
+        if self.graphs is not None:
+            return self.graphs.decode(tokens, positions, kv_len, write_slots)
+        mask = None if aligned and write_slots is None else self.stripe_mask(positions, write_slots, kv_len)
         cap = self.arena.row_capacity  # stripe i begins at flat slot i * cap
         runs = tuple((a, b, a * cap, cap, n, mask is None) for a, b, n in groups or ((0, len(tokens), kv_len),))
-        return self._step(tokens, positions, self.arena.stripe_starts()[: len(tokens)] + write_slots, mask, runs)
+        write_flat = self.arena.stripe_starts()[: len(tokens)] + (positions if write_slots is None else write_slots)
+        return self.model.logits(self._step(tokens, positions, write_flat, mask, runs))
+
+    def stripe_mask(self, positions: torch.Tensor, write_slots: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+        """Additive mask [B, 1, 1, kv_len] for rows 0..B-1 of the stripes: slots past each row's new one
+        hidden; once rows are merged (`write_slots`), visible slots also carry the arena's log-count bias."""
+        if write_slots is None:
+            return self._visible(kv_len, positions)
+        bias = self.arena.stripe_bias()[: len(positions), :kv_len]
+        mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
+        return mask.to(self.arena.storage.dtype)[:, None, None, :]
 
     @torch.inference_mode()
     def decode_runs(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
@@ -94,13 +103,13 @@ class ModelRunner:
         mask = None
         if not all(run[-1] for run in runs):  # some run holds rows of different lengths
             mask = self._visible(max(run[4] for run in runs), positions)
-        return self._step(tokens, positions, starts + positions, mask, runs)
+        return self.model.logits(self._step(tokens, positions, starts + positions, mask, runs))
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,
               mask: torch.Tensor | None, runs: tuple[tuple[int, int, int, int, int, bool], ...]) -> torch.Tensor:
-        """The decode forward: each run of rows (first row, end row, first flat slot, stride, slots
-        read, aligned) attends through one strided view of the cache; `mask` [B, 1, 1, L] hides the
-        slots past each row of a run that is not aligned."""
+        """The decode forward up to the final norm -> hidden [B, hidden]: each run of rows (first row,
+        end row, first flat slot, stride, slots read, aligned) attends through one strided view of the
+        cache; `mask` [B, 1, 1, L] hides the slots past each row of a run that is not aligned."""
         cos, sin = self.model.rotary.lookup(positions[:, None])
         # each run's keys and values of every layer as one view [layers, 2, rows, Hkv, slots, D], built
         # once per step (not per layer: a few microseconds per view, rows x layers of them)
@@ -111,8 +120,7 @@ class ModelRunner:
             kv = storage[:, :, first : first + (b - a) * stride].view(layers, 2, b - a, stride, heads, dim)
             views.append((a, b, kv[:, :, :, :slots].transpose(3, 4), None if aligned else slots))
         ctx = ForwardContext("decode", cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views))
-        hidden = self.model.hidden_states(tokens[:, None], ctx, self.arena)
-        return self.model.logits(hidden[:, 0])
+        return self.model.hidden_states(tokens[:, None], ctx, self.arena)[:, 0]
 
     def _visible(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
         """Additive mask [B, 1, 1, kv_len]: 0 up to each row's `last` slot, -inf after (built once

@@ -12,6 +12,7 @@ CACHE_POLICIES = ("static", "segment_sparse")
 LONG_INPUT_POLICIES = ("error", "truncate", "rolling_merge")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_LAYOUTS = ("auto", "stripes", "extents")
+CUDA_GRAPHS = ("auto", "on", "off")
 
 
 def bundled_model_dir() -> Path:
@@ -44,6 +45,9 @@ class EngineOptions:
     # growing refilled batches: "stripes" (equal, cut for the longest row), "extents" (each row its own
     # prompt + new tokens), "auto" (the backend's preference: extents on CPU)
     kv_layout: str = "auto"
+    # striped decode steps replayed from CUDA graphs (`runtime.decode_graphs`): "auto" where the backend
+    # captures them (cuda), "on" (an error elsewhere), "off" (eager steps)
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +73,8 @@ class EngineOptions:
             (self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
             (self.batch_growth >= 1, f"batch_growth must be >= 1, got {self.batch_growth}"),
             (self.kv_layout in KV_LAYOUTS, f"kv_layout={self.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}"),
+            (self.cuda_graphs in CUDA_GRAPHS,
+             f"cuda_graphs={self.cuda_graphs!r} is not one of {', '.join(CUDA_GRAPHS)}"),
         ]
         for ok, message in checks:
             if not ok:

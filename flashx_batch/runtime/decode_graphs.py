@@ -1,0 +1,157 @@
+"""CUDA graphs for the striped decode step: one kernel launch per step instead of hundreds.
+
+A decode step of a small model on a GPU can be bound by launching its kernels (~25 per layer, a few
+microseconds each) rather than by the device: a 16-layer 1B model launches ~400 of them (~2 ms at
+5 us each) to read ~2.5 GB of weights, ~0.5 ms at an H200's nominal 4.8 TB/s. A captured graph
+replays them all in one launch. (Not yet measured on a GPU: `bench.gpu_protocol` reports graphs
+against eager steps when one is available.)
+
+A graph replays fixed shapes and fixed addresses, so each step is padded to a *bucket*:
+- rows up to the next of 1, 2, 4, 8, 16, 32, 48, 64, ... (16 apart), at most the stripes of the
+  current layout; a padding row decodes token 0 at position 0 of its own (free) stripe, and its
+  output is dropped. Live rows are always stripes 0..B-1 (`StripedBatch` keeps them dense).
+- slots read up to the next multiple of SLOT_BUCKET, at most the stripe capacity. The mask (always
+  present in a graph) hides the slots past each row's own, as it does for rows of mixed lengths.
+Graphs are keyed by (rows, stripe capacity, slots) and captured on first use — a growing batch
+re-cuts its stripes into a few layouts, so a job captures a few dozen at most (MAX_GRAPHS caps it;
+past it steps run eagerly, padded the same way). A graph ends at the final norm; the LM head runs
+after it on the live rows only. The graphs share one memory pool: safe because each replay's
+output is read (by the LM head) before the next replay and nothing else runs in between.
+
+Inputs live in static tensors the graph reads; the KV arena and the RoPE tables are allocated once
+(a rolling merge that grows the RoPE table drops every graph). Capture needs a warm-up run on a
+side stream; it takes the step's own inputs, so the KV it writes is the step's own (the replay
+writes the same values again).
+
+Decision (issue 5): CUDA graphs, not `torch.compile`. Graphs need no compiler, no Triton and no
+recompiles as rows come and go, and keep our kernels (SDPA, cuBLAS) as they are. A compiled decode
+step on CPU (torch 2.13 inductor, bundled model, 16 rows, static shapes; a throwaway script) ran
+5x slower than eager, the time inside the compiled graph's own kernels, so it is not the CPU path
+either.
+
+`capture=False` runs the same padded static-shape step eagerly: what the CPU tests check for equal
+tokens (the padding, the buckets and the mask); capture itself needs a GPU (tests/device).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from flashx_batch.runtime.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+SLOT_BUCKET = 128  # slots read per row are padded to a multiple of this (fewer graphs; masked reads are cheap)
+MAX_GRAPHS = 96
+
+
+def rows_bucket(rows: int, limit: int) -> int:
+    """Padded row count for `rows` live rows: 1, 2, 4, 8, then multiples of 16, never above `limit`."""
+    if rows > limit:
+        raise ValueError(f"{rows} rows do not fit {limit} stripes")
+    padded = 1
+    while padded < min(rows, 16):
+        padded *= 2
+    if rows > 16:
+        padded = -(-rows // 16) * 16
+    return min(padded, limit)
+
+
+def slots_bucket(slots: int, capacity: int) -> int:
+    """Padded slots read for a step whose longest row reads `slots`: the next multiple of SLOT_BUCKET,
+    never above the stripe `capacity`."""
+    if slots > capacity:
+        raise ValueError(f"{slots} slots do not fit stripes of {capacity}")
+    return min(-(-slots // SLOT_BUCKET) * SLOT_BUCKET, capacity)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # tokens, positions, write_flat, mask: what the graph reads
+    hidden: torch.Tensor  # what it writes: final-norm hidden states [rows, hidden]
+
+
+class DecodeGraphs:
+    """Striped decode steps at bucketed static shapes, replayed from CUDA graphs (see the module doc)."""
+
+    def __init__(self, runner: ModelRunner, capture: bool = True) -> None:
+        self.runner = runner
+        self.capture = capture
+        self.graphs: dict[tuple[int, int, int], _Captured] = {}
+        self.pool = None
+        self.rotary = None  # the RoPE table the graphs read (dropped with it)
+        self.steps = self.replays = self.padding_rows = 0  # steps run here, from graphs, padding rows added
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+               write_slots: torch.Tensor | None) -> torch.Tensor:
+        """`ModelRunner.decode` for rows 0..B-1 of the stripes (no groups): logits [B, V]."""
+        runner, arena = self.runner, self.runner.arena
+        rows, cap = len(tokens), arena.row_capacity
+        padded, slots = rows_bucket(rows, arena.max_rows), slots_bucket(kv_len, cap)
+        if padded > rows:  # padding rows: token 0 at slot 0 of their own free stripe
+            pad = torch.zeros(padded - rows, dtype=tokens.dtype, device=tokens.device)
+            tokens, positions = torch.cat((tokens, pad)), torch.cat((positions, pad))
+            if write_slots is not None:
+                write_slots = torch.cat((write_slots, pad))
+        mask = runner.stripe_mask(positions, write_slots, slots)
+        write_flat = arena.stripe_starts()[:padded] + (positions if write_slots is None else write_slots)
+        inputs = (tokens, positions, write_flat, mask)
+        runs = ((0, padded, 0, cap, slots, False),)
+        self.steps += 1
+        self.padding_rows += padded - rows
+        key = (padded, cap, slots)
+        captured = None
+        if self.capture:
+            if self.rotary is not runner.model.rotary:  # a rebuilt RoPE table: old graphs read the freed one
+                self.graphs.clear()
+                self.rotary = runner.model.rotary
+            captured = self.graphs.get(key)
+            if captured is not None:
+                for static, value in zip(captured.inputs, inputs):
+                    static.copy_(value)
+            elif len(self.graphs) < MAX_GRAPHS:
+                captured = self._capture_or_none(key, inputs, runs)
+        if captured is None:
+            hidden = runner._step(*inputs, runs)
+        else:
+            captured.graph.replay()
+            self.replays += 1
+            hidden = captured.hidden
+        # the LM head outside the graph, on the live rows only: no vocab-wide logits for padding rows,
+        # and no vocab-wide static output per graph (a graph keeps only [rows, hidden])
+        return runner.model.logits(hidden[:rows])
+
+    def _capture_or_none(self, key: tuple[int, int, int], inputs: tuple[torch.Tensor, ...], runs: tuple
+                         ) -> _Captured | None:
+        """Capture the graph for `key`; on failure log why and run eagerly from now on (slower, same tokens)."""
+        try:
+            captured = self.graphs[key] = self._capture(inputs, runs)
+        except RuntimeError as exc:
+            log.warning("capturing a CUDA graph for the decode step failed (%s); decode steps run eagerly from "
+                        "now on. runtime.cuda_graphs=off skips the attempt.", exc)
+            self.capture = False
+            self.graphs.clear()
+            return None
+        if len(self.graphs) == MAX_GRAPHS:
+            log.warning("%d decode graphs captured: steps of new shapes now run eagerly", MAX_GRAPHS)
+        return captured
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...], runs: tuple) -> _Captured:
+        static = tuple(t.clone() for t in inputs)  # outside the pool: no graph's temporaries overlap them
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (lazy cuBLAS / SDPA setup must not happen while capturing)
+            self.runner._step(*static, runs)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.runner._step(*static, runs)
+        return _Captured(graph, static, hidden)
