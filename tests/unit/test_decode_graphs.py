@@ -55,6 +55,7 @@ def test_padded_static_steps_give_the_eager_tokens(arch, policy, tiny_models, on
     for rows, slots, runs, longest in shapes:
         assert runs == ((0, rows, 0, runs[0][3], slots, False),)
         assert slots % SLOT_BUCKET == 0 or slots == runs[0][3]
+        assert slots >= longest or policy == "segment_sparse"  # merged rows hold fewer slots than positions
     if policy == "static":
         assert any(slots > longest for _, slots, _, longest in shapes)
     assert graphed.runner.arena.allocator.is_whole()
