@@ -142,7 +142,8 @@ def step_times(model_dir: Path, hf, backend: str, dtype: str, batches: tuple[int
                        "ours_eager_fraction_of_bound": bound / ours["off"],
                        "transformers_fraction_of_bound": bound / theirs,
                        "graphs_speedup": ours["off"] / ours["auto"],
-                       # bf16: graphs and eager run the same kernels, so this should be 1.0
+                       # bf16: padded rows and slots can pick other matmul / attention kernels, so greedy
+                       # paths may part after a near tie; reported, not expected to be 1.0
                        "graphs_vs_eager_token_agreement": sum(x == y for x, y in pairs) / len(pairs)}
         log.info("B=%d: ours %.2f ms/step (eager %.2f), transformers %.2f ms/step, bound %.2f ms (ours at %.0f %%)",
                  b, ours["auto"] * 1e3, ours["off"] * 1e3, theirs * 1e3, bound * 1e3, 100 * bound / ours["auto"])

@@ -10,13 +10,15 @@ A graph replays fixed shapes and fixed addresses, so each step is padded to a *b
 - rows up to the next of 1, 2, 4, 8, 16, 32, 48, 64, ... (16 apart), at most the stripes of the
   current layout; a padding row decodes token 0 at position 0 of its own (free) stripe, and its
   output is dropped. Live rows are always stripes 0..B-1 (`StripedBatch` keeps them dense).
-- slots read up to the next multiple of SLOT_BUCKET, at most the stripe capacity. The mask (always
-  present in a graph) hides the slots past each row's own, as it does for rows of mixed lengths.
-Graphs are keyed by (rows, stripe capacity, slots) and captured on first use — a growing batch
-re-cuts its stripes into a few layouts, so a job captures a few dozen at most (MAX_GRAPHS caps it;
-past it steps run eagerly, padded the same way). A graph ends at the final norm; the LM head runs
-after it on the live rows only. The graphs share one memory pool: safe because each replay's
-output is read (by the LM head) before the next replay and nothing else runs in between.
+- slots read up to the next multiple of SLOT_BUCKET (coarser past 1024, see `slots_bucket`), at
+  most the stripe capacity. The mask (always present in a graph) hides the slots past each row's
+  own, as it does for rows of mixed lengths.
+Graphs are keyed by (rows, stripe capacity, slots) and captured on first use, MAX_GRAPHS at most per
+engine (a growing batch re-cuts its stripes into a few capacities); a step of a new shape past that
+runs eagerly at its own shape. A graph ends at the final norm; the LM head runs after it on the
+live rows only. The graphs share one memory pool and may replay in any order: no graph reads
+another's output, and each graph's static output stays referenced, so no later capture places its
+temporaries over it.
 
 Inputs live in static tensors the graph reads; the KV arena and the RoPE tables are allocated once
 (a rolling merge that grows the RoPE table drops every graph). Capture needs a warm-up run on a
@@ -46,8 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SLOT_BUCKET = 128  # slots read per row are padded to a multiple of this (fewer graphs; masked reads are cheap)
-MAX_GRAPHS = 96
+SLOT_BUCKET = 128  # the finest step of the slots read per row (masked reads past a row are cheap next to launches)
+MAX_GRAPHS = 96  # graphs held per engine; steps of a new shape past it run eagerly, unpadded
 
 
 def rows_bucket(rows: int, limit: int) -> int:
@@ -63,37 +65,53 @@ def rows_bucket(rows: int, limit: int) -> int:
 
 
 def slots_bucket(slots: int, capacity: int) -> int:
-    """Padded slots read for a step whose longest row reads `slots`: the next multiple of SLOT_BUCKET,
-    never above the stripe `capacity`."""
+    """Padded slots read for a step whose longest row reads `slots`, never above the stripe `capacity`:
+    the next multiple of SLOT_BUCKET up to 1024, then of an eighth of the next power of two (four
+    buckets per doubling: under 25 % of the reads padding, and few graphs for long stripes)."""
     if slots > capacity:
         raise ValueError(f"{slots} slots do not fit stripes of {capacity}")
-    return min(-(-slots // SLOT_BUCKET) * SLOT_BUCKET, capacity)
+    step = max(SLOT_BUCKET, 1 << max(0, (slots - 1).bit_length() - 3))
+    return min(-(-slots // step) * step, capacity)
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # tokens, positions, write_flat, mask: what the graph reads
-    hidden: torch.Tensor  # what it writes: final-norm hidden states [rows, hidden]
+    # what it writes: final-norm hidden states [rows, hidden]. Kept referenced for the graph's life, so
+    # no later capture in the shared pool places its temporaries over it.
+    hidden: torch.Tensor
 
 
 class DecodeGraphs:
-    """Striped decode steps at bucketed static shapes, replayed from CUDA graphs (see the module doc)."""
+    """Striped decode steps at bucketed static shapes, replayed from CUDA graphs (see the module doc).
+
+    `capture=False` runs the padded step eagerly instead (the CPU tests' stand-in for a replay)."""
 
     def __init__(self, runner: ModelRunner, capture: bool = True) -> None:
         self.runner = runner
         self.capture = capture
+        self.failed = False  # a capture failed: every step runs eagerly, unpadded, from then on
         self.graphs: dict[tuple[int, int, int], _Captured] = {}
         self.pool = None
         self.rotary = None  # the RoPE table the graphs read (dropped with it)
-        self.steps = self.replays = self.padding_rows = 0  # steps run here, from graphs, padding rows added
+        self.steps = self.replays = self.padding_rows = 0  # padded steps run here, from graphs, padding rows added
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-               write_slots: torch.Tensor | None) -> torch.Tensor:
-        """`ModelRunner.decode` for rows 0..B-1 of the stripes (no groups): logits [B, V]."""
+               write_slots: torch.Tensor | None) -> torch.Tensor | None:
+        """`ModelRunner.decode` for rows 0..B-1 of the stripes (no groups): logits [B, V], or None when
+        the step should run eagerly at its own shape (a capture failed, or MAX_GRAPHS are held and
+        this shape is new)."""
         runner, arena = self.runner, self.runner.arena
         rows, cap = len(tokens), arena.row_capacity
         padded, slots = rows_bucket(rows, arena.max_rows), slots_bucket(kv_len, cap)
+        key = (padded, cap, slots)
+        if self.capture:
+            if self.rotary is not runner.model.rotary:  # a rebuilt RoPE table: old graphs read the freed one
+                self.graphs.clear()
+                self.rotary = runner.model.rotary
+            if self.failed or (key not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
+                return None
         if padded > rows:  # padding rows: token 0 at slot 0 of their own free stripe
             pad = torch.zeros(padded - rows, dtype=tokens.dtype, device=tokens.device)
             tokens, positions = torch.cat((tokens, pad)), torch.cat((positions, pad))
@@ -103,41 +121,40 @@ class DecodeGraphs:
         write_flat = arena.stripe_starts()[:padded] + (positions if write_slots is None else write_slots)
         inputs = (tokens, positions, write_flat, mask)
         runs = ((0, padded, 0, cap, slots, False),)
-        self.steps += 1
-        self.padding_rows += padded - rows
-        key = (padded, cap, slots)
-        captured = None
-        if self.capture:
-            if self.rotary is not runner.model.rotary:  # a rebuilt RoPE table: old graphs read the freed one
-                self.graphs.clear()
-                self.rotary = runner.model.rotary
-            captured = self.graphs.get(key)
-            if captured is not None:
-                for static, value in zip(captured.inputs, inputs):
-                    static.copy_(value)
-            elif len(self.graphs) < MAX_GRAPHS:
-                captured = self._capture_or_none(key, inputs, runs)
-        if captured is None:
+        if not self.capture:
             hidden = runner._step(*inputs, runs)
         else:
+            captured = self.graphs.get(key)
+            if captured is None:
+                captured = self._capture_or_none(key, inputs, runs)
+                if captured is None:
+                    return None
+            else:
+                for static, value in zip(captured.inputs, inputs):
+                    static.copy_(value)
             captured.graph.replay()
             self.replays += 1
             hidden = captured.hidden
+        self.steps += 1
+        self.padding_rows += padded - rows
         # the LM head outside the graph, on the live rows only: no vocab-wide logits for padding rows,
         # and no vocab-wide static output per graph (a graph keeps only [rows, hidden])
         return runner.model.logits(hidden[:rows])
 
     def _capture_or_none(self, key: tuple[int, int, int], inputs: tuple[torch.Tensor, ...], runs: tuple
                          ) -> _Captured | None:
-        """Capture the graph for `key`; on failure log why and run eagerly from now on (slower, same tokens)."""
+        """Capture the graph for `key`; on failure log why, drop every graph and leave steps to the
+        eager path from now on (same tokens, slower). A warm-up that failed part way wrote KV the
+        eager step writes again (the same values)."""
         try:
-            captured = self.graphs[key] = self._capture(inputs, runs)
-        except RuntimeError as exc:
-            log.warning("capturing a CUDA graph for the decode step failed (%s); decode steps run eagerly from "
-                        "now on. runtime.cuda_graphs=off skips the attempt.", exc)
-            self.capture = False
+            captured = self._capture(inputs, runs)
+        except RuntimeError:
+            log.warning("capturing a CUDA graph for the decode step failed; decode steps run eagerly from now on "
+                        "(runtime.cuda_graphs=off skips the attempt)", exc_info=True)
+            self.failed = True
             self.graphs.clear()
             return None
+        self.graphs[key] = captured
         if len(self.graphs) == MAX_GRAPHS:
             log.warning("%d decode graphs captured: steps of new shapes now run eagerly", MAX_GRAPHS)
         return captured

@@ -75,10 +75,13 @@ class ModelRunner:
         slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask.
         `groups` (see `batches.attention_groups`): attend in runs of rows (start, end, slots read);
         only rows of mixed lengths are split, so `aligned` (no mask) never comes with groups.
-        With `graphs` set, the step runs from a CUDA graph at padded shapes (groups are not needed there).
+        With `graphs` set, the step runs from a CUDA graph at padded shapes (groups are not needed
+        there) unless the graphs hand it back (see `DecodeGraphs.decode`).
         """
         if self.graphs is not None:
-            return self.graphs.decode(tokens, positions, kv_len, write_slots)
+            logits = self.graphs.decode(tokens, positions, kv_len, write_slots)
+            if logits is not None:
+                return logits
         mask = None if aligned and write_slots is None else self.stripe_mask(positions, write_slots, kv_len)
         cap = self.arena.row_capacity  # stripe i begins at flat slot i * cap
         runs = tuple((a, b, a * cap, cap, n, mask is None) for a, b, n in groups or ((0, len(tokens), kv_len),))

@@ -59,15 +59,19 @@ def test_decode_steps_from_cuda_graphs_give_the_eager_tokens(llama, policy):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (12, 40, 5, 33, 64, 9, 21, 50, 3, 17, 28)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 1, 12, 40, 6, 25, 2, 18, 33, 9, 14)]
+    prompts.append(list(range(3, 153)))  # a long row last: stripes stay long, slot buckets fall below them
+    params.append(SamplingParams(max_new_tokens=60, ignore_eos=True))
     outs = {}
     for mode in ("off", "auto"):
         engine = Engine.from_pretrained(llama, backend="cuda", dtype="float32", cache_policy=policy,
-                                        sort_by_length=False, cuda_graphs=mode, **OPTS)
+                                        sort_by_length=False, cuda_graphs=mode, max_batch_size=4, max_input_len=200,
+                                        max_output_len=120, segment_size=16)
         outs[mode] = [o.token_ids for o in engine.generate(prompts, params)]
         graphs = engine.runner.graphs
         if mode == "off":
             assert graphs is None
         else:
             assert graphs.replays == graphs.steps == engine.last_stats.decode_steps > 0
-            assert 1 <= len(graphs.graphs) < graphs.steps
+            assert 2 <= len(graphs.graphs) < graphs.steps and not graphs.failed
+            assert any(slots < cap for _, cap, slots in graphs.graphs)
     assert outs["auto"] == outs["off"]

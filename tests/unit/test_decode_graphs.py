@@ -2,13 +2,16 @@
 the padding rows, the padded slots and the mask must leave every row's tokens as the eager steps
 give them. Capture and replay themselves run in tests/device (a GPU)."""
 
+import logging
+
 import pytest
 import torch
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.config import JobConfig
 from flashx_batch.errors import ConfigError
-from flashx_batch.runtime.decode_graphs import SLOT_BUCKET, DecodeGraphs, rows_bucket, slots_bucket
+from flashx_batch.runtime import decode_graphs
+from flashx_batch.runtime.decode_graphs import SLOT_BUCKET, DecodeGraphs, _Captured, rows_bucket, slots_bucket
 
 
 def _engine(model_dir, **kw):
@@ -66,6 +69,9 @@ def test_buckets():
     assert rows_bucket(5, 6) == 6 and rows_bucket(20, 24) == 24  # never past the stripes there are
     assert slots_bucket(1, 640) == SLOT_BUCKET and slots_bucket(SLOT_BUCKET + 1, 640) == 2 * SLOT_BUCKET
     assert slots_bucket(600, 624) == 624  # never past the stripe
+    # past 1024: an eighth of the next power of two, so padding stays under a quarter of the reads
+    assert [slots_bucket(n, 8192) for n in (1024, 1025, 2049, 4000)] == [1024, 1280, 2560, 4096]
+    assert all(slots_bucket(n, 8192) < 1.25 * n for n in range(SLOT_BUCKET * 4 + 1, 8192, 7))
     with pytest.raises(ValueError, match="do not fit"):
         rows_bucket(9, 8)
     with pytest.raises(ValueError, match="do not fit"):
@@ -82,3 +88,101 @@ def test_cuda_graphs_option(tiny_models):
     job = JobConfig()
     job.runtime.cuda_graphs = "off"
     assert job.engine_options().cuda_graphs == "off"
+
+
+class _StandInGraph:
+    """What a captured graph does, on CPU: replay reruns the step on the static inputs, with the
+    shape (runs) and RoPE table fixed at capture, into the static output."""
+
+    def __init__(self, runner, static, runs):
+        self.runner, self.static, self.runs, self.rotary = runner, static, runs, runner.model.rotary
+        self.hidden = runner._step(*static, runs).clone()
+
+    def replay(self):
+        assert self.runner.model.rotary is self.rotary, "a graph replayed after its RoPE table was replaced"
+        self.hidden.copy_(self.runner._step(*self.static, self.runs))
+
+
+def _with_stand_in_graphs(engine, fail_after: int | None = None):
+    """Give `engine` capturing DecodeGraphs whose capture builds a `_StandInGraph` (or raises
+    RuntimeError once `fail_after` graphs exist): the replay path — keys, static inputs copied in,
+    the output read back — runs as on a GPU."""
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, capture=True)
+
+    def capture(inputs, runs):
+        if fail_after is not None and len(graphs.graphs) >= fail_after:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        static = tuple(t.clone() for t in inputs)
+        stand_in = _StandInGraph(engine.runner, static, runs)
+        return _Captured(stand_in, static, stand_in.hidden)
+
+    graphs._capture = capture
+    return graphs
+
+
+LONG = dict(max_input_len=200, max_output_len=120)  # stripes of 320 slots: real slot buckets below them
+
+
+@pytest.mark.parametrize(("arch", "policy"), [("llama", "static"), ("qwen3", "segment_sparse")])
+def test_replayed_graphs_give_the_eager_tokens(arch, policy, tiny_models, one_thread):
+    """Graphs captured once per (rows, capacity, slots) and replayed with each step's inputs copied
+    in: tokens equal the eager steps', several shapes share the steps, slot buckets fall below the
+    stripe, and every step came from a graph."""
+    model_dir, _ = tiny_models[arch]
+    prompts, params = _workload()
+    # a long row last in arrival order keeps the stripes long (cut for the longest row still queued)
+    prompts.append(list(range(3, 153)))
+    params.append(SamplingParams(max_new_tokens=60, ignore_eos=True))
+    expected = [o.token_ids for o in _engine(model_dir, cache_policy=policy, **LONG).generate(prompts, params)]
+    engine = _engine(model_dir, cache_policy=policy, **LONG)
+    graphs = _with_stand_in_graphs(engine)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert graphs.replays == graphs.steps == engine.last_stats.decode_steps
+    assert 2 <= len(graphs.graphs) < graphs.replays  # graphs were replayed, not only captured
+    assert any(slots < cap for _, cap, slots in graphs.graphs)
+    assert engine.runner.arena.allocator.is_whole()
+
+
+def test_a_failed_capture_leaves_every_step_to_the_eager_path(tiny_models, caplog, one_thread):
+    model_dir, _ = tiny_models["llama"]
+    prompts, params = _workload()
+    expected = [o.token_ids for o in _engine(model_dir, **LONG).generate(prompts, params)]
+    engine = _engine(model_dir, **LONG)
+    graphs = _with_stand_in_graphs(engine, fail_after=1)
+    with caplog.at_level(logging.WARNING, logger=decode_graphs.__name__):
+        assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert graphs.failed and not graphs.graphs
+    assert 1 <= graphs.replays == graphs.steps < engine.last_stats.decode_steps  # the rest: eager, own shape
+    assert "decode steps run eagerly from now on" in caplog.text and "stream is capturing" in caplog.text
+
+
+def test_past_max_graphs_new_shapes_run_eagerly(tiny_models, monkeypatch, one_thread):
+    model_dir, _ = tiny_models["llama"]
+    prompts, params = _workload()
+    expected = [o.token_ids for o in _engine(model_dir, **LONG).generate(prompts, params)]
+    monkeypatch.setattr(decode_graphs, "MAX_GRAPHS", 2)
+    engine = _engine(model_dir, **LONG)
+    graphs = _with_stand_in_graphs(engine)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert len(graphs.graphs) == 2 and graphs.steps == graphs.replays < engine.last_stats.decode_steps
+
+
+def test_graphs_are_dropped_when_a_rolling_merge_grows_the_rope_table(tiny_models, one_thread):
+    """A long prompt rolled in segments grows the RoPE table; graphs captured before read the old
+    one, so they must be dropped (the stand-in asserts no stale graph replays); tokens equal eager."""
+    model_dir, _ = tiny_models["llama"]
+    # fixed stripes (batch_growth=1): both batches step at the same shapes, so stale graphs would be found
+    opts = dict(long_input="rolling_merge", kv_observe_window=8, max_input_len=96, max_output_len=16, batch_growth=1)
+    g = torch.Generator().manual_seed(5)
+    long_prompt = torch.randint(3, 256, (3 * 96,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    batches = ([long_prompt[:50], long_prompt[:20]], [long_prompt, long_prompt[:50]])
+    eager = _engine(model_dir, **opts)
+    expected = [[o.token_ids for o in eager.generate(b, params)] for b in batches]
+    engine = _engine(model_dir, **opts)
+    graphs = _with_stand_in_graphs(engine)
+    first = engine.runner.model.rotary
+    got = [[o.token_ids for o in engine.generate(b, params)] for b in batches]
+    assert got == expected
+    assert engine.runner.model.rotary is not first and graphs.rotary is engine.runner.model.rotary
+    assert graphs.replays == graphs.steps > 0 and len(graphs.graphs) == 1  # (2 rows, 112, 112): dropped, captured again
