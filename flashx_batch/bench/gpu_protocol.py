@@ -13,7 +13,9 @@ the README. Steps, each skipped with a note once the time budget is spent:
 4. decode step time at B in {1, 64, 256}, ours (CUDA graphs, and eager: `cuda_graphs=off`) and
    `transformers`, each as a fraction of the memory-bandwidth bound (weights + the rows' KV read
    once per step), and the graphs' token agreement with the eager steps.
-Writes DIR/gpu_protocol.json. Exits 2 at once, before building anything, when no GPU is visible.
+Writes DIR/gpu_protocol.json after each phase (a phase that fails is logged and recorded under
+"errors", and the others still run; exit status 1 then). Exits 2 at once, before building anything,
+when no GPU is visible. `jobs/gpu_check.sh` runs it after the GPU tests, for a lent GPU machine.
 """
 
 from __future__ import annotations
@@ -159,13 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU: exercise the script only")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help=f"wall-clock budget; phases that would not fit are skipped (default {BUDGET_S}s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.cpu_smoke and not torch.cuda.is_available():
         log.error("no CUDA GPU visible (torch %s, torch.cuda.is_available() is False): this protocol needs one "
                   "GPU. Run it on a GPU machine, or pass --cpu-smoke to check the script on CPU.", torch.__version__)
         return 2
-    budget = Budget(BUDGET_S)
+    budget = Budget(args.budget_s)
     device, backend = ("cpu", "cpu") if args.cpu_smoke else ("cuda", "cuda")
     dtype, torch_dtype = ("float32", torch.float32) if args.cpu_smoke else ("bfloat16", torch.bfloat16)
     shape, sizes = (SMOKE_SHAPE, SMOKE_W1) if args.cpu_smoke else (LLAMA_3_2_1B, GPU_W1)
@@ -181,18 +185,28 @@ def main(argv: list[str] | None = None) -> int:
     log.info("model: %.2f B parameters, built and saved in %.0fs", cost.parameters / 1e9, time.perf_counter() - started)
     result = {"machine": machine.as_dict(), "model": {"shape": "Llama-3.2-1B" if not args.cpu_smoke else "smoke",
                                                       "parameters": cost.parameters, "dtype": dtype}}
-    if budget.allows("W1 comparison", 180):
-        result["W1"] = w1_comparison(model_dir, hf, sizes, backend, dtype, args.repeats)
-        r = result["W1"]["ratio_ours_bucketed_over_transformers_arrival"]
-        log.info("W1: ours bucketed / transformers arrival = %.2f (%.2f–%.2f)", r["median"], r["min"], r["max"])
-    result["decode_steps"] = step_times(model_dir, hf, backend, dtype, batches, cost,
-                                        machine.mem_bandwidth_gb_s * 1e9, budget)
-    result["skipped"] = budget.skipped
-    result["wall_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_protocol.json").write_text(json.dumps(result, indent=2))
+
+    def phase(name: str, run) -> None:
+        """Run one phase; a failure is logged and recorded, and the file is rewritten after each phase,
+        so a device run that breaks (or is cut off) part way still leaves every figure measured so far."""
+        try:
+            result[name] = run()
+        except Exception as exc:  # one broken phase must not cost the others' figures on a rare GPU lease
+            log.exception("%s failed", name)
+            result.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+        result["skipped"], result["wall_s"] = budget.skipped, time.perf_counter() - started
+        (args.out / "gpu_protocol.json").write_text(json.dumps(result, indent=2))
+
+    if budget.allows("W1 comparison", 180):
+        phase("W1", lambda: w1_comparison(model_dir, hf, sizes, backend, dtype, args.repeats))
+        if "W1" in result:
+            r = result["W1"]["ratio_ours_bucketed_over_transformers_arrival"]
+            log.info("W1: ours bucketed / transformers arrival = %.2f (%.2f–%.2f)", r["median"], r["min"], r["max"])
+    phase("decode_steps", lambda: step_times(model_dir, hf, backend, dtype, batches, cost,
+                                             machine.mem_bandwidth_gb_s * 1e9, budget))
     log.info("wrote %s in %.0fs", args.out / "gpu_protocol.json", result["wall_s"])
-    return 0
+    return 1 if "errors" in result else 0
 
 
 if __name__ == "__main__":

@@ -166,8 +166,24 @@ def test_gpu_protocol_runs_end_to_end_in_its_cpu_smoke_mode(tmp_path):
     assert w1["greedy_agreement_on_sample"]["ours_bucketed"] == 1.0  # float32 on CPU: token for token
     assert set(result["decode_steps"]) == {"1", "4", "8"} and not result["skipped"]
     for step in result["decode_steps"].values():
-        assert step["ours_step_s"] > 0 and step["transformers_step_s"] > 0
+        assert step["ours_step_s"] > 0 and step["ours_eager_step_s"] > 0 and step["transformers_step_s"] > 0
         assert 0 < step["ours_fraction_of_bound"] == pytest.approx(step["bandwidth_bound_step_s"] / step["ours_step_s"])
+        assert step["graphs_vs_eager_token_agreement"] == 1.0  # on CPU both engines step eagerly
+
+
+def test_gpu_protocol_keeps_the_other_phases_when_one_fails(tmp_path, monkeypatch):
+    """A phase that breaks on the GPU is logged and recorded, the next phase still runs, the JSON is
+    written, and the exit status says so."""
+    from flashx_batch.bench import gpu_protocol
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_protocol, "w1_comparison", broken)
+    assert gpu_protocol.main(["--out", str(tmp_path), "--cpu-smoke", "--repeats", "1"]) == 1
+    result = json.loads((tmp_path / "gpu_protocol.json").read_text())
+    assert result["errors"] == {"W1": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert "W1" not in result and set(result["decode_steps"]) == {"1", "4", "8"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

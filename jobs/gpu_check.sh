@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every GPU check of this repository in one run, for a GPU machine lent for a few minutes:
+#   OUT=DIR bash jobs/gpu_check.sh
+# 1. the GPU tests (tests/device: parity with CPU, bf16 agreement, CUDA-graph decode = eager tokens),
+# 2. the issue-5 protocol (python -m flashx_batch.bench.gpu_protocol: Llama-3.2-1B-shaped bf16 model,
+#    ours vs transformers on W1, decode step times with and without CUDA graphs), its budget cut to
+#    6 minutes so that the whole script ends within 9 (a device call may run 10).
+# Needs torch with CUDA, transformers, safetensors, tokenizers, pytest (no Ray, Hydra or network: the
+# runtime and these checks do not import them). Writes DIR/device_tests.txt, DIR/gpu_protocol.log,
+# DIR/gpu_protocol.json and DIR/gpu.txt; the exit status is the first failure's (0: all passed).
+set -u
+OUT=${OUT:-results/gpu}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+} > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+timeout 120 $PY -m pytest -q -s -p no:cacheprovider tests/device > "$OUT/device_tests.txt" 2>&1
+tests=$?
+tail -n 5 "$OUT/device_tests.txt"
+timeout 420 $PY -m flashx_batch.bench.gpu_protocol --out "$OUT" --budget-s 360 > "$OUT/gpu_protocol.log" 2>&1
+protocol=$?
+grep -E "INFO flashx_batch.bench.gpu_protocol|ERROR|Traceback" "$OUT/gpu_protocol.log" | tail -n 20
+echo "device tests: exit $tests; protocol: exit $protocol"
+[ "$tests" -ne 0 ] && exit "$tests"
+exit "$protocol"
