@@ -1,8 +1,9 @@
 """CUDA graphs for the striped decode step: one kernel launch per step instead of hundreds.
 
-A decode step of a small model on a GPU can be bound by launching its kernels (~25 per layer, a few
-microseconds each) rather than by the device: a 16-layer 1B model launches ~400 of them (~2 ms at
-5 us each) to read ~2.5 GB of weights, ~0.5 ms at an H200's nominal 4.8 TB/s. A captured graph
+A decode step of a small model on a GPU can be bound by launching its kernels rather than by the
+device: a step dispatches ~30 non-view ops per layer (counted on CPU: 190 for the bundled model's 6
+layers), so a 16-layer 1B model launches ~500 — ~2.5 ms if each costs ~5 us, an assumption, not a
+measurement — to read ~2.5 GB of weights, ~0.5 ms at an H200's nominal 4.8 TB/s. A captured graph
 replays them all in one launch. (Not yet measured on a GPU: `bench.gpu_protocol` reports graphs
 against eager steps when one is available.)
 

@@ -143,17 +143,17 @@ class KVArena:
         if any(n > row_capacity for n in lengths):
             raise ValueError(f"rows of {max(lengths)} slots do not fit stripes of {row_capacity}")
         old = self.row_capacity
-        # copied out first: a row's new place may overlap its own old one (or, growing, a later row's)
-        saved = [(self.storage[:, :, i * old : i * old + n].clone(), self.bias[i * old : i * old + n].clone())
-                 for i, n in enumerate(lengths)]
         self.set_layout(row_capacity, max_rows)
         if len(lengths) > self.max_rows:
             raise ValueError(f"{len(lengths)} rows do not fit a layout of {self.max_rows} stripes")
-        self.bias[: self.striped_slots] = 0.0
-        for i, (n, (kv, bias)) in enumerate(zip(lengths, saved)):
-            start = i * row_capacity
-            self.storage[:, :, start : start + n] = kv
-            self.bias[start : start + n] = bias
+        moves = [(i * old, i * row_capacity, n) for i, n in enumerate(lengths)]
+        # shorter stripes: every row moves towards the front, so in row order no destination reaches a
+        # later row's source; longer ones: the same in reverse order (`move_slots` copies a run that
+        # overlaps its own old place out first)
+        self.move_slots(moves if row_capacity <= old else moves[::-1])
+        for i, n in enumerate(lengths):  # no bias left behind where the rows' next tokens go
+            self.bias[i * row_capacity + n : (i + 1) * row_capacity] = 0.0
+        self.bias[len(lengths) * row_capacity : self.striped_slots] = 0.0
 
     @property
     def nbytes(self) -> int:

@@ -66,14 +66,14 @@ def test_relayout_moves_each_row_to_its_stripe_in_the_new_layout():
     """Re-cutting the stripes with rows in them: each row's slots (keys, values, merge bias, every
     layer) land at the start of its stripe in the new layout, shrinking and growing back; nothing
     else is left behind in the bias."""
-    arena = KVArena(num_layers=2, num_kv_heads=1, head_dim=2, max_rows=2, row_capacity=16, segment_size=4,
+    arena = KVArena(num_layers=2, num_kv_heads=1, head_dim=2, max_rows=3, row_capacity=16, segment_size=4,
                     dtype=torch.float32, device=torch.device("cpu"))
-    lengths = [7, 3]
+    lengths = [7, 3, 5]  # three rows: growing back, row 1's new place is row 2's old one (order matters)
     for row, n in enumerate(lengths):
         arena.storage[:, :, row * 16 : row * 16 + n] = torch.arange(n, dtype=torch.float32)[:, None, None] + 10 * row
         arena.bias[row * 16 : row * 16 + n] = row + 1.0
     expected = [arena.storage[:, :, row * 16 : row * 16 + n].clone() for row, n in enumerate(lengths)]
-    for capacity, rows in ((8, 4), (16, 2)):
+    for capacity, rows in ((8, 6), (16, 3)):
         arena.relayout(lengths, capacity, rows)
         assert (arena.max_rows, arena.row_capacity, arena.segments_per_row) == (rows, capacity, capacity // 4)
         keys, _ = arena.stripes(1)
@@ -81,10 +81,10 @@ def test_relayout_moves_each_row_to_its_stripe_in_the_new_layout():
             assert torch.equal(arena.storage[:, :, row * capacity : row * capacity + n], expected[row])
             assert torch.equal(keys[row, :n], expected[row][1, 0])
             assert torch.all(arena.stripe_bias()[row, :n] == row + 1.0)
-        assert arena.bias.sum() == 7 * 1.0 + 3 * 2.0
+        assert arena.bias.sum() == 7 * 1.0 + 3 * 2.0 + 5 * 3.0
         assert arena.stripe_starts().tolist()[:rows] == [capacity * r for r in range(rows)]
     with pytest.raises(ValueError, match="do not fit"):
-        arena.relayout([9, 3], 8, 4)
+        arena.relayout([9, 3], 8, 6)
     with pytest.raises(ValueError, match="does not cut"):
         arena.set_layout(10)  # not whole segments
 
