@@ -11,6 +11,8 @@ installed wheel (setuptools copies through the link) and a source checkout read 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,9 @@ def resolve_data_path(path: str) -> str:
 
 def validate(job: JobConfig) -> None:
     """Semantic checks the types cannot express; raises ConfigError naming the key."""
+    for key, value in _float_settings(job):
+        if not math.isfinite(value):  # nan passes every `>=` check by failing none of the `<`s we forgot
+            raise ConfigError(f"{key}={value} is not a finite number; give a real value.")
     checks = [
         (job.executor.kind in ("ray", "local"), f"executor.kind={job.executor.kind!r} is not one of ray, local"),
         (job.executor.max_attempts >= 1, f"executor.max_attempts must be >= 1, got {job.executor.max_attempts}"),
@@ -150,6 +155,10 @@ def validate(job: JobConfig) -> None:
         (job.executor.cpus_per_actor >= 1, f"executor.cpus_per_actor must be >= 1, got {job.executor.cpus_per_actor}"),
         (job.executor.shard_timeout_s is None or job.executor.shard_timeout_s > 0,
          f"executor.shard_timeout_s must be > 0 or null, got {job.executor.shard_timeout_s}"),
+        (job.executor.grace_period_s >= 0,
+         f"executor.grace_period_s must be >= 0 (0 = stop at once), got {job.executor.grace_period_s}"),
+        (job.executor.progress_interval_s > 0,
+         f"executor.progress_interval_s must be > 0, got {job.executor.progress_interval_s}"),
         (job.runtime.shard_size >= 1, f"runtime.shard_size must be >= 1, got {job.runtime.shard_size}"),
         (job.data.format in ("auto", "parquet", "jsonl", "csv", "arrow"),
          f"data.format={job.data.format!r} is not one of auto, parquet, jsonl, csv, arrow"),
@@ -170,6 +179,21 @@ def validate(job: JobConfig) -> None:
     s = job.sampling
     SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                    seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+
+
+def _float_settings(job: JobConfig) -> list[tuple[str, float]]:
+    """(dotted key, value) of every float-valued setting, so non-finite values are refused by key."""
+    out = []
+    for section in dataclasses.fields(job):
+        value = getattr(job, section.name)
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                v = getattr(value, f.name)
+                if isinstance(v, float):
+                    out.append((f"{section.name}.{f.name}", v))
+                elif isinstance(v, dict):
+                    out += [(f"{section.name}.{f.name}.{k}", x) for k, x in v.items() if isinstance(x, float)]
+    return out
 
 
 def to_job_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:

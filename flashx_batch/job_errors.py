@@ -35,3 +35,11 @@ class ShardFailedError(FlashxError):
 
 class FatalEngineError(FlashxError):
     """The engine (its device) cannot run another batch: the worker holding it must be replaced, not retried."""
+
+
+class InputChangedError(InputError):
+    """An input file no longer holds what the job planned (size or content changed, or it was removed)."""
+
+
+class LockHeldError(OutputDirError):
+    """Another live run holds `output.dir`'s lock: not a bad job, try again later (exit 75)."""

@@ -20,6 +20,7 @@ from flashx_batch.job_errors import InputError
 
 log = logging.getLogger(__name__)
 _MAX_LISTED = 10
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -42,8 +43,8 @@ def load_inputs(data: DataSection, resolved_path: str) -> LoadedInput:
     """Resolve, read and check the input. Raises InputError; returns the frames for planning."""
     files = resolve_inputs(resolved_path, data.format)
     cols = data_columns(data)
-    frames = [read_frame(f, cols) for f in files]
     text_col = data.messages_column or data.prompt_column
+    frames = [read_frame(f, cols, text_col) for f in files]
     id_kinds = set()
     for f, fr in zip(files, frames, strict=True):
         id_kinds.add(_check_ids(f, fr, data.id_column))
@@ -72,11 +73,42 @@ def _check_ids(file: InputFile, fr: Frame, col: str) -> str:
     if nulls:
         raise InputError(f"{file.path}: column {col!r} is null in {len(nulls)} row(s) (row indices "
                          f"{_listed(nulls)}); every row needs an id.")
-    kinds = {"int" if isinstance(v, int) and not isinstance(v, bool) else "str" if isinstance(v, str) else "bad"
-             for v in values}
-    if "bad" in kinds or len(kinds) > 1:
-        raise InputError(f"{file.path}: column {col!r} mixes types; ids must be all integers or all strings.")
+    kinds = {_id_kind(v) for v in values}
+    if len(kinds) > 1 or kinds - {"int", "str"}:
+        found = {}
+        for i, v in enumerate(values):
+            found.setdefault(_id_kind(v), (i, v))
+        listed = ", ".join(f"{k} ({v!r} at row {i})" for k, (i, v) in sorted(found.items()))
+        if len(kinds) > 1:
+            raise InputError(f"{file.path}: column {col!r} mixes types: {listed}; ids must be all integers or all "
+                             "strings.")
+        raise InputError(f"{file.path}: column {col!r} holds {listed}; ids must be integers or strings: write them "
+                         "as one or the other.")
+    if "int" in kinds:
+        wide = [(i, v) for i, v in enumerate(values) if not _INT64_MIN <= v <= _INT64_MAX]
+        if wide:
+            i, v = wide[0]
+            raise InputError(f"{file.path}: column {col!r} holds {len(wide)} integer id(s) outside the 64-bit range "
+                             f"(e.g. {v} at row {i}); Parquet cannot store them as integers. Write the ids as "
+                             "strings.")
+    if "str" in kinds:
+        for i, v in enumerate(values):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InputError(f"{file.path}: column {col!r} at row {i} is not valid UTF-8 text; fix the id "
+                                 "(ids are written to Parquet as strings).") from None
     return kinds.pop() if kinds else ("int" if t is not None and pa.types.is_integer(t) else "str")
+
+
+def _id_kind(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, str):
+        return "str"
+    return type(v).__name__
 
 
 def _check_text_type(file: InputFile, fr: Frame, col: str, messages: bool) -> None:
@@ -100,9 +132,13 @@ def _check_passthrough(files: list[InputFile], frames: list[Frame], col: str) ->
         if t is None:
             try:
                 t = pa.array(fr.columns[col]).type
-            except (pa.ArrowInvalid, pa.ArrowTypeError):
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
                 raise InputError(f"{f.path}: passthrough column {col!r} mixes value types; it cannot be written "
                                  "to Parquet as one column.") from None
+            except UnicodeEncodeError:
+                raise InputError(f"{f.path}: passthrough column {col!r} holds text that is not valid UTF-8; it "
+                                 "cannot be written to Parquet. Fix the column or drop it from "
+                                 "data.passthrough_columns.") from None
         if not pa.types.is_null(t):
             types.add(t)
     if len(types) > 1:

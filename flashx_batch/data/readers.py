@@ -13,6 +13,8 @@ import glob
 import hashlib
 import json
 import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from flashx_batch.job_errors import InputError
+from flashx_batch.job_errors import InputChangedError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +33,18 @@ SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file: where it is, how to read it, and what it held when planned (for the fingerprint)."""
+    """One input file: where it is, how to read it, and what it held when planned.
+
+    size, mtime and sha256 are the file as planned: every later read (a worker re-reading its rows,
+    the driver before `_SUCCESS`) hashes the bytes it parses and refuses a file that changed, so a
+    job's rows always come from one version of each file. The fingerprint leaves mtime out: touching
+    a file without changing it must not block a resume."""
 
     path: str
     format: str
     size: int
     sha256: str
+    mtime_ns: int = 0
 
     def manifest(self) -> dict[str, Any]:
         # The name, not the absolute path: moving a dataset directory should not invalidate a resume.
@@ -68,11 +76,44 @@ def resolve_inputs(path: str, fmt: str = "auto") -> list[InputFile]:
     out = []
     for f in files:
         f_fmt = _format_of(f, fmt)
-        size = f.stat().st_size
-        if size == 0:
+        st = f.stat()
+        if st.st_size == 0:
             raise InputError(f"{f}: empty file (0 bytes); remove it or regenerate it.")
-        out.append(InputFile(str(f), f_fmt, size, _sha256(f)))
+        out.append(InputFile(str(f), f_fmt, st.st_size, _sha256(f), st.st_mtime_ns))
     return out
+
+
+def read_verified(file: InputFile) -> bytes:
+    """The file's bytes, checked to be the bytes planned (size and sha256); InputChangedError if not.
+
+    What is parsed is what was hashed, so a file replaced between the check and the parse cannot
+    slip through."""
+    try:
+        data = Path(file.path).read_bytes()
+    except FileNotFoundError:
+        raise InputChangedError(f"{file.path} was removed after the job was planned; restore it, or start the "
+                                "job again into a new output.dir.") from None
+    if len(data) != file.size or hashlib.sha256(data).hexdigest() != file.sha256:
+        raise InputChangedError(describe_change(file, data))
+    return data
+
+
+def describe_change(file: InputFile, data: bytes) -> str:
+    try:
+        mtime = os.stat(file.path).st_mtime_ns
+    except OSError:
+        mtime = 0
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9)) if mtime else "?"
+    return (f"{file.path} changed after the job was planned: size {file.size} -> {len(data)} bytes, sha256 "
+            f"{file.sha256[:12]} -> {hashlib.sha256(data).hexdigest()[:12]}, modified {when}. A job reads one "
+            "version of each input file; the rows committed so far came from the planned version. Leave input "
+            "files unchanged while a job runs; to use the new version, run the job into a new output.dir.")
+
+
+def verify_unchanged(files: list[InputFile]) -> None:
+    """Every input file still holds what was planned (the driver's last check before `_SUCCESS`)."""
+    for f in files:
+        read_verified(f)
 
 
 def _dir_files(d: Path) -> list[Path]:
@@ -110,59 +151,76 @@ def _sha256(f: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def read_frame(file: InputFile, columns: list[str]) -> Frame:
-    """Read `columns` of one file; raises InputError naming the file (and column / line) on any problem."""
+def read_frame(file: InputFile, columns: list[str], text_column: str | None = None) -> Frame:
+    """Read `columns` of one file; raises InputError naming the file (and column / line) on any problem,
+    InputChangedError if the file no longer holds what was planned.
+
+    `text_column` (the prompt or messages column) is read leniently where the format is text (CSV):
+    invalid UTF-8 there becomes that row's `invalid_text` error, not a failure of the file."""
+    data = read_verified(file)
     try:
         if file.format == "jsonl":
-            return _read_jsonl(Path(file.path), columns)
-        table = _read_arrow_table(file, columns)
+            return _read_jsonl(Path(file.path), data, columns)
+        table = _read_arrow_table(file, data, columns, text_column)
     except InputError:
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None
-    missing = [c for c in columns if c not in table.column_names]
+    names = table.column_names
+    twice = sorted({c for c in columns if names.count(c) > 1})
+    if twice:
+        raise InputError(f"{file.path}: column(s) {', '.join(map(repr, twice))} appear more than once in the "
+                         "header; give every column a distinct name.")
+    missing = [c for c in columns if c not in names]
     if missing:
         raise InputError(f"{file.path}: missing column(s) {', '.join(missing)}; "
-                         f"it has {', '.join(table.column_names)}.")
+                         f"it has {', '.join(names)}.")
     table = table.select(columns)
-    return Frame({c: table.column(c).to_pylist() for c in columns},
-                 {c: table.schema.field(c).type for c in columns}, table.num_rows)
+    values = {c: table.column(c).to_pylist() for c in columns}
+    types = {c: table.schema.field(c).type for c in columns}
+    if file.format == "csv" and text_column in values:
+        # surrogateescape keeps invalid bytes visible, so validation flags just that row (as for JSONL)
+        values[text_column] = [v.decode("utf-8", errors="surrogateescape") if isinstance(v, bytes) else v
+                               for v in values[text_column]]
+        types[text_column] = pa.string()
+    return Frame(values, types, table.num_rows)
 
 
-def _read_arrow_table(file: InputFile, columns: list[str]) -> pa.Table:
+def _read_arrow_table(file: InputFile, data: bytes, columns: list[str], text_column: str | None) -> pa.Table:
+    source = pa.BufferReader(data)
     if file.format == "parquet":
-        return pq.read_table(file.path)
+        return pq.read_table(source)
     if file.format == "csv":
-        # CSV is text: the columns we read stay strings (an id like "007" must not become 7).
-        options = pacsv.ConvertOptions(column_types={c: pa.string() for c in columns})
-        return pacsv.read_csv(file.path, convert_options=options)
+        # CSV is text: the columns we read stay strings (an id like "007" must not become 7); the
+        # text column stays bytes until read_frame decodes it leniently.
+        types = {c: pa.binary() if c == text_column else pa.string() for c in columns}
+        return pacsv.read_csv(source, convert_options=pacsv.ConvertOptions(column_types=types))
     if file.format == "arrow":
-        with pa.memory_map(file.path) as source:
-            try:
-                return pa.ipc.open_stream(source).read_all()  # datasets' save_to_disk writes streams
-            except pa.ArrowInvalid:
-                source.seek(0)
-                return pa.ipc.open_file(source).read_all()
+        try:
+            return pa.ipc.open_stream(source).read_all()  # datasets' save_to_disk writes streams
+        except pa.ArrowInvalid:
+            return pa.ipc.open_file(pa.BufferReader(data)).read_all()
     raise InputError(f"{file.path}: unknown format {file.format!r}.")
 
 
-def _read_jsonl(path: Path, columns: list[str]) -> Frame:
+def _read_jsonl(path: Path, data: bytes, columns: list[str]) -> Frame:
     values: dict[str, list[Any]] = {c: [] for c in columns}
     seen: set[str] = set()
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            try:
-                # surrogateescape keeps invalid UTF-8 bytes visible, so validation can flag the row
-                record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg}); the file is corrupt.") from None
-            if not isinstance(record, dict):
-                raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}.")
-            seen.update(record)
-            for c in columns:
-                values[c].append(record.get(c))
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (editors on Windows write one)
+        data = data[3:]
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            # surrogateescape keeps invalid UTF-8 bytes visible, so validation can flag the row
+            record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg}); the file is corrupt.") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}.")
+        seen.update(record)
+        for c in columns:
+            values[c].append(record.get(c))
     missing = [c for c in columns if c not in seen]
     if missing:
         raise InputError(f"{path}: missing column(s) {', '.join(missing)}; it has {', '.join(sorted(seen)) or 'none'}.")

@@ -21,7 +21,8 @@ BAD_TYPE = "bad_type"
 INVALID_TEXT = "invalid_text"
 PROMPT_TOO_LONG = "prompt_too_long"
 ROW_TOO_LARGE = "row_too_large"
-ERROR_CODES = (NULL_PROMPT, EMPTY_PROMPT, BAD_TYPE, INVALID_TEXT, PROMPT_TOO_LONG, ROW_TOO_LARGE)
+UNRENDERED_MESSAGE = "unrendered_message"
+ERROR_CODES = (NULL_PROMPT, EMPTY_PROMPT, BAD_TYPE, INVALID_TEXT, PROMPT_TOO_LONG, ROW_TOO_LARGE, UNRENDERED_MESSAGE)
 
 # C0 controls except tab / newline / carriage return, plus DEL: never meaningful in a document,
 # usually the sign of a binary blob or a broken decoder upstream.
@@ -95,6 +96,29 @@ def check_messages(value: Any, max_bytes: int) -> list[dict[str, str]] | RowProb
     return out
 
 
+def unrendered_message(messages: list[dict[str, str]], rendered: str) -> RowProblem | None:
+    """The first message whose content the template left out of the prompt, as a problem; None if all are in.
+
+    Templates render only the roles they know (`usr`, `tool` and typos vanish without a word), and a
+    prompt missing a turn is a different question. Contents must appear in order; for an assistant
+    turn only the text after its last `</think>` counts (reasoning templates drop earlier thinking)."""
+    pos = 0
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if m["role"] == "assistant" and "</think>" in content:
+            content = content.rsplit("</think>", 1)[1]
+        content = content.strip()
+        if not content:
+            continue
+        found = rendered.find(content, pos)
+        if found < 0:
+            return RowProblem(UNRENDERED_MESSAGE, f"messages[{i}] (role {m['role']!r}) does not appear in the prompt "
+                                                  "the model's chat template renders; the template leaves that role "
+                                                  "out. Use the roles the template knows (system, user, assistant).")
+        pos = found + len(content)
+    return None
+
+
 def build_prompt(prompt: Any, messages: Any, use_messages: bool, prefix: str, max_bytes: int,
                  tokenizer: Tokenizer) -> str | RowProblem:
     """The prompt text of one row (chat template applied for messages, prefix prepended), or its problem."""
@@ -106,6 +130,11 @@ def build_prompt(prompt: Any, messages: Any, use_messages: bool, prefix: str, ma
             text = tokenizer.apply_chat_template(checked)
         except ValueError as exc:  # the template's own raise_exception: e.g. roles out of order
             return RowProblem(BAD_TYPE, f"the chat template rejected the messages: {exc}")
+        except Exception as exc:  # a template error on this row's data (jinja2 TemplateError, TypeError)
+            return RowProblem(BAD_TYPE, f"the chat template failed on these messages: {type(exc).__name__}: {exc}")
+        dropped = unrendered_message(checked, text)
+        if dropped is not None:
+            return dropped
         return prefix + text
     checked_text = check_text(prompt, "prompt", max_bytes)
     return checked_text if isinstance(checked_text, RowProblem) else prefix + checked_text

@@ -99,7 +99,15 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{path}: not valid JSON ({exc}).") from exc
-        return cls.from_hf(raw, source=str(path))
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path}: holds a JSON {type(raw).__name__}, not a model config.")
+        try:
+            return cls.from_hf(raw, source=str(path))
+        except KeyError as exc:
+            raise ModelLoadError(f"{path}: lacks {exc}, which the model needs; is it a complete Hugging Face "
+                                 "config.json?") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: a value has the wrong type ({exc}).") from None
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:

@@ -113,22 +113,92 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
         loaded.add(name)
     if model.config.tie_word_embeddings:
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ModelLoadError(
-            f"{model_dir}: checkpoint lacks tensors for {missing[:6]}{' …' if len(missing) > 6 else ''} "
-            f"({model.config.architecture}); is config.json from the same model as the weights?"
-        )
+    _check_complete(model_dir, model.config, set(params), loaded)
     if unexpected:
         log.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
 
 
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
+def _check_complete(model_dir: Path, cfg: ModelConfig, wanted: set[str], loaded: set[str]) -> None:
+    missing = sorted(wanted - loaded)
+    if missing:
         raise ModelLoadError(
-            f"{where}: shape {tuple(tensor.shape)} does not match {tuple(param.shape)} expected for {name} "
-            "from config.json."
+            f"{model_dir}: checkpoint lacks tensors for {missing[:6]}{' …' if len(missing) > 6 else ''} "
+            f"({cfg.architecture}); is config.json from the same model as the weights?"
         )
+
+
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """tensor name -> {dtype, shape, data_offsets} from a safetensors file's header, without reading
+    the tensors; ModelLoadError when the file is cut short or its header is not valid."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise ModelLoadError(f"{path}: not a complete safetensors file ({size} bytes, header length "
+                                 f"{n}); copy or convert the checkpoint again.")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{path}: the safetensors header is not valid JSON ({exc}); the file is corrupt.") \
+                from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+    try:
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+        for v in tensors.values():
+            tuple(int(d) for d in v["shape"])
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise ModelLoadError(f"{path}: the safetensors header does not describe tensors; the file is corrupt.") \
+            from None
+    if 8 + n + end > size:
+        raise ModelLoadError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}; "
+                             "copy the checkpoint again (an interrupted download or copy).")
+    return tensors
+
+
+def check_checkpoint(model_dir: Path) -> ModelConfig:
+    """What `load_model` would refuse, found from config.json and the safetensors headers alone: an
+    unsupported architecture, missing or truncated weight files, tensors missing or of the wrong
+    shape. Reads no tensor data, allocates no weights (the model is built on the meta device)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = DecoderModel(cfg, torch.float32, torch.device("meta"))
+    params = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    parts: dict[str, dict[int, tuple[int, ...]]] = {}
+    loaded: set[str] = set()
+    for path in weight_files(model_dir):
+        for hf_name, info in safetensors_header(path).items():
+            mapped = _our_name(hf_name)
+            if mapped is None or mapped[0] not in params:
+                continue
+            name, part = mapped
+            shape = tuple(int(d) for d in info["shape"])
+            if part is None:
+                _check_shape(params[name], shape, name, f"{path.name}:{hf_name}")
+                loaded.add(name)
+            else:
+                parts.setdefault(name, {})[part] = shape
+    for name, shapes in parts.items():
+        ordered = [shapes[i] for i in sorted(shapes)]
+        if any(s[1:] != ordered[0][1:] for s in ordered):
+            raise ModelLoadError(f"{model_dir}: the parts fused into {name} have shapes {ordered} that do not "
+                                 "concatenate; is config.json from the same model as the weights?")
+        _check_shape(params[name], (sum(s[0] for s in ordered), *ordered[0][1:]), name,
+                     f"{name} (fused from {len(ordered)} parts)")
+        loaded.add(name)
+    if cfg.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    _check_complete(model_dir, cfg, set(params), loaded)
+    return cfg
+
+
+def _check_shape(expected: tuple[int, ...], shape: tuple[int, ...], name: str, where: str) -> None:
+    if expected != shape:
+        raise ModelLoadError(f"{where}: shape {shape} does not match {expected} expected for {name} from config.json.")
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
+    _check_shape(tuple(param.shape), tuple(tensor.shape), name, where)
     with torch.no_grad():
         param.copy_(tensor.to(param.dtype))
 

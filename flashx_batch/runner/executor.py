@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
-from flashx_batch.runner.failures import FATAL, Work, decide, kind_of
+from flashx_batch.runner.failures import FATAL, Work, WorkerFailure, decide
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.signals import StopFlag
 from flashx_batch.runner.worker import ShardWorker, WorkerContext
@@ -25,7 +25,14 @@ log = logging.getLogger(__name__)
 class ExecResult:
     done: list[str] = field(default_factory=list)  # shard ids committed by this run
     failed: dict[str, str] = field(default_factory=dict)  # piece id -> last error, after max_attempts
+    failures: list[WorkerFailure] = field(default_factory=list)  # every failed try, in order (job.json)
+    aborted: WorkerFailure | None = None  # a failure that makes the whole job impossible (exit 2)
     interrupted: bool = False
+
+    def record(self, failure: WorkerFailure) -> None:
+        """Log a failed try in one readable block and keep it (the last few go to job.json)."""
+        log.warning("%s", failure.block())
+        self.failures.append(failure)
 
 
 def run_local(job: JobConfig, ctx: WorkerContext, shards: list[ShardSpec], stop: StopFlag,
@@ -48,18 +55,19 @@ def run_local(job: JobConfig, ctx: WorkerContext, shards: list[ShardSpec], stop:
             result.interrupted = True
             break
         work = queue.popleft()
-        try:
-            summary = worker.run_shard(work.spec, work.attempt)
-        except Exception as exc:  # any failure of one shard is retried, then reported, never swallowed
-            kind = kind_of(exc)
-            log.warning("shard %s attempt %d failed (%s): %s", work.spec.shard_id, work.attempt, kind, exc,
-                        exc_info=kind != FATAL)
-            if kind == FATAL:
+        summary = worker.run_shard(work.spec, work.attempt)
+        if "failure" in summary:  # any failure of one shard is retried, then reported, never swallowed
+            failure = WorkerFailure.from_dict(summary["failure"])
+            result.record(failure)
+            decision = decide(work, failure.kind, job.executor.max_attempts)
+            if decision.abort:
+                result.aborted = failure
+                break
+            if failure.kind == FATAL:
                 worker = ShardWorker(job, ctx, name=f"local-{work.spec.shard_id}-{work.attempt}")
-            decision = decide(work, kind, job.executor.max_attempts)
             queue.extendleft(reversed(decision.retry))
             if decision.fail:
-                result.failed[work.spec.shard_id] = f"{type(exc).__name__}: {exc}"
+                result.failed[work.spec.shard_id] = failure.line
             continue
         result.done.append(work.spec.shard_id)
         progress.advance(summary["rows"], summary["output_tokens"])

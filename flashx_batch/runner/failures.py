@@ -9,6 +9,8 @@ Policy (DESIGN.md exit codes, docs/reliability.md):
   error   an exception in the worker (a bug, ENOSPC): retry up to max_attempts, then the job
           fails with exit 1 and a rerun retries it — the rows are not ours to give up.
   fatal   the engine's device is gone: the worker is replaced (never reused), then as `error`.
+  bad_job the job as written cannot succeed (an input file changed under it, a config error the
+          engine found): no retry, the job stops (exit 2) naming the cause.
   timeout the watchdog killed a piece over its budget: retry, then `timeout` error rows.
   died    the worker process died: a whole piece gets one more try (preemption, OOM killer, a
           test's ray.kill); after that it is split in halves, which keep its attempt number, until
@@ -18,18 +20,23 @@ Policy (DESIGN.md exit codes, docs/reliability.md):
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from flashx_batch.data.plan import ShardSpec
+from flashx_batch.errors import ConfigError, ModelLoadError
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner import pieces
 from flashx_batch.runner.layout import OutputDir
 from flashx_batch.runner.tables import errors_table
 
 TIMEOUT, WORKER_CRASH = "timeout", "worker_crash"  # error_code of rows given up at run time
-ERROR, FATAL, DIED = "error", "fatal", "died"  # failure kinds (TIMEOUT is one too)
+ERROR, FATAL, DIED, BAD_JOB = "error", "fatal", "died", "bad_job"  # failure kinds (TIMEOUT is one too)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # Ray colours its error headers
+_FRAMES = 6  # innermost frames kept: enough to see where, short enough to read in a log
 # Messages of device failures that leave an engine unusable (torch / vendor runtimes word them so).
 _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "HIP error", "ACL error",
                   "NPU function error", "uncorrectable ECC")
@@ -48,22 +55,86 @@ class Decision:
     retry: tuple[Work, ...] = ()  # tries to queue next (front of the queue)
     give_up: str | None = None  # error_code for every row of the piece
     fail: bool = False  # the job cannot finish this run (exit 1, resumable)
+    abort: bool = False  # the job can never finish as written: stop dispatching (exit 2)
 
 
 def kind_of(exc: BaseException) -> str:
-    """`fatal` for a dead engine (ours, or a device error by its message), else `error`."""
+    """`bad_job` for a config / model / input problem, `fatal` for a dead engine (ours, or a device
+    error by its message), else `error`."""
     cause = getattr(exc, "cause", None)  # Ray wraps a task's exception in RayTaskError(.cause)
-    for e in (exc, cause, exc.__cause__):
+    chain = (exc, cause, exc.__cause__)
+    if any(isinstance(e, (ConfigError, ModelLoadError)) for e in chain):
+        return BAD_JOB
+    for e in chain:
         if isinstance(e, FatalEngineError) or (isinstance(e, RuntimeError) and any(
                 m in str(e) for m in _FATAL_MARKERS)):
             return FATAL
     return ERROR
 
 
+def clean(text: str) -> str:
+    """Text without terminal colour codes (Ray's error headers carry them)."""
+    return _ANSI.sub("", text)
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One failed try, as data: what the driver logs in one block and keeps in job.json.
+
+    Built in the worker from the exception itself, so the real type, message and innermost frames
+    reach the user, not the wrapper Ray puts around them."""
+
+    kind: str  # error | fatal | bad_job | died | timeout
+    type: str
+    message: str
+    frames: tuple[str, ...] = ()
+    node: str = ""
+    worker: str = ""
+    shard_id: str = ""
+    attempt: int = 0
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, *, node: str = "", worker: str = "", shard_id: str = "",
+                       attempt: int = 0, kind: str | None = None) -> WorkerFailure:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException) and type(exc).__name__.startswith(("RayTaskError", "TaskError")):
+            exc = cause  # Ray's wrapper: the worker's own exception is inside
+        frames = tuple(f"{f.filename}:{f.lineno} in {f.name}"
+                       for f in traceback.extract_tb(exc.__traceback__)[-_FRAMES:])
+        return cls(kind or kind_of(exc), type(exc).__name__, clean(str(exc)).strip() or type(exc).__name__,
+                   frames, node, worker, shard_id, attempt)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerFailure:
+        return cls(**{**d, "frames": tuple(d.get("frames", ()))})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "frames": list(self.frames)}
+
+    @property
+    def line(self) -> str:
+        """`Type: first line of the message`: for one-line summaries (error tables, job.json lists)."""
+        first = next((x for x in self.message.splitlines() if x.strip()), "")
+        return f"{self.type}: {first}"
+
+    def block(self) -> str:
+        """The readable block the driver logs: where, what, and the innermost frames."""
+        where = ", ".join(x for x in (f"worker {self.worker}" if self.worker else "",
+                                      f"node {self.node}" if self.node else "") if x)
+        head = f"shard {self.shard_id} attempt {self.attempt} failed ({self.kind}){' on ' + where if where else ''}"
+        lines = [head, f"  {self.type}: {self.message}".replace("\n", "\n    ")]
+        if self.frames:
+            lines.append("  innermost frames:")
+            lines += [f"    {f}" for f in self.frames]
+        return "\n".join(lines)
+
+
 def decide(work: Work, kind: str, max_attempts: int) -> Decision:
     """The next step after `work` failed with `kind` (see the module docstring)."""
     spec, attempt = work.spec, work.attempt
     more = attempt < max_attempts
+    if kind == BAD_JOB:
+        return Decision(fail=True, abort=True)
     if kind in (ERROR, FATAL):
         return Decision(retry=(Work(spec, attempt + 1),)) if more else Decision(fail=True)
     if kind == TIMEOUT:

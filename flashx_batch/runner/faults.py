@@ -11,6 +11,8 @@ A spec is `ACTION[:key=value]...`:
   hang     sleep forever (the watchdog's case)                       default at=before_generate
   fatal    raise FatalEngineError (a dead device)                    default at=before_generate
   enospc   fail the staged write of one file with ENOSPC             default at=write
+Point `job_json` is the driver writing job.json; there `shard=` matches the status being written
+(`running`, `succeeded`, ...), e.g. `enospc:at=job_json:shard=succeeded` (a disk full at the end).
 Filters (all optional, all must match): `at=` point, `shard=` glob on the piece id, `attempt=N`,
 `row=ID` (the piece holds that row id), `kind=` generations|errors|stats (for `write`).
 Examples: `crash:at=after_publish:attempt=1`, `crash:row=17` (a poison row), `hang:row=3`,
@@ -34,7 +36,7 @@ from flashx_batch.job_errors import FatalEngineError
 
 log = logging.getLogger(__name__)
 ENV_VAR = "FLASHX_FAULTS"
-POINTS = ("before_generate", "after_generate", "write", "after_publish", "before_manifest")
+POINTS = ("before_generate", "after_generate", "write", "after_publish", "before_manifest", "job_json")
 DEFAULT_POINT = {"hang": "before_generate", "fatal": "before_generate", "enospc": "write"}
 _KEYS = ("at", "shard", "attempt", "row", "kind")
 
@@ -119,3 +121,10 @@ def load(specs: list[str], environ: dict[str, str] | None = None, quiet: bool = 
     if not quiet:
         log.warning("fault injection armed: %s", "; ".join(all_specs))
     return faults
+
+
+def driver_faults(specs: list[str]) -> Faults | None:
+    """The armed faults of the driver's own writes (point `job_json`); the others belong to workers."""
+    armed = load(specs, quiet=True)
+    mine = tuple(f for f in armed.faults if f.at == "job_json") if isinstance(armed, Faults) else ()
+    return Faults(mine) if mine else None

@@ -100,3 +100,20 @@ def _short(value: Any) -> str:
 def _file_digest(path: str) -> str:
     """sha256 of a small file (a precision map): a different map is a different job."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def input_changes(previous: dict[str, Any], plan: Plan) -> list[str]:
+    """What changed in the input files since the job in job.json was planned, one line per file, so a
+    refused resume names the file and the change (job.json records each file's manifest)."""
+    before = {f["name"]: f for f in previous.get("input_files", [])}
+    if not before:
+        return []
+    now = {f.manifest()["name"]: f.manifest() for f in plan.files}
+    out = [f"input file {name}: removed since the job was planned" for name in sorted(set(before) - set(now))]
+    out += [f"input file {name}: new since the job was planned" for name in sorted(set(now) - set(before))]
+    for name in sorted(set(now) & set(before)):
+        a, b = before[name], now[name]
+        if a != b:
+            out.append(f"input file {name}: changed (size {a.get('size')} -> {b['size']} bytes, sha256 "
+                       f"{str(a.get('sha256'))[:12]} -> {b['sha256'][:12]})")
+    return out

@@ -1,15 +1,25 @@
 """`run(JobConfig) -> exit code`: one batch job from preflight to `_SUCCESS`.
 
 Who calls it: `flashx_batch.cli` (once per Hydra run, multirun included), `jobs/*.py` and tests.
-Steps: plan (read, check, tokenize, shard) → dry run stops here → open the output directory
-(fingerprint check, lock, clean orphans) → commit plan-time error rows → execute pending shards →
-verify the invariant → report → `_SUCCESS`. Every run, however it ends, records its row accounting
-(in = generated + errors + pending) in job.json. Exit codes (DESIGN.md): 0 done, 2 bad job (nothing
-written), 130 / 143 interrupted (resumable), 1 anything else.
+Steps: preflight + plan (read and check the input, the model's config and weight headers, the
+tokenizer, the backend; tokenize, shard) → dry run stops here → (Ray: start it and probe one
+worker) → take the output directory's lock → under the lock: read job.json, compare fingerprints,
+clean orphans → commit plan-time error rows → execute pending shards → check the input files are
+unchanged → verify the invariant → report → `_SUCCESS`. Every run that opened the output directory
+records its row accounting (in = generated + errors + pending) and a final status in job.json,
+however it ends.
+
+Exit codes (`EXIT_*`, the table in docs/reliability.md): 0 done, or already done (`_SUCCESS` left
+untouched); 2 the job as written can never succeed (config, schema, corrupt or changed input,
+fingerprint mismatch, a model that cannot load); 75 try again later (another live run holds the
+lock); 130 / 143 interrupted, at any moment; 1 anything else (a shard failing every attempt, a
+full disk: resumable).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import platform
 import sys
@@ -24,35 +34,59 @@ import flashx_batch
 from flashx_batch.config import JobConfig, resolve_data_path, resolve_model_dir, validate
 from flashx_batch.data.plan import Plan, build_plan, format_plan
 from flashx_batch.data.preflight import LoadedInput, load_inputs
+from flashx_batch.data.readers import verify_unchanged
 from flashx_batch.errors import ConfigError, FlashxError, ModelLoadError
-from flashx_batch.job_errors import FingerprintMismatchError, ShardFailedError
+from flashx_batch.job_errors import FingerprintMismatchError, LockHeldError, ShardFailedError
 from flashx_batch.runner import faults, fingerprint, pieces
 from flashx_batch.runner.executor import ExecResult, run_local
 from flashx_batch.runner.failures import FailedRows
-from flashx_batch.runner.layout import SUCCESS, OutputDir, write_atomic
+from flashx_batch.runner.layout import SUCCESS, OutputDir, TornJobJsonError, write_atomic
 from flashx_batch.runner.progress import Progress
-from flashx_batch.runner.signals import StopFlag
-from flashx_batch.runner.tables import errors_table
+from flashx_batch.runner.signals import Interrupted, StopFlag
+from flashx_batch.runner.tables import errors_table, reserved_column_problem
 from flashx_batch.runner.worker import WorkerContext
 
 log = logging.getLogger(__name__)
-EXIT_OK, EXIT_FAILED, EXIT_BAD_JOB = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_JOB, EXIT_TEMPFAIL = 0, 1, 2, 75
+_FAILURES_KEPT = 20  # failed tries recorded in job.json (the log has them all)
+# OSErrors that are the machine's state, not a bug: reported in one line, not a traceback
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
 class InvariantError(FlashxError):
     """ids(generations) ⊎ ids(errors) != ids(input) after every shard committed: a bug, never expected."""
 
 
+class JobAborted(ConfigError):
+    """A worker found the job cannot succeed as written (an input file changed, a config problem)."""
+
+
 def run(job: JobConfig, *, out: TextIO | None = None,
         on_dispatch: Callable[[Any, int, str], None] | None = None) -> int:
     """Run (or resume) `job`; returns the process exit code. Never raises for a job-level problem."""
+    stop = StopFlag(job.executor.grace_period_s, immediate=True)
     try:
-        return _run(job, out or sys.stdout, on_dispatch)
+        with stop:
+            return _run(job, out or sys.stdout, on_dispatch, stop)
+    except Interrupted as exc:
+        return exc.code
+    except KeyboardInterrupt:  # a SIGINT where our handler was not installed (not the main thread)
+        return 130
+    except LockHeldError as exc:
+        log.error("%s", exc)
+        return EXIT_TEMPFAIL
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_BAD_JOB
     except FlashxError as exc:
         log.error("%s", exc)
+        return EXIT_FAILED
+    except OSError as exc:
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            log.exception("job failed")
+            return EXIT_FAILED
+        log.error("job failed: %s%s. The committed shards are safe; fix the cause and rerun the same command.",
+                  exc.strerror or exc, f" ({exc.filename})" if exc.filename else "")
         return EXIT_FAILED
     except Exception:
         log.exception("job failed")
@@ -60,57 +94,196 @@ def run(job: JobConfig, *, out: TextIO | None = None,
 
 
 def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
-    """Validate the config, check the input and build the shard plan (writes nothing)."""
+    """Validate the config, check the model and the input, and build the shard plan (writes nothing)."""
     validate(job)
     faults.load(job.executor.faults, quiet=True)  # a malformed fault spec: a bad job (exit 2) before anything runs
+    problem = reserved_column_problem(list(job.data.passthrough_columns))
+    if problem:
+        raise ConfigError(problem)
     model_dir = resolve_model_dir(job.model.path)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path={job.model.path}: {model_dir} is not a model directory (no config.json).")
     from flashx_batch.runtime.tokenizer import Tokenizer  # the driver needs the tokenizer, not the weights
 
     try:
+        preflight_model(job, model_dir)
         tokenizer = Tokenizer(model_dir)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
+    except Exception as exc:  # a tokenizer.json the tokenizers library cannot parse, say
+        raise ConfigError(f"model.path={job.model.path}: cannot load the tokenizer: {type(exc).__name__}: {exc}") \
+            from None
     if job.data.messages_column and not tokenizer.chat_template:
         raise ConfigError(f"data.messages_column={job.data.messages_column} needs a chat template, and "
                           f"{model_dir} has none.")
-    loaded = load_inputs(job.data, resolve_data_path(job.data.path))
+    data_path = resolve_data_path(job.data.path)
+    _check_output_outside_input(job, data_path)
+    loaded = load_inputs(job.data, data_path)
+    _check_output_outside_input(job, data_path, loaded)
     return model_dir, loaded, build_plan(job, loaded, tokenizer)
 
 
-def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None) -> int:
+def preflight_model(job: JobConfig, model_dir: Path) -> None:
+    """What an engine would refuse at load, found without loading it: the architecture, the weight
+    files' headers against config.json, the context the runtime needs, and (in this process, for
+    the local executor) the backend and dtype. Ray jobs probe the backend on a worker instead."""
+    from flashx_batch.models.loader import check_checkpoint
+
+    cfg = check_checkpoint(model_dir)
+    options = job.engine_options()
+    needed = options.max_input_len + options.max_output_len
+    if cfg.sliding_window is not None and needed > cfg.sliding_window:
+        raise ConfigError(f"runtime.max_input_len + max_output_len = {needed} exceeds the model's sliding_window="
+                          f"{cfg.sliding_window}; sliding-window attention is not implemented, keep rows within it.")
+    if job.executor.kind == "local" and options.backend != "onnx":
+        import torch
+
+        from flashx_batch.backends import get_backend
+
+        backend = get_backend(options.backend)
+        dtype = backend.default_dtype if options.dtype == "auto" else getattr(torch, options.dtype)
+        if dtype not in backend.supported_dtypes:
+            raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
+    elif options.backend not in ("auto", "onnx"):
+        from flashx_batch.backends import BACKENDS
+
+        if options.backend not in BACKENDS:
+            raise ConfigError(f"runtime.backend={options.backend!r} is unknown; choose one of auto, "
+                              f"{', '.join(BACKENDS)}.")
+
+
+def _check_output_outside_input(job: JobConfig, data_path: str, loaded: LoadedInput | None = None) -> None:
+    """output.dir inside the input would read last run's outputs as input on the next run."""
+    out = Path(job.output.dir).expanduser().resolve()
+    base = Path(data_path.split("*")[0].split("?")[0].split("[")[0] or ".").expanduser().resolve()
+    inside = [f.path for f in loaded.files if out in Path(f.path).resolve().parents] if loaded else []
+    if inside or (loaded is None and base.is_dir() and (out == base or base in out.parents)):
+        raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}"
+                          + (f" (it would read {inside[0]} as input)" if inside else "")
+                          + "; every rerun would read the job's own outputs as input. Put output.dir outside "
+                          "the input directory.")
+
+
+def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFlag) -> int:
     model_dir, loaded, plan = plan_job(job)
     if job.dry_run:
         out.write(format_plan(plan) + "\n")
         out.write(f"dry run: {len(plan.shards)} generate shard(s) planned; nothing was written.\n")
         return EXIT_OK
-    output = OutputDir(job.output.dir)
-    previous = output.read_job()
-    model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
-    fp = fingerprint.compute(job, plan, model_stats)
-    if previous is not None:
-        differences = fingerprint.diff(previous.get("fingerprint", {}), fp)
-        if differences:
-            raise FingerprintMismatchError(str(output.root), differences)
-    output.lock()
+    output = OutputDir(job.output.dir, faults.driver_faults(job.executor.faults))
+    with contextlib.ExitStack() as stack:
+        if job.executor.kind == "ray" and not (output.root / SUCCESS).exists():  # a finished job needs no Ray
+            from flashx_batch.runner.ray_executor import probe_cluster, ray_session
+
+            stack.enter_context(ray_session(job, stop))
+            probe_cluster(job)
+        output.lock()
+        wrote = False
+        try:
+            previous, committed = _open_previous(output)
+            model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
+            fp = fingerprint.compute(job, plan, model_stats)
+            differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []
+            if previous is not None and not differences and _already_done(previous, committed, plan, output):
+                log.info("%s: already done (_SUCCESS); nothing to run, nothing rewritten", output.root)
+                return EXIT_OK
+            if differences and not _replaceable(committed, output):
+                raise FingerprintMismatchError(str(output.root),
+                                               differences + fingerprint.input_changes(previous, plan))
+            wrote = True
+            stop.immediate = False  # from here on the output is ours: signals drain, never cut a write
+            if differences:
+                log.warning("%s: replacing the job.json of a run that committed no generated row (%s)",
+                            output.root, "; ".join(differences[:3]))
+                output.reset()
+                previous, committed = None, {}
+            return _execute(job, plan, loaded, model_dir, output, previous, committed, fp, model_stats,
+                            on_dispatch, stop)
+        finally:
+            output.unlock(clean=not wrote)
+
+
+def _open_previous(output: OutputDir) -> tuple[dict | None, dict[str, dict]]:
+    """(job.json, committed pieces) under the lock; a torn job.json is replaceable only when nothing
+    but driver-written plan errors was committed (there is nothing else to resume)."""
     try:
-        return _execute(job, plan, loaded, model_dir, output, previous, fp, model_stats, on_dispatch)
-    finally:
-        output.unlock()
+        previous = output.read_job()
+    except TornJobJsonError as exc:
+        committed = output.committed()
+        if any(m.get("kind") != "invalid" for m in committed.values()):
+            raise TornJobJsonError(f"{exc} The committed shards cannot be matched to a configuration without it: "
+                                   "restore job.json from a backup, or run into a new output.dir.") from None
+        log.warning("%s; no generated row was committed, so the directory is started afresh", exc)
+        output.reset()
+        return None, {}
+    return previous, output.committed()
+
+
+def _already_done(previous: dict, committed: dict[str, dict], plan: Plan, output: OutputDir) -> bool:
+    """Same fingerprint, _SUCCESS present, every planned shard committed: a rerun of a finished job.
+    Nothing is rewritten (downstream sensors watch `_SUCCESS`)."""
+    if not (output.root / SUCCESS).is_file() or previous.get("status") != "succeeded":
+        return False
+    planned = [*plan.shards, *plan.error_shards]
+    return all(not pieces.uncovered(s, committed) for s in planned) and \
+        previous.get("plan", {}).get("shard_ids") == [s.shard_id for s in planned]
+
+
+def _replaceable(committed: dict[str, dict], output: OutputDir) -> bool:
+    """A job that never committed a generated row and never finished (it failed at engine load, say)
+    holds nothing worth keeping: a corrected run may replace it instead of being refused."""
+    return not (output.root / SUCCESS).exists() and all(m.get("kind") == "invalid" for m in committed.values())
 
 
 def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
-             previous: dict | None, fp: dict, model_stats: dict, on_dispatch: Callable | None) -> int:
+             previous: dict | None, committed: dict[str, dict], fp: dict, model_stats: dict,
+             on_dispatch: Callable | None, stop: StopFlag) -> int:
     output.prepare()
-    committed = output.committed()
     output.clean_orphans(set(committed))
     record = {
         "status": "running", "fingerprint": fp, "config": asdict(job), "plan": plan.summary(),
+        "input_files": [f.manifest() for f in plan.files],
         "model_dir": str(model_dir), "model_file_stats": model_stats, "versions": _versions(),
         "runs": [*(previous or {}).get("runs", []), {"started_at": time.time(), "resumed_shards": len(committed)}],
     }
-    output.write_job(record)
+
+    final: list[str] = []  # the status job.json was last given by finish()
+
+    def finish(status: str, **extra: Any) -> None:
+        final[:] = [status]
+        output.write_job({**record, "status": status, "accounting": accounting(plan, output.committed()), **extra})
+
+    stop.set_on_force(lambda code: finish("interrupted", exit_code=code))  # last words before os._exit
+    try:
+        output.write_job(record)
+        return _execute_recorded(job, plan, loaded, model_dir, output, finish, on_dispatch, stop)
+    except BaseException as exc:  # whatever ends the run, job.json says how, with its accounting
+        if not final or (isinstance(exc, OSError) and final == ["succeeded"]):
+            status, extra = _status_of(exc)
+            try:
+                finish(status, **extra)
+            except OSError as write_exc:
+                log.error("could not record the final status in %s (%s); the committed shards are safe, and "
+                          "a rerun recomputes the status", output.job_json, write_exc)
+        raise
+    finally:
+        stop.set_on_force(None)
+
+
+def _status_of(exc: BaseException) -> tuple[str, dict[str, Any]]:
+    if isinstance(exc, Interrupted):
+        return "interrupted", {"exit_code": exc.code}
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", {"exit_code": 130}
+    reason = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, OSError):
+        reason += " (the committed shards are safe; fix the cause, e.g. free disk space, and rerun)"
+    return "failed", {"reason": reason}
+
+
+def _execute_recorded(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
+                      finish: Callable[..., None], on_dispatch: Callable | None, stop: StopFlag) -> int:
+    committed = output.committed()
     # A shard split by an earlier run (poison-row isolation) resumes as its uncommitted pieces only.
     pending = [p for s in plan.shards for p in pieces.uncovered(s, committed)]
     if pending or any(s.shard_id not in committed for s in plan.error_shards):
@@ -123,38 +296,44 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
     ctx = WorkerContext(str(model_dir), str(output.root), loaded.files, loaded.id_kind,
                         _passthrough_types(job, loaded), faults=faults.load(job.executor.faults))
     del loaded  # the frames are the job's largest objects; workers re-read what they need
-
-    def on_force(code: int) -> None:  # the second signal / grace expiry: last words before os._exit
-        output.write_job({**record, "status": "interrupted", "exit_code": code,
-                          "accounting": accounting(plan, output.committed())})
-
-    with StopFlag(job.executor.grace_period_s, on_force) as stop:
-        result = _dispatch(job, ctx, pending, stop, progress, on_dispatch, FailedRows(output, plan.ref_ids,
-                                                                                       plan.id_kind))
+    result = _dispatch(job, ctx, pending, stop, progress, on_dispatch, FailedRows(output, plan.ref_ids,
+                                                                                   plan.id_kind))
     progress.close()
     committed = output.committed()
     remaining = [p for s in plan.shards for p in pieces.uncovered(s, committed)]
     counts = accounting(plan, committed)
     log.info("rows: %(input_rows)d in = %(generated_rows)d generated + %(error_rows)d error rows "
              "+ %(pending_rows)d not yet run", counts)
+    failures = [f.as_dict() for f in result.failures[-_FAILURES_KEPT:]]
+    if result.aborted is not None:
+        finish("failed", reason=result.aborted.line, worker_failures=failures)
+        raise JobAborted(f"{result.aborted.message} (found by {result.aborted.worker} on shard "
+                         f"{result.aborted.shard_id})")
     if remaining and stop.requested:
-        output.write_job({**record, "status": "interrupted", "exit_code": stop.exit_code, "accounting": counts})
+        finish("interrupted", exit_code=stop.exit_code, worker_failures=failures)
         log.warning("interrupted: %d piece(s) committed this run, %d left; rerun the same command to resume",
                     len(result.done), len(remaining))
         return stop.exit_code
     if remaining:
         failed = result.failed or {p.shard_id: "not run" for p in remaining}
-        output.write_job({**record, "status": "failed", "failed_shards": failed, "accounting": counts})
-        raise ShardFailedError(f"{len(failed)} shard(s) failed {job.executor.max_attempts} time(s): "
-                               + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items())[:5])
-                               + ". Rerun the same command to retry them (committed shards are kept).")
+        finish("failed", failed_shards=failed, worker_failures=failures)
+        raise ShardFailedError(
+            f"{len(failed)} shard(s) failed {job.executor.max_attempts} time(s): "
+            + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items())[:5])
+            + ". Rerun the same command to retry them (committed shards are kept).")
+    verify_unchanged(plan.files)  # the last word on the input: every row came from the planned bytes
     totals = _verify(plan, output)
+    if stop.requested:  # a signal while finishing: stop before _SUCCESS; a rerun only finishes
+        finish("interrupted", exit_code=stop.exit_code)
+        return stop.exit_code
     if job.output.report:
         from flashx_batch.report import write_report
 
         write_report(output.root, totals, plan)
-    output.write_job({**record, "status": "succeeded", "totals": totals, "accounting": accounting(plan, committed),
-                      "finished_at": time.time()})
+    if stop.requested:
+        finish("interrupted", exit_code=stop.exit_code)
+        return stop.exit_code
+    finish("succeeded", totals=totals, finished_at=time.time(), worker_failures=failures)
     write_atomic(output.root / SUCCESS, _json(totals))
     log.info("done: %d generated, %d error rows, %d output tokens -> %s", totals["generated_rows"],
              totals["error_rows"], totals["output_tokens"], output.root)

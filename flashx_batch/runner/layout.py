@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flashx_batch.job_errors import OutputDirError
+from flashx_batch.errors import FlashxError
+from flashx_batch.job_errors import LockHeldError, OutputDirError
 from flashx_batch.runner import pieces
 
 if TYPE_CHECKING:
@@ -48,14 +49,28 @@ def fsync_path(path: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` so a reader sees the old or the new file, never half of one."""
+    """Replace `path` with `text` so a reader sees the old or the new file, never half of one.
+
+    A failed write (a full disk) removes its temporary file, so the space it took is given back."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
+
+
+class ZombieAttemptError(FlashxError):
+    """An attempt started after its job finished (the driver gave up on it long ago): refused, harmless."""
+
+
+class TornJobJsonError(OutputDirError):
+    """job.json exists but is not a JSON object (a torn write by a tool without atomic writes, an edit)."""
 
 
 class OutputDir:
@@ -64,6 +79,7 @@ class OutputDir:
         self.root = Path(root)
         self.faults = faults
         self._lock_fd: int | None = None
+        self._created: list[Path] = []  # what lock() created (removed again by a run that wrote nothing)
 
     # ---- paths ------------------------------------------------------------------------------
     def part(self, kind: str, shard_id: str) -> Path:
@@ -78,36 +94,95 @@ class OutputDir:
 
     # ---- driver side ------------------------------------------------------------------------
     def read_job(self) -> dict[str, Any] | None:
-        """job.json of an existing job, None for a new or empty directory; OutputDirError if not ours."""
+        """job.json of an existing job, None for a new or empty directory; OutputDirError if not ours,
+        TornJobJsonError if job.json cannot be read as a job record."""
+        if self.root.exists() and not self.root.is_dir():
+            raise OutputDirError(f"output.dir={self.root} is a file, not a directory; pick a directory path.")
         if self.job_json.is_file():
-            return json.loads(self.job_json.read_text())
+            try:
+                record = json.loads(self.job_json.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise TornJobJsonError(f"{self.job_json} is not valid JSON ({exc}); it was cut short or edited.") \
+                    from None
+            if not isinstance(record, dict):
+                raise TornJobJsonError(f"{self.job_json} holds a JSON {type(record).__name__}, not a job record.")
+            return record
         if self.root.exists() and any(p.name != LOCK for p in self.root.iterdir()):
             raise OutputDirError(f"output.dir={self.root} is not empty and holds no job.json; "
                                  "pick an empty or new directory.")
         return None
 
     def lock(self) -> None:
-        """Take the directory's run lock (released by the kernel even on SIGKILL)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the directory's run lock (released by the kernel even on SIGKILL). LockHeldError if a
+        live run holds it, OutputDirError if the directory cannot be created or written (a file in
+        the way, a read-only filesystem, no permission). Everything that reads or decides on job.json
+        happens after this, so two runs never both decide on an empty directory."""
+        if self.root.exists() and not self.root.is_dir():
+            raise OutputDirError(f"output.dir={self.root} is a file, not a directory; pick a directory path.")
+        self._created = [] if self.root.exists() else [self.root]
+        if not (self.root / LOCK).exists():
+            self._created.insert(0, self.root / LOCK)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputDirError(f"output.dir={self.root} cannot be written ({exc.strerror or exc}); pick a "
+                                 "directory this user can write to, on a writable filesystem.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise OutputDirError(f"another run is writing to {self.root} (it holds {self.root / LOCK}).") from None
+            raise LockHeldError(f"another run is writing to {self.root} (it holds {self.root / LOCK}); try again "
+                                "once it has finished.") from None
         self._lock_fd = fd
 
-    def unlock(self) -> None:
+    def unlock(self, clean: bool = False) -> None:
+        """Release the lock. `clean`: this run wrote nothing, so remove the lock file and directory if
+        it created them (a refused job leaves no trace, not even in a directory that is not ours)."""
         if self._lock_fd is not None:
+            if clean:
+                with contextlib.suppress(OSError):
+                    for path in self._created:
+                        path.rmdir() if path.is_dir() else path.unlink()
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def reset(self) -> None:
+        """Remove every file of the layout but the lock (a job that committed no generated row, replaced by a
+        corrected run)."""
+        for name in (*KINDS, MANIFEST_DIR, ATTEMPTS_DIR):
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        for name in (JOB_JSON, SUCCESS):
+            (self.root / name).unlink(missing_ok=True)
 
     def prepare(self) -> None:
         for d in (*KINDS, MANIFEST_DIR, ATTEMPTS_DIR):
             (self.root / d).mkdir(parents=True, exist_ok=True)
 
     def write_job(self, record: dict[str, Any]) -> None:
-        write_atomic(self.job_json, json.dumps(record, indent=2, default=str) + "\n")
+        """Replace job.json atomically. On a full disk, fall back to rewriting the file in place with a
+        compact record (no new blocks when it is no larger), so the status never stays `running`;
+        the error is raised either way, for the caller to report."""
+        text = json.dumps(record, indent=2, default=str) + "\n"
+        try:
+            if self.faults is not None:
+                self.faults.fire("job_json", str(record.get("status")), 0)
+            write_atomic(self.job_json, text)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or not self.job_json.is_file():
+                raise
+            compact = json.dumps(record, separators=(",", ":"), default=str)
+            if len(compact.encode()) > self.job_json.stat().st_size:
+                raise  # writing past the old size needs new blocks: it would tear the file
+            try:
+                with open(self.job_json, "r+") as fh:
+                    fh.write(compact)
+                    fh.truncate()
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except OSError:
+                pass
+            raise
 
     def committed(self) -> dict[str, dict[str, Any]]:
         """shard id -> manifest, for every shard whose manifest and files are all present."""
@@ -172,7 +247,7 @@ class OutputDir:
         Refused once the job has `_SUCCESS`: a zombie attempt outliving its job must not leave even an
         empty staging directory in a finished layout (a rerun with work to do removes `_SUCCESS` first)."""
         if (self.root / SUCCESS).exists():
-            raise OutputDirError(f"{self.root} is finished (_SUCCESS); attempt {attempt} of {shard_id} is a zombie")
+            raise ZombieAttemptError(f"{self.root} is finished (_SUCCESS); attempt {attempt} of {shard_id} is a zombie")
         staging = self.root / ATTEMPTS_DIR / f"{shard_id}.{attempt}.{uuid.uuid4().hex[:8]}"
         staging.mkdir(parents=True)
         return staging

@@ -11,26 +11,140 @@ every `_WAIT_S`) has its actor killed and is retried; a fatal engine error retir
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from flashx_batch.backends import BACKENDS
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
+from flashx_batch.errors import ConfigError, FlashxError
 from flashx_batch.runner.executor import ExecResult
-from flashx_batch.runner.failures import DIED, FATAL, TIMEOUT, FailedRows, Work, decide, kind_of
+from flashx_batch.runner.failures import BAD_JOB, DIED, FATAL, TIMEOUT, FailedRows, Work, WorkerFailure, clean, decide
 from flashx_batch.runner.progress import Progress
-from flashx_batch.runner.signals import StopFlag
+from flashx_batch.runner.signals import Interrupted, StopFlag
 from flashx_batch.runner.worker import ShardWorker, WorkerContext
 
 log = logging.getLogger(__name__)
 _WAIT_S = 0.5  # also the watchdog's resolution
 _MAX_BOOT_FAILURES = 8  # actors that die while loading their engine, in a row, before the job gives up
+_PROBE_TIMEOUT_S = 300.0  # a busy cluster may take a while to schedule the probe; past this, go on unprobed
+
+
+@contextlib.contextmanager
+def ray_session(job: JobConfig, stop: StopFlag) -> Iterator[None]:
+    """Ray for the length of a job: started (or joined) here unless the caller already has it, and
+    shut down on the way out if started here."""
+    import ray
+
+    started = start_ray(ray, job, stop)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def start_ray(ray: Any, job: JobConfig, stop: StopFlag) -> bool:
+    """Start a local Ray or join `executor.address`; True if this call did.
+
+    `ray.init` installs SIGTERM handlers of its own that `sys.exit` (2 or 1 for a scheduler, and no
+    word in the log); a SystemExit out of it is therefore a SIGTERM during start-up and becomes our
+    interruption (143). Our handlers are put back as soon as it returns."""
+    if ray.is_initialized():
+        return False
+    try:
+        _init_ray(ray, job.executor.address)
+    except SystemExit:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        stop.signum = signal.SIGTERM
+        log.warning("SIGTERM received while Ray was starting: stopping")
+        raise Interrupted(stop.exit_code) from None
+    finally:
+        stop.install()  # after ray.init, so our handlers are the ones in place
+    return True
+
+
+def _init_ray(ray: Any, address: str | None) -> None:
+    if not sys.stderr.isatty():  # a log file or a scheduler's capture: Ray's colour codes would be noise there
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    if address is None:
+        # Workers of a local Ray inherit our environment: make this source tree importable there too.
+        pkg_parent = str(Path(__file__).resolve().parents[2])
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if pkg_parent not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join([pkg_parent, *paths])
+        ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=True,
+                 configure_logging=False)
+    else:
+        ray.init(address=address, log_to_driver=True, configure_logging=False)
+
+
+def probe_cluster(job: JobConfig) -> None:
+    """Before the output directory is touched: does the cluster offer what one actor needs, and does
+    the backend work there? One task with the actor's resources runs `get_backend` on a worker node;
+    a refusal there is a bad job (ConfigError, exit 2), never an actor that dies at load."""
+    import ray
+
+    resources = ray.cluster_resources()
+    options, _, _ = actor_options(job, resources)
+    needed = {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+    short = {k: v for k, v in needed.items() if v and resources.get(k, 0) < v}
+    if short:
+        raise ConfigError(f"runtime.backend={job.runtime.backend}: one actor needs {short}, and the Ray cluster offers "
+                          f"{ {k: resources.get(k, 0) for k in short} }; pick a backend the cluster has, or add "
+                          "nodes with those resources.")
+    backend = _backend_name(job, resources)
+    ref = ray.remote(_probe_backend).options(**options).remote(backend)
+    ready, _ = ray.wait([ref], timeout=_PROBE_TIMEOUT_S)
+    if not ready:
+        ray.cancel(ref, force=True)
+        log.warning("backend probe not scheduled within %.0fs (a busy cluster?); going on without it", _PROBE_TIMEOUT_S)
+        return
+    failure = ray.get(ref)
+    if failure is not None:
+        raise ConfigError(f"runtime.backend={backend} cannot run on the Ray workers: {failure}")
+
+
+def _probe_backend(name: str) -> str | None:
+    """Runs on a worker: None if the backend resolves there, else its error message."""
+    try:
+        from flashx_batch.backends import get_backend
+
+        get_backend(name)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {clean(str(exc))} (on {os.uname().nodename})"
+    return None
+
+
+def _backend_name(job: JobConfig, resources: dict[str, float]) -> str:
+    name = job.runtime.backend
+    if name == "auto":  # decided by what the cluster offers, not by the driver's own devices
+        name = "npu" if resources.get("NPU") else "cuda" if resources.get("GPU") else "cpu"
+    return name
+
+
+def actor_options(job: JobConfig, resources: dict[str, float]) -> tuple[dict[str, Any], int, int | None]:
+    """(actor options, pool size, engine threads) for this cluster and backend."""
+    ex, name = job.executor, _backend_name(job, resources)
+    options = dict(BACKENDS[name]().ray_options(ex.resources)) if name in BACKENDS else {}
+    threads = None
+    if name == "cpu":
+        options["num_cpus"] = ex.cpus_per_actor
+        threads = ex.cpus_per_actor
+        capacity = int(resources.get("CPU", 1)) // ex.cpus_per_actor
+    else:
+        options["num_cpus"] = 1
+        capacity = int(resources.get("NPU" if name == "npu" else "GPU", 1))
+    return options, max(1, ex.num_actors or capacity), threads
 
 
 class RayExecutor:
@@ -49,57 +163,19 @@ class RayExecutor:
         result = ExecResult()
         if not shards:
             return result
-        started_ray = self._init_ray(ray)
-        stop.install()  # after ray.init, so our handlers are the ones in place
-        try:
+        with ray_session(self.job, stop):
             return self._loop(ray, shards, stop, progress, result)
-        finally:
-            if started_ray:
-                ray.shutdown()
-
-    # ---- setup ------------------------------------------------------------------------------
-    def _init_ray(self, ray: Any) -> bool:
-        if ray.is_initialized():
-            return False
-        address = self.job.executor.address
-        if address is None:
-            # Workers of a local Ray inherit our environment: make this source tree importable there too.
-            pkg_parent = str(Path(__file__).resolve().parents[2])
-            paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-            if pkg_parent not in paths:
-                os.environ["PYTHONPATH"] = os.pathsep.join([pkg_parent, *paths])
-            ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=True,
-                     configure_logging=False)
-        else:
-            ray.init(address=address, log_to_driver=True, configure_logging=False)
-        return True
-
-    def _actor_options(self, resources: dict[str, float]) -> tuple[dict[str, Any], int, int | None]:
-        """(actor options, pool size, engine threads) for this cluster and backend."""
-        ex, name = self.job.executor, self.job.runtime.backend
-        if name == "auto":  # decided by what the cluster offers, not by the driver's own devices
-            name = "npu" if resources.get("NPU") else "cuda" if resources.get("GPU") else "cpu"
-        options = dict(BACKENDS[name]().ray_options(ex.resources)) if name in BACKENDS else {}
-        threads = None
-        if name == "cpu":
-            options["num_cpus"] = ex.cpus_per_actor
-            threads = ex.cpus_per_actor
-            capacity = int(resources.get("CPU", 1)) // ex.cpus_per_actor
-        else:
-            options["num_cpus"] = 1
-            capacity = int(resources.get("NPU" if name == "npu" else "GPU", 1))
-        return options, max(1, ex.num_actors or capacity), threads
 
     def _spawn(self, ray: Any, remote_cls: Any, options: dict[str, Any], ctx: WorkerContext) -> tuple[str, Any]:
         self._spawned += 1
         name = f"flashx-worker-{os.getpid()}-{self._spawned}"
-        handle = remote_cls.options(name=name, max_restarts=0, **options).remote(self.job, ctx, name)
+        handle = remote_cls.options(name=name, max_restarts=0, **options).remote(self.job, ctx, name, True)
         return name, handle
 
     # ---- the dispatch loop ------------------------------------------------------------------
     def _loop(self, ray: Any, shards: list[ShardSpec], stop: StopFlag, progress: Progress,
               result: ExecResult) -> ExecResult:
-        options, pool, threads = self._actor_options(ray.cluster_resources())
+        options, pool, threads = actor_options(self.job, ray.cluster_resources())
         pool = min(pool, len(shards))
         ctx = WorkerContext(**{**vars(self.ctx), "num_threads": self.ctx.num_threads or threads})
         remote_cls = ray.remote(ShardWorker)
@@ -110,7 +186,10 @@ class RayExecutor:
         self.idle: deque[str] = deque()
         for _ in range(pool):
             self._boot()
-        ray.get(list(self.booting))  # engines loaded: a load error surfaces here, before any shard runs
+        # engines loaded: a load error surfaces here, as data, before any shard runs
+        for info in ray.get(list(self.booting)):
+            if "failure" in info:
+                _raise_boot_failure(WorkerFailure.from_dict(info["failure"]))
         self.idle.extend(self.booting.values())
         self.booting.clear()
         progress.restart_clock()
@@ -134,6 +213,10 @@ class RayExecutor:
                 name, work, _ = inflight.pop(ref)
                 outcome = self._settle(ray, ref, name, work)
                 self._follow(outcome, work, queue, result, progress)
+                if result.aborted is not None:
+                    break
+            if result.aborted is not None:
+                break
             if self.timeout_s is not None:
                 self._watchdog(ray, inflight, queue, result, progress)
         result.interrupted = stop.requested and bool(queue)
@@ -149,25 +232,30 @@ class RayExecutor:
                 log.warning("watchdog: shard %s attempt %d on %s exceeded executor.shard_timeout_s=%s; killing "
                             "the actor", work.spec.shard_id, work.attempt, name, self.timeout_s)
                 self._replace(ray, name)
-                self._follow((TIMEOUT, f"no result within executor.shard_timeout_s={self.timeout_s}s"), work,
-                             queue, result, progress)
+                failure = WorkerFailure(TIMEOUT, "Timeout", f"no result within executor.shard_timeout_s="
+                                        f"{self.timeout_s}s", worker=name, shard_id=work.spec.shard_id,
+                                        attempt=work.attempt)
+                self._follow((TIMEOUT, failure), work, queue, result, progress)
 
     def _settle(self, ray: Any, ref: Any, name: str, work: Work) -> tuple[str, Any]:
-        """("ok", summary) or (failure kind, message); replaces the actor when it died or its engine did."""
+        """("ok", summary) or (failure kind, WorkerFailure); replaces the actor when it died or its engine did."""
         from ray.exceptions import RayActorError, RayTaskError
 
+        where = {"worker": name, "shard_id": work.spec.shard_id, "attempt": work.attempt}
         try:
             summary = ray.get(ref)
         except RayActorError as exc:
             self._replace(ray, name, dead=True)
-            return DIED, _first_line(exc)
-        except RayTaskError as exc:
-            kind = kind_of(exc)
-            if kind == FATAL:  # the engine is gone: retire the actor, never retry on it
+            return DIED, WorkerFailure(DIED, type(exc).__name__, _first_line(exc), **where)
+        except RayTaskError as exc:  # raised outside run_shard's own handling (e.g. an argument that failed)
+            summary = {"failure": WorkerFailure.from_exception(exc, **where).as_dict()}
+        if "failure" in summary:
+            failure = WorkerFailure.from_dict(summary["failure"])
+            if failure.kind == FATAL:  # the engine is gone: retire the actor, never retry on it
                 self._replace(ray, name)
             else:
                 self.idle.append(name)
-            return kind, _first_line(exc)
+            return failure.kind, failure
         self.idle.append(name)
         return "ok", summary
 
@@ -178,18 +266,21 @@ class RayExecutor:
             result.done.append(work.spec.shard_id)
             progress.advance(detail["rows"], detail["output_tokens"])
             return
-        log.warning("shard %s attempt %d failed (%s): %s", work.spec.shard_id, work.attempt, kind, detail)
+        result.record(detail)
         decision = decide(work, kind, self.job.executor.max_attempts)
+        if decision.abort:
+            result.aborted = detail
+            return
         queue.extendleft(reversed(decision.retry))  # front: they are among the longest left
         if len(decision.retry) == 2:
             log.warning("shard %s: its worker died again; split into %s and %s to isolate the row that kills it",
                         work.spec.shard_id, decision.retry[0].spec.shard_id, decision.retry[1].spec.shard_id)
         if decision.give_up is not None:
             message = (f"{'the worker process died' if kind == DIED else 'timed out'} on this row "
-                       f"{work.attempt} time(s); last: {detail}")
+                       f"{work.attempt} time(s); last: {detail.line}")
             progress.advance(self.failed_rows.commit(work, decision.give_up, message), 0)
         if decision.fail:
-            result.failed[work.spec.shard_id] = detail
+            result.failed[work.spec.shard_id] = detail.line
 
     # ---- actors -----------------------------------------------------------------------------
     def _boot(self) -> None:
@@ -202,7 +293,7 @@ class RayExecutor:
 
         name = self.booting.pop(ref)
         try:
-            ray.get(ref)
+            info = ray.get(ref)
         except RayActorError:  # killed while loading (a node lost, a test): try another one
             self.actors.pop(name, None)
             self._boot_failures += 1
@@ -210,6 +301,9 @@ class RayExecutor:
                 raise
             self._boot()
             return
+        if "failure" in info:  # a replacement engine that cannot load: the job cannot go on
+            self.actors.pop(name, None)
+            _raise_boot_failure(WorkerFailure.from_dict(info["failure"]))
         self._boot_failures = 0
         self.idle.append(name)
 
@@ -220,6 +314,14 @@ class RayExecutor:
         self._boot()
 
 
+def _raise_boot_failure(failure: WorkerFailure) -> None:
+    """An engine that failed to load on a worker: a bad job (exit 2) when the model or config is at
+    fault, otherwise a failure (exit 1); the message carries the worker's own error block."""
+    log.error("%s", failure.block())
+    message = f"the engine could not load on {failure.worker} (node {failure.node}): {failure.line}"
+    raise (ConfigError if failure.kind == BAD_JOB else FlashxError)(message)
+
+
 def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
+    lines = [line for line in clean(str(exc)).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__

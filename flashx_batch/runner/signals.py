@@ -1,9 +1,12 @@
 """SIGINT / SIGTERM → a stop request the executors poll, so in-flight shards can still commit.
 
-Who calls it: `runner.job.run` installs a `StopFlag` around the execution phase; executors check
-`stop.requested` before dispatching each shard. A second signal, or the grace period running out,
-ends the process at once with the same exit code: the commit protocol makes that safe (a resumed
-run cleans the half-written attempt), it only costs the work in flight.
+Who calls it: `runner.job.run` installs one `StopFlag` for the whole run, so a scheduler sees 130 /
+143 whatever the moment. While nothing is written yet (planning, preflight, Ray start-up) the flag
+is `immediate`: the first signal raises `Interrupted` at once. Once the output directory is open,
+executors check `stop.requested` before dispatching each shard, and the driver checks it again
+before the report and `_SUCCESS`. A second signal, or the grace period running out, ends the
+process at once with the same exit code: the commit protocol makes that safe (a resumed run
+cleans the half-written attempt), it only costs the work in flight.
 """
 
 from __future__ import annotations
@@ -18,9 +21,19 @@ log = logging.getLogger(__name__)
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
+class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt: not an error, a stop
+    """A signal arrived while nothing was written yet: the run ends at once with `code` (130 / 143)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"interrupted (exit {code})")
+        self.code = code
+
+
 class StopFlag:
-    def __init__(self, grace_period_s: float, on_force: Callable[[int], None] | None = None) -> None:
+    def __init__(self, grace_period_s: float, on_force: Callable[[int], None] | None = None,
+                 immediate: bool = False) -> None:
         self.grace_period_s = grace_period_s
+        self.immediate = immediate  # nothing written yet: the first signal stops at once
         self.signum: int | None = None
         self._on_force = on_force  # last words before a forced exit (job.json status)
         self._previous: dict[int, object] = {}
@@ -43,6 +56,9 @@ class StopFlag:
                 self._previous.setdefault(sig, previous)  # re-installing keeps the original to restore
         return self
 
+    def set_on_force(self, on_force: Callable[[int], None] | None) -> None:
+        self._on_force = on_force
+
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -52,6 +68,10 @@ class StopFlag:
 
     def request(self, signum: int) -> None:
         """Ask for a stop as if `signum` had arrived (tests, and the handler itself)."""
+        if self.immediate:
+            self.signum = signum
+            log.warning("%s received before any output was written: stopping", signal.Signals(signum).name)
+            raise Interrupted(self.exit_code)
         if self.signum is not None:
             log.warning("second signal: stopping now; in-flight shards will be redone on resume")
             self._force()

@@ -15,6 +15,24 @@ ERROR_COLUMNS = ("id", "error_code", "error_message", "stage")
 STATS_COLUMNS = ("shard_id", "bucket_min_len", "bucket_max_len", "rows", "rows_failed", "input_tokens",
                  "output_tokens", "padding_efficiency", "prefill_s", "decode_s", "wall_s", "output_tok_per_s",
                  "total_tok_per_s", "kv_bytes_peak", "cache_policy", "batch_size", "device", "attempt")
+# Columns we write into the row tables: no user-supplied column may take one of these names
+# (`data.passthrough_columns` is checked against it before the output directory is touched).
+RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS))
+
+
+def reserved_column_problem(passthrough: list[str]) -> str | None:
+    """Why `data.passthrough_columns` cannot be written as given, or None: a name we write ourselves
+    (it would replace the real value in every row), or a name listed twice."""
+    clash = [c for c in passthrough if c in RESERVED_COLUMNS]
+    if clash:
+        return (f"data.passthrough_columns lists {', '.join(map(repr, clash))}, a column name flashx-batch writes "
+                f"itself (reserved: {', '.join(RESERVED_COLUMNS)}); a passthrough copy would replace the real "
+                "value. Rename the input column, or drop it from data.passthrough_columns (the row id is always "
+                "written as `id`).")
+    twice = sorted({c for c in passthrough if passthrough.count(c) > 1})
+    if twice:
+        return f"data.passthrough_columns lists {', '.join(map(repr, twice))} more than once; list each column once."
+    return None
 
 
 def id_type(id_kind: str) -> pa.DataType:
@@ -31,6 +49,9 @@ def generations_table(ids: list[Any], id_kind: str, texts: list[str], finish: li
         "num_generated_tokens": pa.array(n_out, pa.int32()),
         "shard_id": pa.array([shard_id] * len(ids), pa.string()),
     }
+    clash = set(cols) & set(passthrough)
+    if clash:  # preflight refuses these; never let one reach a committed file
+        raise ValueError(f"passthrough column(s) {sorted(clash)} would overwrite output columns")
     cols.update(passthrough)
     return pa.table(cols)
 

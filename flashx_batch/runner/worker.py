@@ -29,7 +29,7 @@ from flashx_batch.data.preflight import data_columns
 from flashx_batch.data.readers import Frame, InputFile, read_frame
 from flashx_batch.data.validate import RowProblem, build_prompt
 from flashx_batch.job_errors import FatalEngineError
-from flashx_batch.runner.failures import FATAL, kind_of
+from flashx_batch.runner.failures import FATAL, WorkerFailure, kind_of
 from flashx_batch.runner.layout import OutputDir
 from flashx_batch.runner.tables import generations_table, stats_table
 
@@ -60,41 +60,69 @@ def row_seed(job_seed: int, row_id: Any) -> int:
 
 
 class ShardWorker:
-    def __init__(self, job: JobConfig, ctx: WorkerContext, name: str = "local") -> None:
-        from flashx_batch.runtime.engine import Engine  # deferred: the driver plans without loading torch models
-
+    def __init__(self, job: JobConfig, ctx: WorkerContext, name: str = "local", defer_errors: bool = False) -> None:
+        """Load the engine. `defer_errors` (Ray actors): a load failure is kept as `boot_failure` and
+        reported by `ready()` as data, instead of dying in the constructor, where Ray would keep only
+        its own header line of the cause."""
         self.job, self.ctx, self.name = job, ctx, name
-        options = dataclasses.asdict(job.engine_options(ctx.num_threads))
-        self.engine = Engine.from_pretrained(Path(ctx.model_dir), **options)
-        if self.engine.tokenizer is None:
-            raise RuntimeError(f"{ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")
+        self.node = socket.gethostname()
+        self.boot_failure: WorkerFailure | None = None
+        try:
+            self._load()
+        except Exception as exc:
+            if not defer_errors:
+                raise
+            self.boot_failure = WorkerFailure.from_exception(exc, node=self.node, worker=name, shard_id="(engine load)")
         self.out = OutputDir(ctx.output_dir, ctx.faults)
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()
         self._columns = data_columns(job.data)
+        self._text_column = job.data.messages_column or job.data.prompt_column
+
+    def _load(self) -> None:
+        from flashx_batch.runtime.engine import Engine  # deferred: the driver plans without loading torch models
+
+        options = dataclasses.asdict(self.job.engine_options(self.ctx.num_threads))
+        self.engine = Engine.from_pretrained(Path(self.ctx.model_dir), **options)
+        if self.engine.tokenizer is None:
+            raise RuntimeError(f"{self.ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")
 
     def ready(self) -> dict[str, Any]:
-        """Cheap call the Ray executor awaits to know the engine loaded (and where)."""
+        """Cheap call the Ray executor awaits to know the engine loaded (and where), or why it did not
+        (`failure`: a WorkerFailure as a dict)."""
+        if self.boot_failure is not None:
+            return {"name": self.name, "failure": self.boot_failure.as_dict(), "pid": os.getpid()}
         return {"name": self.name, "device": str(self.engine.device), "pid": os.getpid()}
 
     def run_shard(self, spec: ShardSpec, attempt: int) -> dict[str, Any]:
         """Generate and commit one shard (or piece of one); returns its summary (committed=False if
-        another attempt won). On failure the attempt's staging directory is removed before raising;
-        a fatal engine error also retires this worker (`dead`): every later call raises at once, and
-        the executors replace it rather than retry on it."""
-        if self.dead is not None:
-            raise FatalEngineError(f"{self.name}: the engine failed earlier ({self.dead}); replace this worker")
-        staging = self.out.start_attempt(spec.shard_id, attempt)  # visible while the shard runs
+        another attempt won), or `{"failure": WorkerFailure dict}` when the try failed: errors travel
+        as data, with their real type, message and frames. On failure the attempt's staging
+        directory is removed first; a fatal engine error also retires this worker (`dead`): every
+        later call fails at once, and the executors replace it rather than retry on it."""
+        try:
+            if self.boot_failure is not None:
+                raise FatalEngineError(f"{self.name}: the engine did not load ({self.boot_failure.line})")
+            if self.dead is not None:
+                raise FatalEngineError(f"{self.name}: the engine failed earlier ({self.dead}); replace this worker")
+            staging = self.out.start_attempt(spec.shard_id, attempt)  # visible while the shard runs
+        except Exception as exc:
+            return self._failed(exc, spec, attempt)
         try:
             return self._run(spec, attempt, staging)
         except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True)  # a full disk gets its space back at once
-            if isinstance(exc, Exception) and kind_of(exc) == FATAL:
+            if not isinstance(exc, Exception):
+                raise
+            if kind_of(exc) == FATAL:
                 self.dead = f"{type(exc).__name__}: {exc}"
-                if not isinstance(exc, FatalEngineError):
-                    raise FatalEngineError(self.dead) from exc  # a type the driver recognises through Ray
-            raise
+            return self._failed(exc, spec, attempt)
+
+    def _failed(self, exc: Exception, spec: ShardSpec, attempt: int) -> dict[str, Any]:
+        failure = WorkerFailure.from_exception(exc, node=self.node, worker=self.name, shard_id=spec.shard_id,
+                                               attempt=attempt)
+        return {"shard_id": spec.shard_id, "attempt": attempt, "worker": self.name, "failure": failure.as_dict()}
 
     def _run(self, spec: ShardSpec, attempt: int, staging: Path) -> dict[str, Any]:
         from flashx_batch.runtime.sampling import SamplingParams
@@ -166,7 +194,7 @@ class ShardWorker:
         if fi in self._frames:
             self._frames.move_to_end(fi)
             return self._frames[fi]
-        frame = read_frame(self.ctx.files[fi], self._columns)
+        frame = read_frame(self.ctx.files[fi], self._columns, self._text_column)
         self._frames[fi] = frame
         if len(self._frames) > _FRAME_CACHE:
             self._frames.popitem(last=False)

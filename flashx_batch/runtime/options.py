@@ -59,7 +59,6 @@ class EngineOptions:
              f"cache_policy={self.cache_policy!r} is not one of {', '.join(CACHE_POLICIES)}"),
             (self.long_input in LONG_INPUT_POLICIES,
              f"long_input={self.long_input!r} is not one of {', '.join(LONG_INPUT_POLICIES)}"),
-            (self.dtype in DTYPES, f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}"),
             (0.0 <= self.kv_merge_fraction <= 1.0,
              f"kv_merge_fraction must be in [0, 1], got {self.kv_merge_fraction}"),
             (0.0 <= self.kv_evict_share <= 1.0, f"kv_evict_share must be in [0, 1], got {self.kv_evict_share}"),
@@ -76,6 +75,8 @@ class EngineOptions:
             (self.cuda_graphs in CUDA_GRAPHS,
              f"cuda_graphs={self.cuda_graphs!r} is not one of {', '.join(CUDA_GRAPHS)}"),
         ]
+        if self.dtype not in DTYPES:  # the job config calls it model.dtype, the engine dtype
+            raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}.")
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"runtime.{message}.")

@@ -9,6 +9,7 @@ the softmax it perturbs, which the frequency test checks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.max_new_tokens < 1:
             raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):  # nan empties every text, inf samples noise
+                raise ConfigError(f"sampling.{name}={getattr(self, name)} is not a finite number.")
         if self.temperature < 0:
             raise ConfigError(f"sampling.temperature must be >= 0, got {self.temperature}.")
         if self.top_k < 0:
