@@ -18,7 +18,6 @@ import signal
 import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from batch_support import (
@@ -481,14 +480,3 @@ def test_a_backend_the_cluster_lacks_is_refused_before_output_dir_is_touched(mod
     out = tmp_path / "out"
     assert run(compose_job(overrides(model, data, out, "executor.kind=ray", "runtime.backend=cuda"))) == 2
     assert "GPU" in caplog.text and not out.exists()
-
-
-def test_error_tables_never_take_user_columns(model, tmp_path):
-    """The reserved namespace covers the errors table too: its columns are exactly ours."""
-    rows = sample_rows(4)
-    rows[1]["prompt"] = None
-    data = write_parquet(tmp_path / "in.parquet", rows)
-    out = tmp_path / "out"
-    assert run(_job(model, data, out, "data.passthrough_columns=[source]")) == 0
-    assert pq.read_table(out / "errors").column_names == ["id", "error_code", "error_message", "stage"]
-    assert pq.read_table(out / "generations").schema.field("source").type == pa.string()
