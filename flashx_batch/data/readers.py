@@ -216,6 +216,9 @@ def _read_jsonl(path: Path, data: bytes, columns: list[str]) -> Frame:
             record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg}); the file is corrupt.") from None
+        except (ValueError, RecursionError) as exc:  # a number past Python's digit limit, nesting too deep
+            raise InputError(f"{path}:{lineno}: cannot be read as JSON ({type(exc).__name__}: "
+                             f"{str(exc)[:120]}).") from None
         if not isinstance(record, dict):
             raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}.")
         seen.update(record)

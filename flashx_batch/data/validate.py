@@ -75,8 +75,8 @@ def check_messages(value: Any, max_bytes: int) -> list[dict[str, str]] | RowProb
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
-            return RowProblem(BAD_TYPE, "messages is a string that is not JSON")
+        except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, too deep
+            return RowProblem(BAD_TYPE, "messages is a string that is not JSON (or nests / numbers too large)")
     if not isinstance(value, list):
         return RowProblem(BAD_TYPE, f"messages is a {type(value).__name__}, expected a list of {{role, content}}")
     if not value:

@@ -75,7 +75,7 @@ def run(job: JobConfig, *, out: TextIO | None = None,
     except LockHeldError as exc:
         log.error("%s", exc)
         return EXIT_TEMPFAIL
-    except ConfigError as exc:
+    except (ConfigError, ModelLoadError) as exc:  # a model that cannot load is the job's, not the machine's
         log.error("%s", exc)
         return EXIT_BAD_JOB
     except FlashxError as exc:
@@ -153,15 +153,20 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
 
 
 def _check_output_outside_input(job: JobConfig, data_path: str, loaded: LoadedInput | None = None) -> None:
-    """output.dir inside the input would read last run's outputs as input on the next run."""
+    """output.dir inside the input would read the job's own outputs as input on the next run. Checked
+    before reading (a data.path directory, which is read recursively) and after (any input file
+    found under output.dir, e.g. through a recursive glob)."""
     out = Path(job.output.dir).expanduser().resolve()
-    base = Path(data_path.split("*")[0].split("?")[0].split("[")[0] or ".").expanduser().resolve()
-    inside = [f.path for f in loaded.files if out in Path(f.path).resolve().parents] if loaded else []
-    if inside or (loaded is None and base.is_dir() and (out == base or base in out.parents)):
-        raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}"
-                          + (f" (it would read {inside[0]} as input)" if inside else "")
-                          + "; every rerun would read the job's own outputs as input. Put output.dir outside "
-                          "the input directory.")
+    if loaded is None:
+        base = Path(data_path).expanduser().resolve()
+        inside = not any(ch in data_path for ch in "*?[") and base.is_dir() and (out == base or base in out.parents)
+        where = ""
+    else:
+        found = [f.path for f in loaded.files if out in Path(f.path).resolve().parents]
+        inside, where = bool(found), (f" (it would read {found[0]} as input)" if found else "")
+    if inside:
+        raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}{where}; every rerun "
+                          "would read the job's own outputs as input. Put output.dir outside the input directory.")
 
 
 def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFlag) -> int:
