@@ -9,7 +9,8 @@ run writes to `<output.dir>/<the swept keys of that run>` (e.g. `runtime.max_bat
 Hydra's `multirun.yaml` lands in `<output.dir>` itself.
 
 Exit codes: a composition error (unknown key, bad value, unknown preset) is a bad job → 2, not
-Hydra's 1; a multirun exits with the most severe code of its runs.
+Hydra's 1; a multirun exits with the most severe code of its runs, and a SIGINT / SIGTERM stops
+the sweep (130 / 143) instead of moving on to the next point.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ def _find_swept(args: list[str]) -> set[str]:
     return {o.key_or_group for o in parsed if o.is_sweep_override()}
 
 
-def _severity(code: int) -> int:
-    """Order for combining multirun codes: bad job > failure > interrupted > ok."""
-    return {0: 0, 130: 1, 143: 1, 1: 2, 2: 3}.get(code, 2)
+def _severity(code: int) -> float:
+    """Order for combining multirun codes: bad job > failure > try later > interrupted > ok."""
+    return {0: 0, 130: 1, 143: 1, 75: 1.5, 1: 2, 2: 3}.get(code, 2)
 
 
 def setup_logging(level: str) -> None:
@@ -77,6 +78,8 @@ def _entry(cfg: DictConfig) -> int:
 
     code = run(job)
     _codes.append(code)
+    if code in (130, 143) and hc.mode == RunMode.MULTIRUN:
+        raise SystemExit(code)  # a signal stops the whole sweep, not just this point of it
     return code
 
 
@@ -96,4 +99,6 @@ def main() -> None:
             sys.exit(2)
         if not _codes:
             raise
+        if exc.code in (130, 143):  # a sweep stopped by a signal says so, whatever its earlier points did
+            sys.exit(exc.code)
     sys.exit(max(_codes, key=_severity) if _codes else 2)

@@ -43,3 +43,7 @@ class InputChangedError(InputError):
 
 class LockHeldError(OutputDirError):
     """Another live run holds `output.dir`'s lock: not a bad job, try again later (exit 75)."""
+
+
+class InputUnavailableError(FlashxError):
+    """An input file cannot be read on this worker (missing there): retried, then the job fails (exit 1)."""

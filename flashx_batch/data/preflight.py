@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -39,9 +40,17 @@ def data_columns(data: DataSection) -> list[str]:
     return list(dict.fromkeys(cols))
 
 
-def load_inputs(data: DataSection, resolved_path: str) -> LoadedInput:
-    """Resolve, read and check the input. Raises InputError; returns the frames for planning."""
+def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None = None) -> LoadedInput:
+    """Resolve, read and check the input. Raises InputError; returns the frames for planning.
+    `refuse_under` (the job's output directory): an input file found under it is refused before it
+    is read, since it is one of the job's own outputs."""
     files = resolve_inputs(resolved_path, data.format)
+    if refuse_under is not None:
+        mine = [f.path for f in files if refuse_under in Path(f.path).resolve().parents]
+        if mine:
+            raise InputError(f"data.path={data.path} matches {mine[0]} under output.dir={refuse_under}: every rerun "
+                             "would read the job's own outputs as input. Put output.dir outside the input, or "
+                             "narrow data.path.")
     cols = data_columns(data)
     text_col = data.messages_column or data.prompt_column
     frames = [read_frame(f, cols, text_col) for f in files]

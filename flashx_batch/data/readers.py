@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from flashx_batch.job_errors import InputChangedError, InputError
+from flashx_batch.job_errors import InputChangedError, InputError, InputUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,10 @@ def read_verified(file: InputFile) -> bytes:
     try:
         data = Path(file.path).read_bytes()
     except FileNotFoundError:
-        raise InputChangedError(f"{file.path} was removed after the job was planned; restore it, or start the "
-                                "job again into a new output.dir.") from None
+        # not a bad job by itself: on a cluster this node may lack the mount (retried elsewhere)
+        raise InputUnavailableError(f"{file.path}: not found on {socket.gethostname()} (removed after the job was "
+                                    "planned, or not mounted on this node); input files must be readable by every "
+                                    "worker.") from None
     if len(data) != file.size or hashlib.sha256(data).hexdigest() != file.sha256:
         raise InputChangedError(describe_change(file, data))
     return data
@@ -111,27 +114,50 @@ def describe_change(file: InputFile, data: bytes) -> str:
 
 
 def verify_unchanged(files: list[InputFile]) -> None:
-    """Every input file still holds what was planned (the driver's last check before `_SUCCESS`)."""
+    """Every input file still holds what was planned (the driver's last check before `_SUCCESS`;
+    streamed, so a large input is hashed without being held in memory)."""
     for f in files:
-        read_verified(f)
+        path = Path(f.path)
+        if not path.is_file():
+            raise InputChangedError(f"{f.path} was removed while the job ran; the rows committed came from the "
+                                    "planned version. Restore it, or run the job into a new output.dir.")
+        if path.stat().st_size != f.size or _sha256(path) != f.sha256:
+            raise InputChangedError(describe_change(f, path.read_bytes()))
 
 
 def _dir_files(d: Path) -> list[Path]:
     if (d / "dataset_dict.json").is_file():
-        splits = json.loads((d / "dataset_dict.json").read_text()).get("splits", [])
-        example = d / (splits or ["train"])[0]
+        splits = _marker(d / "dataset_dict.json").get("splits") or ["train"]
+        example = d / str(splits[0] if isinstance(splits, list) else "train")
         raise InputError(f"{d} is a `datasets` DatasetDict; point data.path at one split, e.g. {example}.")
     if (d / "state.json").is_file():  # `Dataset.save_to_disk`: Arrow IPC stream shards listed in state.json
-        state = json.loads((d / "state.json").read_text())
-        files = [d / entry["filename"] for entry in state.get("_data_files", [])]
+        entries = _marker(d / "state.json").get("_data_files", [])
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("filename"), str)
+                                                    for e in entries):
+            raise InputError(f"{d / 'state.json'}: `_data_files` is not a list of {{filename}} entries; the "
+                             "`datasets` folder is damaged (save it again), or remove state.json.")
+        files = [d / entry["filename"] for entry in entries]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise InputError(f"{d}/state.json lists missing data files: {', '.join(missing)}.")
         return files
-    files = sorted(f for f in d.rglob("*") if f.is_file() and f.suffix in SUFFIX_FORMATS and not _hidden(f, d))
+    files = sorted(f for f in d.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIX_FORMATS and not _hidden(f, d))
     if not files:
         raise InputError(f"data.path={str(d)!r}: the directory holds no .parquet / .jsonl / .csv / .arrow files.")
     return files
+
+
+def _marker(path: Path) -> dict[str, Any]:
+    """A `datasets` marker file (state.json, dataset_dict.json) as a dict; InputError if it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise InputError(f"{path}: not valid JSON ({str(exc)[:80]}); the `datasets` folder is damaged (save it "
+                         "again), or remove the file if the folder holds plain data files.") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: holds a JSON {type(value).__name__}, not the object `datasets` writes; save the "
+                         "dataset again, or remove the file.")
+    return value
 
 
 def _hidden(f: Path, root: Path) -> bool:
@@ -141,9 +167,9 @@ def _hidden(f: Path, root: Path) -> bool:
 def _format_of(f: Path, fmt: str) -> str:
     if fmt != "auto":
         return fmt
-    if f.suffix not in SUFFIX_FORMATS:
+    if f.suffix.lower() not in SUFFIX_FORMATS:
         raise InputError(f"{f}: cannot tell the format from the suffix; set data.format=parquet|jsonl|csv|arrow.")
-    return SUFFIX_FORMATS[f.suffix]
+    return SUFFIX_FORMATS[f.suffix.lower()]
 
 
 def _sha256(f: Path) -> str:
@@ -162,7 +188,7 @@ def read_frame(file: InputFile, columns: list[str], text_column: str | None = No
         if file.format == "jsonl":
             return _read_jsonl(Path(file.path), data, columns)
         table = _read_arrow_table(file, data, columns, text_column)
-    except InputError:
+    except (InputError, MemoryError):  # running out of memory is the machine's state, not the file's
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None

@@ -100,9 +100,9 @@ def unrendered_message(messages: list[dict[str, str]], rendered: str) -> RowProb
     """The first message whose content the template left out of the prompt, as a problem; None if all are in.
 
     Templates render only the roles they know (`usr`, `tool` and typos vanish without a word), and a
-    prompt missing a turn is a different question. Contents must appear in order; for an assistant
-    turn only the text after its last `</think>` counts (reasoning templates drop earlier thinking)."""
-    pos = 0
+    prompt missing a turn is a different question. Each content is looked for on its own (templates
+    may move a system turn, e.g. next to the last user turn); for an assistant turn only the text
+    after its last `</think>` counts (reasoning templates drop earlier thinking)."""
     for i, m in enumerate(messages):
         content = m["content"]
         if m["role"] == "assistant" and "</think>" in content:
@@ -110,12 +110,10 @@ def unrendered_message(messages: list[dict[str, str]], rendered: str) -> RowProb
         content = content.strip()
         if not content:
             continue
-        found = rendered.find(content, pos)
-        if found < 0:
+        if content not in rendered:
             return RowProblem(UNRENDERED_MESSAGE, f"messages[{i}] (role {m['role']!r}) does not appear in the prompt "
                                                   "the model's chat template renders; the template leaves that role "
                                                   "out. Use the roles the template knows (system, user, assistant).")
-        pos = found + len(content)
     return None
 
 

@@ -46,6 +46,7 @@ PACKED = {
 }
 TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm.weight",
              "lm_head.weight": "lm_head.weight"}
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}  # safetensors dtype names we convert exactly
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -57,7 +58,11 @@ def weight_files(model_dir: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: not a safetensors index with a weight_map ({type(exc).__name__}); "
+                                 "save the checkpoint again.") from None
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise ModelLoadError(f"{index}: lists shard files that do not exist: {missing}.")
@@ -161,6 +166,12 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
     unsupported architecture, missing or truncated weight files, tensors missing or of the wrong
     shape. Reads no tensor data, allocates no weights (the model is built on the meta device)."""
     cfg = ModelConfig.from_dir(model_dir)
+    quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ModelLoadError(f"{model_dir}/config.json: a pre-quantized checkpoint (quant_method={method}) is not "
+                             "supported; its weights would be read as plain floats. Use the float checkpoint (with "
+                             "runtime.precision_map for our own int8 / int4).")
     with torch.device("meta"):
         model = DecoderModel(cfg, torch.float32, torch.device("meta"))
     params = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -172,6 +183,9 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
             if mapped is None or mapped[0] not in params:
                 continue
             name, part = mapped
+            if info.get("dtype") not in _FLOAT_DTYPES:
+                raise ModelLoadError(f"{path.name}:{hf_name}: dtype {info.get('dtype')} is not a float format this "
+                                     f"runtime loads ({', '.join(sorted(_FLOAT_DTYPES))}).")
             shape = tuple(int(d) for d in info["shape"])
             if part is None:
                 _check_shape(params[name], shape, name, f"{path.name}:{hf_name}")

@@ -88,6 +88,11 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
+def digest(fp: dict[str, Any]) -> str:
+    """A short digest of a whole fingerprint: stamped on each manifest, so pieces of another job are told apart."""
+    return _digest(sorted(fp.items(), key=lambda kv: kv[0]))
+
+
 def _digest(value: Any) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 

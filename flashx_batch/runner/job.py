@@ -22,6 +22,7 @@ import contextlib
 import errno
 import logging
 import platform
+import re
 import sys
 import time
 from collections import Counter
@@ -85,7 +86,8 @@ def run(job: JobConfig, *, out: TextIO | None = None,
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             log.exception("job failed")
             return EXIT_FAILED
-        log.error("job failed: %s%s. The committed shards are safe; fix the cause and rerun the same command.",
+        log.error("job failed: %s%s. Fix the cause and rerun the same command (committed shards, if any, are "
+                  "kept).",
                   exc.strerror or exc, f" ({exc.filename})" if exc.filename else "")
         return EXIT_FAILED
     except Exception:
@@ -107,6 +109,9 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
 
     try:
         preflight_model(job, model_dir)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
         tokenizer = Tokenizer(model_dir)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
@@ -117,9 +122,11 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
         raise ConfigError(f"data.messages_column={job.data.messages_column} needs a chat template, and "
                           f"{model_dir} has none.")
     data_path = resolve_data_path(job.data.path)
-    _check_output_outside_input(job, data_path)
-    loaded = load_inputs(job.data, data_path)
-    _check_output_outside_input(job, data_path, loaded)
+    out = Path(job.output.dir).expanduser().resolve()
+    if _reads_outputs_of(data_path, out):
+        raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}: every rerun would read "
+                          "the job's own outputs as input. Put output.dir outside the input.")
+    loaded = load_inputs(job.data, data_path, refuse_under=out)
     return model_dir, loaded, build_plan(job, loaded, tokenizer)
 
 
@@ -135,6 +142,9 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
     if cfg.sliding_window is not None and needed > cfg.sliding_window:
         raise ConfigError(f"runtime.max_input_len + max_output_len = {needed} exceeds the model's sliding_window="
                           f"{cfg.sliding_window}; sliding-window attention is not implemented, keep rows within it.")
+    if options.backend == "onnx" and options.precision_map:
+        raise ConfigError("runtime.precision_map does not apply to backend=onnx (the export needs float weights); "
+                          "drop one of the two.")
     if job.executor.kind == "local" and options.backend != "onnx":
         import torch
 
@@ -144,6 +154,9 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
         dtype = backend.default_dtype if options.dtype == "auto" else getattr(torch, options.dtype)
         if dtype not in backend.supported_dtypes:
             raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
+        if options.cuda_graphs == "on" and not backend.supports_graphs:
+            raise ConfigError(f"runtime.cuda_graphs=on needs a backend that captures CUDA graphs (cuda); this job "
+                              f"runs on {backend.name}. Use cuda_graphs=auto or off.")
     elif options.backend not in ("auto", "onnx"):
         from flashx_batch.backends import BACKENDS
 
@@ -152,21 +165,49 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
                               f"{', '.join(BACKENDS)}.")
 
 
-def _check_output_outside_input(job: JobConfig, data_path: str, loaded: LoadedInput | None = None) -> None:
-    """output.dir inside the input would read the job's own outputs as input on the next run. Checked
-    before reading (a data.path directory, which is read recursively) and after (any input file
-    found under output.dir, e.g. through a recursive glob)."""
-    out = Path(job.output.dir).expanduser().resolve()
-    if loaded is None:
+def _reads_outputs_of(data_path: str, out: Path) -> bool:
+    """Would `data_path` pick up the Parquet files a job writes under `out` (a data.path directory is
+    read recursively; a glob is matched as glob.glob would)? Checked before the first run writes
+    any; `load_inputs(refuse_under=)` catches the files already there."""
+    probe = out / "generations" / "part-x.parquet"
+    if not any(ch in data_path for ch in "*?["):
         base = Path(data_path).expanduser().resolve()
-        inside = not any(ch in data_path for ch in "*?[") and base.is_dir() and (out == base or base in out.parents)
-        where = ""
-    else:
-        found = [f.path for f in loaded.files if out in Path(f.path).resolve().parents]
-        inside, where = bool(found), (f" (it would read {found[0]} as input)" if found else "")
-    if inside:
-        raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}{where}; every rerun "
-                          "would read the job's own outputs as input. Put output.dir outside the input directory.")
+        return base.is_dir() and (out == base or base in out.parents)
+    pattern = str(Path(data_path).expanduser())
+    if not Path(pattern).is_absolute():
+        pattern = str(Path.cwd() / pattern)
+    return re.fullmatch(_glob_regex(pattern), str(probe)) is not None
+
+
+def _glob_regex(pattern: str) -> str:
+    """glob.glob(recursive=True) semantics as a regex: `**/` any directories, `*` and `?` within one."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.find("]", i + 1)
+            if end < 0:
+                out.append(re.escape("["))
+                i += 1
+            else:
+                body = pattern[i + 1:end]
+                out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+                i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return "".join(out)
 
 
 def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFlag) -> int:
@@ -176,14 +217,15 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
         out.write(f"dry run: {len(plan.shards)} generate shard(s) planned; nothing was written.\n")
         return EXIT_OK
     output = OutputDir(job.output.dir, faults.driver_faults(job.executor.faults))
-    with contextlib.ExitStack() as stack:
+    stack = contextlib.ExitStack()
+    wrote = False
+    try:
         if job.executor.kind == "ray" and not (output.root / SUCCESS).exists():  # a finished job needs no Ray
             from flashx_batch.runner.ray_executor import probe_cluster, ray_session
 
             stack.enter_context(ray_session(job, stop))
             probe_cluster(job)
         output.lock()
-        wrote = False
         try:
             previous, committed = _open_previous(output)
             model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
@@ -201,11 +243,17 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
                 log.warning("%s: replacing the job.json of a run that committed no generated row (%s)",
                             output.root, "; ".join(differences[:3]))
                 output.reset()
-                previous, committed = None, {}
+                previous = None
+            # only now, once this job owns the directory: pieces stamped by another job are un-committed
+            output.job_digest = fingerprint.digest(fp)
+            committed = output.committed()
             return _execute(job, plan, loaded, model_dir, output, previous, committed, fp, model_stats,
                             on_dispatch, stop)
         finally:
+            stack.close()  # Ray down (no actor left to commit) before the lock is released
             output.unlock(clean=not wrote)
+    finally:
+        stack.close()
 
 
 def _open_previous(output: OutputDir) -> tuple[dict | None, dict[str, dict]]:
@@ -243,8 +291,6 @@ def _replaceable(committed: dict[str, dict], output: OutputDir) -> bool:
 def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
              previous: dict | None, committed: dict[str, dict], fp: dict, model_stats: dict,
              on_dispatch: Callable | None, stop: StopFlag) -> int:
-    output.prepare()
-    output.clean_orphans(set(committed))
     record = {
         "status": "running", "fingerprint": fp, "config": asdict(job), "plan": plan.summary(),
         "input_files": [f.manifest() for f in plan.files],
@@ -252,18 +298,22 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
         "runs": [*(previous or {}).get("runs", []), {"started_at": time.time(), "resumed_shards": len(committed)}],
     }
 
-    final: list[str] = []  # the status job.json was last given by finish()
+    final: list[str] = []  # the status finish() last wrote to job.json
 
     def finish(status: str, **extra: Any) -> None:
-        final[:] = [status]
         output.write_job({**record, "status": status, "accounting": accounting(plan, output.committed()), **extra})
+        final[:] = [status]
 
     stop.set_on_force(lambda code: finish("interrupted", exit_code=code))  # last words before os._exit
     try:
+        output.prepare()
+        output.clean_orphans(set(committed))
         output.write_job(record)
         return _execute_recorded(job, plan, loaded, model_dir, output, finish, on_dispatch, stop)
     except BaseException as exc:  # whatever ends the run, job.json says how, with its accounting
-        if not final or (isinstance(exc, OSError) and final == ["succeeded"]):
+        with contextlib.suppress(OSError):
+            (output.root / SUCCESS).unlink(missing_ok=True)  # a half-written success is no success
+        if not final or final == ["succeeded"]:
             status, extra = _status_of(exc)
             try:
                 finish(status, **extra)
@@ -299,7 +349,8 @@ def _execute_recorded(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir
     progress = Progress(plan.num_valid, plan.num_valid - sum(p.num_rows for p in pending),
                         job.executor.progress_interval_s)
     ctx = WorkerContext(str(model_dir), str(output.root), loaded.files, loaded.id_kind,
-                        _passthrough_types(job, loaded), faults=faults.load(job.executor.faults))
+                        _passthrough_types(job, loaded), faults=faults.load(job.executor.faults),
+                        job_digest=output.job_digest)
     del loaded  # the frames are the job's largest objects; workers re-read what they need
     result = _dispatch(job, ctx, pending, stop, progress, on_dispatch, FailedRows(output, plan.ref_ids,
                                                                                    plan.id_kind))
@@ -338,6 +389,7 @@ def _execute_recorded(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir
     if stop.requested:
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
+    stop.set_on_force(None)  # past here a forced exit must not overwrite the success being written
     finish("succeeded", totals=totals, finished_at=time.time(), worker_failures=failures)
     write_atomic(output.root / SUCCESS, _json(totals))
     log.info("done: %d generated, %d error rows, %d output tokens -> %s", totals["generated_rows"],

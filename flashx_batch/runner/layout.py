@@ -74,10 +74,13 @@ class TornJobJsonError(OutputDirError):
 
 
 class OutputDir:
-    def __init__(self, root: str | Path, faults: Faults | None = None) -> None:
-        """`faults`: armed fault hooks (tests); None in production, and then no hook is called."""
+    def __init__(self, root: str | Path, faults: Faults | None = None, job_digest: str | None = None) -> None:
+        """`faults`: armed fault hooks (tests); None in production, and then no hook is called.
+        `job_digest`: the fingerprint digest of the job this process writes for, stamped on every
+        manifest it commits, so a late attempt of an earlier, replaced job is recognised as foreign."""
         self.root = Path(root)
         self.faults = faults
+        self.job_digest = job_digest
         self._lock_fd: int | None = None
         self._created: list[Path] = []  # what lock() created (removed again by a run that wrote nothing)
 
@@ -96,8 +99,6 @@ class OutputDir:
     def read_job(self) -> dict[str, Any] | None:
         """job.json of an existing job, None for a new or empty directory; OutputDirError if not ours,
         TornJobJsonError if job.json cannot be read as a job record."""
-        if self.root.exists() and not self.root.is_dir():
-            raise OutputDirError(f"output.dir={self.root} is a file, not a directory; pick a directory path.")
         if self.job_json.is_file():
             try:
                 record = json.loads(self.job_json.read_text())
@@ -122,19 +123,26 @@ class OutputDir:
         self._created = [] if self.root.exists() else [self.root]
         if not (self.root / LOCK).exists():
             self._created.insert(0, self.root / LOCK)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise OutputDirError(f"output.dir={self.root} cannot be written ({exc.strerror or exc}); pick a "
-                                 "directory this user can write to, on a writable filesystem.") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        for _ in range(3):
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise OutputDirError(f"output.dir={self.root} cannot be written ({exc.strerror or exc}); pick a "
+                                     "directory this user can write to, on a writable filesystem.") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise LockHeldError(f"another run is writing to {self.root} (it holds {self.root / LOCK}); try "
+                                    "again once it has finished.") from None
+            # a refused run removes the lock file it created: a lock taken on that unlinked file is no lock
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_ino == os.stat(self.root / LOCK).st_ino:
+                    self._lock_fd = fd
+                    return
             os.close(fd)
-            raise LockHeldError(f"another run is writing to {self.root} (it holds {self.root / LOCK}); try again "
-                                "once it has finished.") from None
-        self._lock_fd = fd
+        raise LockHeldError(f"{self.root / LOCK} keeps being replaced by other runs; try again later.")
 
     def unlock(self, clean: bool = False) -> None:
         """Release the lock. `clean`: this run wrote nothing, so remove the lock file and directory if
@@ -154,38 +162,41 @@ class OutputDir:
             shutil.rmtree(self.root / name, ignore_errors=True)
         for name in (JOB_JSON, SUCCESS):
             (self.root / name).unlink(missing_ok=True)
+        for tmp in self.root.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
 
     def prepare(self) -> None:
         for d in (*KINDS, MANIFEST_DIR, ATTEMPTS_DIR):
             (self.root / d).mkdir(parents=True, exist_ok=True)
 
     def write_job(self, record: dict[str, Any]) -> None:
-        """Replace job.json atomically. On a full disk, fall back to rewriting the file in place with a
-        compact record (no new blocks when it is no larger), so the status never stays `running`;
-        the error is raised either way, for the caller to report."""
+        """Replace job.json atomically. On a full disk a final status (not `running`) falls back to
+        rewriting the file in place: a compact record padded with spaces to the old size, so no new
+        block is needed and the room stays for the next such write. The error is raised either way,
+        for the caller to report."""
         text = json.dumps(record, indent=2, default=str) + "\n"
         try:
             if self.faults is not None:
                 self.faults.fire("job_json", str(record.get("status")), 0)
             write_atomic(self.job_json, text)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or not self.job_json.is_file():
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or record.get("status") == "running" \
+                    or not self.job_json.is_file():
                 raise
-            compact = json.dumps(record, separators=(",", ":"), default=str)
-            if len(compact.encode()) > self.job_json.stat().st_size:
+            compact = json.dumps(record, separators=(",", ":"), default=str).encode()
+            size = self.job_json.stat().st_size
+            if len(compact) > size:
                 raise  # writing past the old size needs new blocks: it would tear the file
-            try:
-                with open(self.job_json, "r+") as fh:
-                    fh.write(compact)
-                    fh.truncate()
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), open(self.job_json, "r+b") as fh:
+                fh.write(compact + b" " * (size - len(compact)))
+                fh.flush()
+                os.fsync(fh.fileno())
             raise
 
     def committed(self) -> dict[str, dict[str, Any]]:
-        """shard id -> manifest, for every shard whose manifest and files are all present."""
+        """shard id -> manifest, for every shard whose manifest and files are all present and which was
+        written for this job (a manifest stamped with another job's digest is un-committed: a late
+        attempt of a replaced job; unstamped manifests are from before stamping and kept)."""
         out: dict[str, dict[str, Any]] = {}
         mdir = self.root / MANIFEST_DIR
         if not mdir.is_dir():
@@ -195,6 +206,11 @@ class OutputDir:
                 manifest = json.loads(m.read_text())
             except json.JSONDecodeError:  # only the no-hard-link fallback can leave a torn manifest
                 log.warning("shard %s: unreadable manifest; it will be redone", m.stem)
+                m.unlink()
+                continue
+            digest = manifest.get("job_digest")
+            if self.job_digest is not None and digest is not None and digest != self.job_digest:
+                log.warning("shard %s: committed by a run of another job (%s); it will be redone", m.stem, digest)
                 m.unlink()
                 continue
             missing = [k for k in manifest["files"] if not self.part(k, manifest["shard_id"]).is_file()]
@@ -268,7 +284,8 @@ class OutputDir:
                 self._fire_write(shard_id, attempt, kind, path, table)
             pq.write_table(table, path)
             fsync_path(path)
-        record = {**manifest, "shard_id": shard_id, "attempt": attempt, "files": sorted(tables)}
+        record = {**manifest, "shard_id": shard_id, "attempt": attempt, "files": sorted(tables),
+                  "job_digest": self.job_digest}
         with open(staging / "manifest.json", "w") as fh:
             json.dump(record, fh, indent=1, default=str)
             fh.flush()

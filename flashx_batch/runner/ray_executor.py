@@ -62,12 +62,17 @@ def start_ray(ray: Any, job: JobConfig, stop: StopFlag) -> bool:
         return False
     try:
         _init_ray(ray, job.executor.address)
-    except SystemExit:
+    except SystemExit as exc:
         with contextlib.suppress(Exception):
             ray.shutdown()
+        if exc.code not in (signal.SIGTERM, 1):  # Ray's two SIGTERM handlers exit with these
+            raise
         stop.signum = signal.SIGTERM
         log.warning("SIGTERM received while Ray was starting: stopping")
         raise Interrupted(stop.exit_code) from None
+    except ConnectionError as exc:
+        raise FlashxError(f"cannot reach the Ray cluster at executor.address={job.executor.address}: "
+                          f"{_first_line(exc)}; check the address and that the cluster is up.") from None
     finally:
         stop.install()  # after ray.init, so our handlers are the ones in place
     return True
@@ -102,14 +107,18 @@ def probe_cluster(job: JobConfig) -> None:
         raise ConfigError(f"runtime.backend={job.runtime.backend}: one actor needs {short}, and the Ray cluster offers "
                           f"{ {k: resources.get(k, 0) for k in short} }; pick a backend the cluster has, or add "
                           "nodes with those resources.")
-    backend = _backend_name(job, resources)
+    backend = job.runtime.backend  # as given: `auto` resolves on the worker, as the engine will (rocm too)
     ref = ray.remote(_probe_backend).options(**options).remote(backend)
     ready, _ = ray.wait([ref], timeout=_PROBE_TIMEOUT_S)
     if not ready:
         ray.cancel(ref, force=True)
         log.warning("backend probe not scheduled within %.0fs (a busy cluster?); going on without it", _PROBE_TIMEOUT_S)
         return
-    failure = ray.get(ref)
+    try:
+        failure = ray.get(ref)
+    except Exception as exc:  # the probe's worker died, or could not import flashx_batch
+        raise FlashxError(f"the backend probe failed on a Ray worker: {_first_line(exc)}; check that every node "
+                          "has flashx-batch installed (the same version as the driver).") from None
     if failure is not None:
         raise ConfigError(f"runtime.backend={backend} cannot run on the Ray workers: {failure}")
 
@@ -184,9 +193,19 @@ class RayExecutor:
         self.actors: dict[str, Any] = {}
         self.booting: dict[Any, str] = {}  # ready() ref -> actor name: no shard goes to an actor still loading
         self.idle: deque[str] = deque()
+        try:
+            return self._dispatch_all(ray, pool, shards, stop, progress, result)
+        finally:  # however the loop ends, no actor of this run outlives it (the driver unlocks next)
+            for handle in self.actors.values():
+                with contextlib.suppress(Exception):
+                    ray.kill(handle)
+
+    def _dispatch_all(self, ray: Any, pool: int, shards: list[ShardSpec], stop: StopFlag, progress: Progress,
+                      result: ExecResult) -> ExecResult:
         for _ in range(pool):
             self._boot()
-        # engines loaded: a load error surfaces here, as data, before any shard runs
+        # engines loaded: a load error surfaces here, as data, before any shard runs; the first boot
+        # failing is the job's (model, config) rather than one node's
         for info in ray.get(list(self.booting)):
             if "failure" in info:
                 _raise_boot_failure(WorkerFailure.from_dict(info["failure"]))
@@ -220,8 +239,6 @@ class RayExecutor:
             if self.timeout_s is not None:
                 self._watchdog(ray, inflight, queue, result, progress)
         result.interrupted = stop.requested and bool(queue)
-        for handle in self.actors.values():
-            ray.kill(handle)
         return result
 
     def _watchdog(self, ray: Any, inflight: dict, queue: deque, result: ExecResult, progress: Progress) -> None:
@@ -301,9 +318,18 @@ class RayExecutor:
                 raise
             self._boot()
             return
-        if "failure" in info:  # a replacement engine that cannot load: the job cannot go on
-            self.actors.pop(name, None)
-            _raise_boot_failure(WorkerFailure.from_dict(info["failure"]))
+        if "failure" in info:  # a replacement that cannot load (memory still held, a bad node): another one
+            failure = WorkerFailure.from_dict(info["failure"])
+            log.warning("%s", failure.block())
+            handle = self.actors.pop(name, None)
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+            self._boot_failures += 1
+            if self._boot_failures > _MAX_BOOT_FAILURES:
+                raise FlashxError(f"{self._boot_failures} replacement engines in a row failed to load; last: "
+                                  f"{failure.line} on node {failure.node}")
+            self._boot()
+            return
         self._boot_failures = 0
         self.idle.append(name)
 

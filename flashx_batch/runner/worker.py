@@ -51,6 +51,7 @@ class WorkerContext:
     passthrough_types: dict[str, pa.DataType] = field(default_factory=dict)
     num_threads: int | None = None
     faults: Faults | None = None  # armed fault hooks (tests only); None in production
+    job_digest: str | None = None  # the job's fingerprint digest, stamped on every manifest committed
 
 
 def row_seed(job_seed: int, row_id: Any) -> int:
@@ -73,7 +74,7 @@ class ShardWorker:
             if not defer_errors:
                 raise
             self.boot_failure = WorkerFailure.from_exception(exc, node=self.node, worker=name, shard_id="(engine load)")
-        self.out = OutputDir(ctx.output_dir, ctx.faults)
+        self.out = OutputDir(ctx.output_dir, ctx.faults, ctx.job_digest)
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()
@@ -172,7 +173,7 @@ class ShardWorker:
 
     def _rows(self, spec: ShardSpec) -> tuple[list[Any], list[str], dict[str, pa.Array]]:
         data = self.job.data
-        text_col = data.messages_column or data.prompt_column
+        text_col = self._text_column
         ids, texts = [], []
         extra: dict[str, list[Any]] = {c: [] for c in data.passthrough_columns}
         for fi, ri in spec.refs:

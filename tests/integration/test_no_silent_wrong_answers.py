@@ -480,3 +480,44 @@ def test_a_backend_the_cluster_lacks_is_refused_before_output_dir_is_touched(mod
     out = tmp_path / "out"
     assert run(compose_job(overrides(model, data, out, "executor.kind=ray", "runtime.backend=cuda"))) == 2
     assert "GPU" in caplog.text and not out.exists()
+
+
+# ---- found by review and the fuzz test ---------------------------------------------------------------
+def test_upper_case_suffixes_in_an_input_directory_are_read_not_skipped(model, tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.JSONL").write_text("\n".join(json.dumps({"id": i, "prompt": "the licence"})
+                                                       for i in range(3)) + "\n")
+    write_parquet(tmp_path / "in" / "b.Parquet", [{"id": 10, "prompt": "the licence"}])
+    out = tmp_path / "out"
+    assert run(_job(model, tmp_path / "in", out)) == 0
+    assert sorted(output_ids(out)[0]) == [0, 1, 2, 10]
+
+
+def test_a_recursive_glob_that_would_read_the_outputs_is_refused_before_the_first_run(model, tmp_path, caplog):
+    write_parquet(tmp_path / "d" / "in" / "a.parquet", sample_rows(4))
+    out = tmp_path / "d" / "out"
+    assert run(_job(model, f"{tmp_path}/d/**/*.parquet", out)) == 2
+    assert "inside data.path" in caplog.text and not out.exists()
+    assert run(_job(model, f"{tmp_path}/d/in/*.parquet", out)) == 0  # a glob that cannot reach out/ is fine
+
+
+def test_disk_full_after_a_failed_run_still_records_a_final_status(model, data, tmp_path):
+    out = tmp_path / "out"
+    assert run(_job(model, data, out, "executor.max_attempts=1", faults_override(["fatal"]))) == 1
+    assert run(_job(model, data, out, faults_override(["enospc:at=job_json"]))) == 1  # every job.json write fails
+    assert _status(out)["status"] == "failed"
+    assert run(_job(model, data, out)) == 0
+
+
+def test_a_piece_committed_for_another_job_is_redone(model, data, tmp_path, caplog):
+    out = tmp_path / "out"
+    assert run(_job(model, data, out)) == 0
+    manifest = sorted((out / "_manifest").glob("b*.json"))[0]
+    record = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**record, "job_digest": "from-a-replaced-job"}))
+    (out / "_SUCCESS").unlink()
+    assert run(_job(model, data, out)) == 0
+    assert "committed by a run of another job" in caplog.text
+    generated, errors = output_ids(out)
+    assert sorted(generated + errors) == list(range(12)) and max((generated + errors).values()) == 1
+    assert json.loads(manifest.read_text())["job_digest"] != "from-a-replaced-job"
