@@ -309,7 +309,7 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
         output.prepare()
         output.clean_orphans(set(committed))
         output.write_job(record)
-        return _execute_recorded(job, plan, loaded, model_dir, output, finish, on_dispatch, stop)
+        return _run_pending(job, plan, loaded, model_dir, output, finish, on_dispatch, stop)
     except BaseException as exc:  # whatever ends the run, job.json says how, with its accounting
         with contextlib.suppress(OSError):
             (output.root / SUCCESS).unlink(missing_ok=True)  # a half-written success is no success
@@ -336,7 +336,7 @@ def _status_of(exc: BaseException) -> tuple[str, dict[str, Any]]:
     return "failed", {"reason": reason}
 
 
-def _execute_recorded(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
+def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
                       finish: Callable[..., None], on_dispatch: Callable | None, stop: StopFlag) -> int:
     committed = output.committed()
     # A shard split by an earlier run (poison-row isolation) resumes as its uncommitted pieces only.

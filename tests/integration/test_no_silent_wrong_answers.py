@@ -267,16 +267,22 @@ def test_sigterm_during_ray_start_up_exits_143_with_a_log_line(model, data, tmp_
     assert not out.exists()
 
 
-def test_sigterm_while_planning_exits_143_and_writes_nothing(model, data, tmp_path, monkeypatch):
-    import flashx_batch.runner.job as job_module
+def _sigterm_inside(monkeypatch, module, name: str):
+    """Patch `module.name` to send this process SIGTERM, then do its work; returns the real one."""
+    real = getattr(module, name)
 
-    real = job_module.build_plan
-
-    def plan_then_sigterm(*args, **kwargs):
+    def sigterm_then_real(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(job_module, "build_plan", plan_then_sigterm)
+    monkeypatch.setattr(module, name, sigterm_then_real)
+    return real
+
+
+def test_sigterm_while_planning_exits_143_and_writes_nothing(model, data, tmp_path, monkeypatch):
+    import flashx_batch.runner.job as job_module
+
+    _sigterm_inside(monkeypatch, job_module, "build_plan")
     out = tmp_path / "out"
     with _SigtermGuard():
         assert run(_job(model, data, out)) == 143
@@ -286,13 +292,7 @@ def test_sigterm_while_planning_exits_143_and_writes_nothing(model, data, tmp_pa
 def test_sigterm_while_the_report_is_written_exits_143_with_accounting(model, data, tmp_path, monkeypatch):
     import flashx_batch.report as report_module
 
-    real = report_module.write_report
-
-    def report_then_sigterm(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(report_module, "write_report", report_then_sigterm)
+    real = _sigterm_inside(monkeypatch, report_module, "write_report")
     out = tmp_path / "out"
     with _SigtermGuard():
         assert run(_job(model, data, out)) == 143

@@ -606,8 +606,6 @@ def _extra_checks(job: Any) -> Finding | None:
     odd = [k for k, v in (("sampling.temperature", s.temperature), ("sampling.top_p", s.top_p),
                           ("executor.grace_period_s", e.grace_period_s),
                           ("executor.progress_interval_s", e.progress_interval_s)) if not math.isfinite(v) or v < 0]
-    if not -(2**63) <= s.seed <= INT64_MAX:
-        odd.append("sampling.seed")
     if odd:
         return Finding(f"exit 0 with an unusable setting: {', '.join(odd)}", f"{odd}", True)
     return None
