@@ -47,3 +47,7 @@ class LockHeldError(OutputDirError):
 
 class InputUnavailableError(FlashxError):
     """An input file cannot be read on this worker (missing there): retried, then the job fails (exit 1)."""
+
+
+class ModelChangedError(ConfigError):
+    """A model file changed (size or mtime) after the job fingerprinted it."""

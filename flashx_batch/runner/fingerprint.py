@@ -17,6 +17,7 @@ from typing import Any
 import flashx_batch
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import Plan, bucket_edges
+from flashx_batch.job_errors import ModelChangedError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -37,6 +38,24 @@ def file_hashes(model_dir: Path, names: list[str], cache: dict[str, Any] | None)
         with open(path, "rb") as fh:
             out[name] = [st.st_size, st.st_mtime_ns, hashlib.file_digest(fh, "sha256").hexdigest()]
     return out
+
+
+def check_model_unchanged(model_dir: Path, stats: dict[str, list]) -> None:
+    """The model files still have the size and mtime they were fingerprinted with (workers, before and
+    after loading the weights; the driver, before `_SUCCESS`): a checkpoint replaced mid-job would
+    otherwise mix two models' outputs under one fingerprint. ModelChangedError names the file."""
+    for name, (size, mtime_ns, _) in stats.items():
+        path = Path(model_dir) / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise ModelChangedError(f"{path} was removed while the job ran; restore it, or run the job into a new "
+                                    "output.dir.") from None
+        if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+            raise ModelChangedError(f"{path} changed while the job ran (size {size} -> {st.st_size} bytes, mtime "
+                                    "changed); the rows committed so far came from the model as planned. Leave the "
+                                    "model directory unchanged while a job runs; for the new model, use a new "
+                                    "output.dir.")
 
 
 def model_file_stats(model_dir: Path, cache: dict[str, Any] | None) -> dict[str, list]:

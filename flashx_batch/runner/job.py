@@ -309,7 +309,7 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
         output.prepare()
         output.clean_orphans(set(committed))
         output.write_job(record)
-        return _run_pending(job, plan, loaded, model_dir, output, finish, on_dispatch, stop)
+        return _run_pending(job, plan, loaded, model_dir, output, model_stats, finish, on_dispatch, stop)
     except BaseException as exc:  # whatever ends the run, job.json says how, with its accounting
         with contextlib.suppress(OSError):
             (output.root / SUCCESS).unlink(missing_ok=True)  # a half-written success is no success
@@ -337,7 +337,7 @@ def _status_of(exc: BaseException) -> tuple[str, dict[str, Any]]:
 
 
 def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
-                      finish: Callable[..., None], on_dispatch: Callable | None, stop: StopFlag) -> int:
+                 model_stats: dict, finish: Callable[..., None], on_dispatch: Callable | None, stop: StopFlag) -> int:
     committed = output.committed()
     # A shard split by an earlier run (poison-row isolation) resumes as its uncommitted pieces only.
     pending = [p for s in plan.shards for p in pieces.uncovered(s, committed)]
@@ -350,7 +350,7 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
                         job.executor.progress_interval_s)
     ctx = WorkerContext(str(model_dir), str(output.root), loaded.files, loaded.id_kind,
                         _passthrough_types(job, loaded), faults=faults.load(job.executor.faults),
-                        job_digest=output.job_digest)
+                        job_digest=output.job_digest, model_files=model_stats)
     del loaded  # the frames are the job's largest objects; workers re-read what they need
     result = _dispatch(job, ctx, pending, stop, progress, on_dispatch, FailedRows(output, plan.ref_ids,
                                                                                    plan.id_kind))
@@ -378,6 +378,7 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
             + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items())[:5])
             + ". Rerun the same command to retry them (committed shards are kept).")
     verify_unchanged(plan.files)  # the last word on the input: every row came from the planned bytes
+    fingerprint.check_model_unchanged(model_dir, model_stats)
     totals = _verify(plan, output)
     if stop.requested:  # a signal while finishing: stop before _SUCCESS; a rerun only finishes
         finish("interrupted", exit_code=stop.exit_code)

@@ -35,6 +35,7 @@ from flashx_batch.runner.worker import ShardWorker, WorkerContext
 log = logging.getLogger(__name__)
 _WAIT_S = 0.5  # also the watchdog's resolution
 _MAX_BOOT_FAILURES = 8  # actors that die while loading their engine, in a row, before the job gives up
+_JOB_LEVEL = ("ModelChangedError", "InputChangedError")  # a replacement's load failure that no retry can cure
 _PROBE_TIMEOUT_S = 300.0  # a busy cluster may take a while to schedule the probe; past this, go on unprobed
 
 
@@ -320,6 +321,8 @@ class RayExecutor:
             return
         if "failure" in info:  # a replacement that cannot load (memory still held, a bad node): another one
             failure = WorkerFailure.from_dict(info["failure"])
+            if failure.type in _JOB_LEVEL:
+                _raise_boot_failure(failure)
             log.warning("%s", failure.block())
             handle = self.actors.pop(name, None)
             if handle is not None:

@@ -52,6 +52,7 @@ class WorkerContext:
     num_threads: int | None = None
     faults: Faults | None = None  # armed fault hooks (tests only); None in production
     job_digest: str | None = None  # the job's fingerprint digest, stamped on every manifest committed
+    model_files: dict[str, list] = field(default_factory=dict)  # name -> [size, mtime_ns, sha256] as fingerprinted
 
 
 def row_seed(job_seed: int, row_id: Any) -> int:
@@ -82,10 +83,13 @@ class ShardWorker:
         self._text_column = job.data.messages_column or job.data.prompt_column
 
     def _load(self) -> None:
+        from flashx_batch.runner.fingerprint import check_model_unchanged
         from flashx_batch.runtime.engine import Engine  # deferred: the driver plans without loading torch models
 
         options = dataclasses.asdict(self.job.engine_options(self.ctx.num_threads))
+        check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)
         self.engine = Engine.from_pretrained(Path(self.ctx.model_dir), **options)
+        check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)  # not replaced while it loaded
         if self.engine.tokenizer is None:
             raise RuntimeError(f"{self.ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")
 

@@ -521,3 +521,22 @@ def test_a_piece_committed_for_another_job_is_redone(model, data, tmp_path, capl
     generated, errors = output_ids(out)
     assert sorted(generated + errors) == list(range(12)) and max((generated + errors).values()) == 1
     assert json.loads(manifest.read_text())["job_digest"] != "from-a-replaced-job"
+
+
+def test_model_weights_replaced_mid_run_fail_the_job_cleanly(model, data, tmp_path, monkeypatch, caplog):
+    import flashx_batch.runner.worker as worker_module
+
+    m = _model_copy(model, tmp_path / "m")
+    real = worker_module.read_frame
+
+    def read_then_replace_weights(*args, **kwargs):
+        weights = m / "model.safetensors"
+        weights.write_bytes(weights.read_bytes())  # a new copy: same size, a new mtime
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "read_frame", read_then_replace_weights)
+    out = tmp_path / "out"
+    assert run(_job(model, data, out, f"model.path={m}")) == 2
+    assert "model.safetensors changed while the job ran" in caplog.text
+    assert not (out / "_SUCCESS").exists() and _status(out)["status"] == "failed"
