@@ -540,3 +540,17 @@ def test_model_weights_replaced_mid_run_fail_the_job_cleanly(model, data, tmp_pa
     assert run(_job(model, data, out, f"model.path={m}")) == 2
     assert "model.safetensors changed while the job ran" in caplog.text
     assert not (out / "_SUCCESS").exists() and _status(out)["status"] == "failed"
+
+
+def test_a_signal_stops_a_whole_sweep_with_its_code(model, data, tmp_path, monkeypatch):
+    import flashx_batch.cli as cli_module
+    import flashx_batch.runner as runner_package
+
+    calls = []
+    monkeypatch.setattr(runner_package, "run", lambda job: calls.append(job.runtime.max_batch_size) or 143)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["flashx_batch", "-m", *overrides(model, data, tmp_path / "sweep", LOCAL),
+                                      "runtime.max_batch_size=2,4,8"])
+    with pytest.raises(SystemExit) as stopped:
+        cli_module.main()
+    assert stopped.value.code == 143 and calls == [2]  # the later points never started
