@@ -36,10 +36,15 @@ def resolve_name(name: str = "auto") -> str:
     return name
 
 
-def get_backend(name: str = "auto") -> Backend:
-    """Resolve a backend name to an instance; raises `ConfigError` naming the fix when it cannot run."""
+def check_known(name: str) -> None:
+    """ConfigError unless `name` is `auto` or a registered backend (available here or not)."""
     if name != "auto" and name not in BACKENDS:
         raise ConfigError(f"runtime.backend={name!r} is unknown; choose one of auto, {', '.join(BACKENDS)}.")
+
+
+def get_backend(name: str = "auto") -> Backend:
+    """Resolve a backend name to an instance; raises `ConfigError` naming the fix when it cannot run."""
+    check_known(name)
     name = resolve_name(name)
     backend = BACKENDS[name]
     if not backend.is_available():
@@ -50,4 +55,4 @@ def get_backend(name: str = "auto") -> Backend:
     return backend()
 
 
-__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "get_backend", "resolve_name"]
+__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "check_known", "get_backend", "resolve_name"]

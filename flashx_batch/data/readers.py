@@ -96,19 +96,20 @@ def read_verified(file: InputFile) -> bytes:
         raise InputUnavailableError(f"{file.path}: not found on {socket.gethostname()} (removed after the job was "
                                     "planned, or not mounted on this node); input files must be readable by every "
                                     "worker.") from None
-    if len(data) != file.size or hashlib.sha256(data).hexdigest() != file.sha256:
-        raise InputChangedError(describe_change(file, data))
+    sha256 = hashlib.sha256(data).hexdigest()
+    if len(data) != file.size or sha256 != file.sha256:
+        raise InputChangedError(describe_change(file, len(data), sha256))
     return data
 
 
-def describe_change(file: InputFile, data: bytes) -> str:
+def describe_change(file: InputFile, size: int, sha256: str) -> str:
     try:
         mtime = os.stat(file.path).st_mtime_ns
     except OSError:
         mtime = 0
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9)) if mtime else "?"
-    return (f"{file.path} changed after the job was planned: size {file.size} -> {len(data)} bytes, sha256 "
-            f"{file.sha256[:12]} -> {hashlib.sha256(data).hexdigest()[:12]}, modified {when}. A job reads one "
+    return (f"{file.path} changed after the job was planned: size {file.size} -> {size} bytes, sha256 "
+            f"{file.sha256[:12]} -> {sha256[:12]}, modified {when}. A job reads one "
             "version of each input file; the rows committed so far came from the planned version. Leave input "
             "files unchanged while a job runs; to use the new version, run the job into a new output.dir.")
 
@@ -121,8 +122,9 @@ def verify_unchanged(files: list[InputFile]) -> None:
         if not path.is_file():
             raise InputChangedError(f"{f.path} was removed while the job ran; the rows committed came from the "
                                     "planned version. Restore it, or run the job into a new output.dir.")
-        if path.stat().st_size != f.size or _sha256(path) != f.sha256:
-            raise InputChangedError(describe_change(f, path.read_bytes()))
+        size, sha256 = path.stat().st_size, _sha256(path)
+        if size != f.size or sha256 != f.sha256:
+            raise InputChangedError(describe_change(f, size, sha256))
 
 
 def _dir_files(d: Path) -> list[Path]:

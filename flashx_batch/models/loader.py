@@ -89,47 +89,73 @@ def _our_name(hf_name: str) -> tuple[str, int | None] | None:
     return None
 
 
+Source = tuple[Path, str]  # (safetensors file, HF tensor name)
+
+
 def load_weights(model: DecoderModel, model_dir: Path) -> None:
-    """Fill every parameter of `model` from the checkpoint; errors name the file and tensor."""
+    """Fill every parameter of `model` from the checkpoint. Everything that can be wrong with it is
+    found by `route_checkpoint` from the headers first; this only reads and copies (each file opened once)."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    origin: dict[str, Path] = {}
-    loaded: set[str] = set()
+    routes = route_checkpoint(model_dir, model.config, {n: tuple(p.shape) for n, p in params.items()})
+    by_file: dict[Path, list[tuple[str, int, str]]] = {}
+    for name, sources in routes.items():
+        for i, (path, hf_name) in enumerate(sources):
+            by_file.setdefault(path, []).append((name, i, hf_name))
+    read: dict[str, list[torch.Tensor | None]] = {name: [None] * len(src) for name, src in routes.items()}
+    for path, wanted in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name, i, hf_name in wanted:
+                read[name][i] = f.get_tensor(hf_name)
+    with torch.no_grad():
+        for name, tensors in read.items():
+            params[name].copy_((tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)).to(params[name].dtype))
+
+
+def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
+    """our parameter -> the checkpoint tensors it is made of (one, or the parts fused into it, in
+    order), from the safetensors headers alone. ModelLoadError, naming the file and tensor, for a
+    missing / truncated / corrupt file, a non-float tensor, a shape that does not match config.json
+    (fused parts included) or a parameter the checkpoint lacks."""
+    found: dict[str, dict[int | None, tuple[Path, str, tuple[int, ...]]]] = {}
     unexpected: list[str] = []
     for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for hf_name in f.keys():
-                mapped = _our_name(hf_name)
-                if mapped is None or mapped[0] not in params:
-                    if not IGNORED.match(hf_name):
-                        unexpected.append(hf_name)
-                    continue
-                name, part = mapped
-                tensor = f.get_tensor(hf_name)
-                origin[name] = path
-                if part is None:
-                    _copy_checked(params[name], tensor, name, f"{path.name}:{hf_name}")
-                    loaded.add(name)
-                else:
-                    parts.setdefault(name, {})[part] = tensor
-    for name, pieces in parts.items():
-        fused = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
-        _copy_checked(params[name], fused, name, f"{origin[name].name}:{name} (fused from {len(pieces)} parts)")
-        loaded.add(name)
-    if model.config.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    _check_complete(model_dir, model.config, set(params), loaded)
-    if unexpected:
-        log.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
-
-
-def _check_complete(model_dir: Path, cfg: ModelConfig, wanted: set[str], loaded: set[str]) -> None:
-    missing = sorted(wanted - loaded)
+        for hf_name, info in safetensors_header(path).items():
+            mapped = _our_name(hf_name)
+            if mapped is None or mapped[0] not in shapes:
+                if not IGNORED.match(hf_name):
+                    unexpected.append(hf_name)
+                continue
+            if info.get("dtype") not in _FLOAT_DTYPES:
+                raise ModelLoadError(f"{path.name}:{hf_name}: dtype {info.get('dtype')} is not a float format this "
+                                     f"runtime loads ({', '.join(sorted(_FLOAT_DTYPES))}).")
+            name, part = mapped
+            found.setdefault(name, {})[part] = (path, hf_name, tuple(int(d) for d in info["shape"]))
+    routes: dict[str, list[Source]] = {}
+    for name, pieces in found.items():
+        ordered = [pieces[k] for k in sorted(pieces, key=lambda k: -1 if k is None else k)]
+        if None in pieces:
+            path, hf_name, shape = ordered[0]
+            where = f"{path.name}:{hf_name}"
+        else:
+            part_shapes = [p[2] for p in ordered]
+            if any(s[1:] != part_shapes[0][1:] for s in part_shapes):
+                raise ModelLoadError(f"{model_dir}: the parts fused into {name} have shapes {part_shapes} that do "
+                                     "not concatenate; is config.json from the same model as the weights?")
+            shape = (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
+            where = f"{ordered[0][0].name}:{name} (fused from {len(ordered)} parts)"
+        if shapes[name] != shape:
+            raise ModelLoadError(f"{where}: shape {shape} does not match {shapes[name]} expected for {name} from "
+                                 "config.json.")
+        routes[name] = [(p, h) for p, h, _ in ordered]
+    missing = sorted(set(shapes) - set(routes) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if missing:
         raise ModelLoadError(
             f"{model_dir}: checkpoint lacks tensors for {missing[:6]}{' …' if len(missing) > 6 else ''} "
             f"({cfg.architecture}); is config.json from the same model as the weights?"
         )
+    if unexpected:
+        log.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
+    return routes
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:
@@ -163,8 +189,8 @@ def safetensors_header(path: Path) -> dict[str, dict]:
 
 def check_checkpoint(model_dir: Path) -> ModelConfig:
     """What `load_model` would refuse, found from config.json and the safetensors headers alone: an
-    unsupported architecture, missing or truncated weight files, tensors missing or of the wrong
-    shape. Reads no tensor data, allocates no weights (the model is built on the meta device)."""
+    unsupported architecture or a pre-quantized checkpoint, and everything `route_checkpoint`
+    checks. Reads no tensor data, allocates no weights (the model is built on the meta device)."""
     cfg = ModelConfig.from_dir(model_dir)
     quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
     if quant:
@@ -174,47 +200,8 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
                              "runtime.precision_map for our own int8 / int4).")
     with torch.device("meta"):
         model = DecoderModel(cfg, torch.float32, torch.device("meta"))
-    params = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    parts: dict[str, dict[int, tuple[int, ...]]] = {}
-    loaded: set[str] = set()
-    for path in weight_files(model_dir):
-        for hf_name, info in safetensors_header(path).items():
-            mapped = _our_name(hf_name)
-            if mapped is None or mapped[0] not in params:
-                continue
-            name, part = mapped
-            if info.get("dtype") not in _FLOAT_DTYPES:
-                raise ModelLoadError(f"{path.name}:{hf_name}: dtype {info.get('dtype')} is not a float format this "
-                                     f"runtime loads ({', '.join(sorted(_FLOAT_DTYPES))}).")
-            shape = tuple(int(d) for d in info["shape"])
-            if part is None:
-                _check_shape(params[name], shape, name, f"{path.name}:{hf_name}")
-                loaded.add(name)
-            else:
-                parts.setdefault(name, {})[part] = shape
-    for name, shapes in parts.items():
-        ordered = [shapes[i] for i in sorted(shapes)]
-        if any(s[1:] != ordered[0][1:] for s in ordered):
-            raise ModelLoadError(f"{model_dir}: the parts fused into {name} have shapes {ordered} that do not "
-                                 "concatenate; is config.json from the same model as the weights?")
-        _check_shape(params[name], (sum(s[0] for s in ordered), *ordered[0][1:]), name,
-                     f"{name} (fused from {len(ordered)} parts)")
-        loaded.add(name)
-    if cfg.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    _check_complete(model_dir, cfg, set(params), loaded)
+    route_checkpoint(model_dir, cfg, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
     return cfg
-
-
-def _check_shape(expected: tuple[int, ...], shape: tuple[int, ...], name: str, where: str) -> None:
-    if expected != shape:
-        raise ModelLoadError(f"{where}: shape {shape} does not match {expected} expected for {name} from config.json.")
-
-
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
-    _check_shape(tuple(param.shape), tuple(tensor.shape), name, where)
-    with torch.no_grad():
-        param.copy_(tensor.to(param.dtype))
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,

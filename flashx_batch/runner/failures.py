@@ -61,8 +61,7 @@ class Decision:
 def kind_of(exc: BaseException) -> str:
     """`bad_job` for a config / model / input problem, `fatal` for a dead engine (ours, or a device
     error by its message), else `error`."""
-    cause = getattr(exc, "cause", None)  # Ray wraps a task's exception in RayTaskError(.cause)
-    chain = (exc, cause, exc.__cause__)
+    chain = (exc, _ray_cause(exc), exc.__cause__)
     if any(isinstance(e, (ConfigError, ModelLoadError)) for e in chain):
         return BAD_JOB
     for e in chain:
@@ -70,6 +69,12 @@ def kind_of(exc: BaseException) -> str:
                 m in str(e) for m in _FATAL_MARKERS)):
             return FATAL
     return ERROR
+
+
+def _ray_cause(exc: BaseException) -> BaseException | None:
+    """The worker's own exception inside Ray's RayTaskError wrapper (`.cause`), if this is one."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else None
 
 
 def clean(text: str) -> str:
@@ -96,9 +101,7 @@ class WorkerFailure:
     @classmethod
     def from_exception(cls, exc: BaseException, *, node: str = "", worker: str = "", shard_id: str = "",
                        attempt: int = 0, kind: str | None = None) -> WorkerFailure:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, BaseException) and type(exc).__name__.startswith(("RayTaskError", "TaskError")):
-            exc = cause  # Ray's wrapper: the worker's own exception is inside
+        exc = _ray_cause(exc) or exc  # Ray's wrapper: the worker's own exception is inside
         frames = tuple(f"{f.filename}:{f.lineno} in {f.name}"
                        for f in traceback.extract_tb(exc.__traceback__)[-_FRAMES:])
         return cls(kind or kind_of(exc), type(exc).__name__, clean(str(exc)).strip() or type(exc).__name__,

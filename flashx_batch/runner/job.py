@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import logging
 import platform
-import re
 import sys
 import time
 from collections import Counter
@@ -131,83 +131,39 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
 
 
 def preflight_model(job: JobConfig, model_dir: Path) -> None:
-    """What an engine would refuse at load, found without loading it: the architecture, the weight
-    files' headers against config.json, the context the runtime needs, and (in this process, for
-    the local executor) the backend and dtype. Ray jobs probe the backend on a worker instead."""
+    """What an engine would refuse at load, found without loading it: the checkpoint (architecture,
+    weight headers against config.json) and the engine's own option checks, with the backend where
+    this process runs it (the local executor; Ray jobs probe the backend on a worker instead)."""
+    from flashx_batch.backends import check_known, get_backend
     from flashx_batch.models.loader import check_checkpoint
+    from flashx_batch.runtime.engine import check_options
 
     cfg = check_checkpoint(model_dir)
     options = job.engine_options()
-    needed = options.max_input_len + options.max_output_len
-    if cfg.sliding_window is not None and needed > cfg.sliding_window:
-        raise ConfigError(f"runtime.max_input_len + max_output_len = {needed} exceeds the model's sliding_window="
-                          f"{cfg.sliding_window}; sliding-window attention is not implemented, keep rows within it.")
-    if options.backend == "onnx" and options.precision_map:
-        raise ConfigError("runtime.precision_map does not apply to backend=onnx (the export needs float weights); "
-                          "drop one of the two.")
-    if job.executor.kind == "local" and options.backend != "onnx":
-        import torch
-
-        from flashx_batch.backends import get_backend
-
-        backend = get_backend(options.backend)
-        dtype = backend.default_dtype if options.dtype == "auto" else getattr(torch, options.dtype)
-        if dtype not in backend.supported_dtypes:
-            raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
-        if options.cuda_graphs == "on" and not backend.supports_graphs:
-            raise ConfigError(f"runtime.cuda_graphs=on needs a backend that captures CUDA graphs (cuda); this job "
-                              f"runs on {backend.name}. Use cuda_graphs=auto or off.")
-    elif options.backend not in ("auto", "onnx"):
-        from flashx_batch.backends import BACKENDS
-
-        if options.backend not in BACKENDS:
-            raise ConfigError(f"runtime.backend={options.backend!r} is unknown; choose one of auto, "
-                              f"{', '.join(BACKENDS)}.")
+    check_known(options.backend)
+    local = job.executor.kind == "local" and options.backend != "onnx"
+    check_options(options, cfg, get_backend(options.backend) if local else None)
 
 
 def _reads_outputs_of(data_path: str, out: Path) -> bool:
     """Would `data_path` pick up the Parquet files a job writes under `out` (a data.path directory is
-    read recursively; a glob is matched as glob.glob would)? Checked before the first run writes
-    any; `load_inputs(refuse_under=)` catches the files already there."""
-    probe = out / "generations" / "part-x.parquet"
+    read recursively; a glob is matched as glob.glob(recursive=True) would)? Checked before the first
+    run writes any; `load_inputs(refuse_under=)` catches the files already there."""
     if not any(ch in data_path for ch in "*?["):
         base = Path(data_path).expanduser().resolve()
         return base.is_dir() and (out == base or base in out.parents)
-    pattern = str(Path(data_path).expanduser())
-    if not Path(pattern).is_absolute():
-        pattern = str(Path.cwd() / pattern)
-    return re.fullmatch(_glob_regex(pattern), str(probe)) is not None
+    pattern = Path(data_path).expanduser().absolute()
+    return _glob_matches(pattern.parts, (out / "generations" / "part-x.parquet").parts)
 
 
-def _glob_regex(pattern: str) -> str:
-    """glob.glob(recursive=True) semantics as a regex: `**/` any directories, `*` and `?` within one."""
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pattern[i] == "[":
-            end = pattern.find("]", i + 1)
-            if end < 0:
-                out.append(re.escape("["))
-                i += 1
-            else:
-                body = pattern[i + 1:end]
-                out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-                i = end + 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return "".join(out)
+def _glob_matches(pattern: tuple[str, ...], path: tuple[str, ...]) -> bool:
+    """glob semantics on path components: `**` any number of directories, each other part fnmatch'ed."""
+    if not pattern:
+        return not path
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_glob_matches(rest, path[i:]) for i in range(len(path) + 1))
+    return bool(path) and fnmatch.fnmatchcase(path[0], head) and _glob_matches(rest, path[1:])
 
 
 def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFlag) -> int:
@@ -217,43 +173,36 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
         out.write(f"dry run: {len(plan.shards)} generate shard(s) planned; nothing was written.\n")
         return EXIT_OK
     output = OutputDir(job.output.dir, faults.driver_faults(job.executor.faults))
-    stack = contextlib.ExitStack()
     wrote = False
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: output.unlock(clean=not wrote))  # runs last: after Ray (and every actor) is down
         if job.executor.kind == "ray" and not (output.root / SUCCESS).exists():  # a finished job needs no Ray
             from flashx_batch.runner.ray_executor import probe_cluster, ray_session
 
             stack.enter_context(ray_session(job, stop))
             probe_cluster(job)
         output.lock()
-        try:
-            previous, committed = _open_previous(output)
-            model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
-            fp = fingerprint.compute(job, plan, model_stats)
-            differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []
-            if previous is not None and not differences and _already_done(previous, committed, plan, output):
-                log.info("%s: already done (_SUCCESS); nothing to run, nothing rewritten", output.root)
-                return EXIT_OK
-            if differences and not _replaceable(committed, output):
-                raise FingerprintMismatchError(str(output.root),
-                                               differences + fingerprint.input_changes(previous, plan))
-            wrote = True
-            stop.immediate = False  # from here on the output is ours: signals drain, never cut a write
-            if differences:
-                log.warning("%s: replacing the job.json of a run that committed no generated row (%s)",
-                            output.root, "; ".join(differences[:3]))
-                output.reset()
-                previous = None
-            # only now, once this job owns the directory: pieces stamped by another job are un-committed
-            output.job_digest = fingerprint.digest(fp)
-            committed = output.committed()
-            return _execute(job, plan, loaded, model_dir, output, previous, committed, fp, model_stats,
-                            on_dispatch, stop)
-        finally:
-            stack.close()  # Ray down (no actor left to commit) before the lock is released
-            output.unlock(clean=not wrote)
-    finally:
-        stack.close()
+        previous, committed = _open_previous(output)
+        model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
+        fp = fingerprint.compute(job, plan, model_stats)
+        differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []
+        if previous is not None and not differences and _already_done(previous, committed, plan, output):
+            log.info("%s: already done (_SUCCESS); nothing to run, nothing rewritten", output.root)
+            return EXIT_OK
+        if differences and not _replaceable(committed, output):
+            raise FingerprintMismatchError(str(output.root), differences + fingerprint.input_changes(previous, plan))
+        wrote = True
+        stop.immediate = False  # from here on the output is ours: signals drain, never cut a write
+        if differences:
+            log.warning("%s: replacing the job.json of a run that committed no generated row (%s)",
+                        output.root, "; ".join(differences[:3]))
+            output.reset()
+            previous = None
+        # only now, once this job owns the directory: pieces stamped by another job are un-committed
+        output.job_digest = fingerprint.digest(fp)
+        committed = output.committed()
+        return _execute(job, plan, loaded, model_dir, output, previous, committed, fp, model_stats,
+                        on_dispatch, stop)
 
 
 def _open_previous(output: OutputDir) -> tuple[dict | None, dict[str, dict]]:
@@ -262,8 +211,7 @@ def _open_previous(output: OutputDir) -> tuple[dict | None, dict[str, dict]]:
     try:
         previous = output.read_job()
     except TornJobJsonError as exc:
-        committed = output.committed()
-        if any(m.get("kind") != "invalid" for m in committed.values()):
+        if not _no_generated_rows(output.committed()):
             raise TornJobJsonError(f"{exc} The committed shards cannot be matched to a configuration without it: "
                                    "restore job.json from a backup, or run into a new output.dir.") from None
         log.warning("%s; no generated row was committed, so the directory is started afresh", exc)
@@ -273,19 +221,21 @@ def _open_previous(output: OutputDir) -> tuple[dict | None, dict[str, dict]]:
 
 
 def _already_done(previous: dict, committed: dict[str, dict], plan: Plan, output: OutputDir) -> bool:
-    """Same fingerprint, _SUCCESS present, every planned shard committed: a rerun of a finished job.
-    Nothing is rewritten (downstream sensors watch `_SUCCESS`)."""
-    if not (output.root / SUCCESS).is_file() or previous.get("status") != "succeeded":
-        return False
-    planned = [*plan.shards, *plan.error_shards]
-    return all(not pieces.uncovered(s, committed) for s in planned) and \
-        previous.get("plan", {}).get("shard_ids") == [s.shard_id for s in planned]
+    """Same fingerprint (the caller's check), _SUCCESS present, every planned shard committed: a rerun
+    of a finished job. Nothing is rewritten (downstream sensors watch `_SUCCESS`)."""
+    return (output.root / SUCCESS).is_file() and previous.get("status") == "succeeded" and \
+        not any(pieces.uncovered(s, committed) for s in [*plan.shards, *plan.error_shards])
+
+
+def _no_generated_rows(committed: dict[str, dict]) -> bool:
+    """Only driver-written plan-error pieces (kind `invalid`) are committed, or none: nothing to resume."""
+    return all(m.get("kind") == "invalid" for m in committed.values())
 
 
 def _replaceable(committed: dict[str, dict], output: OutputDir) -> bool:
     """A job that never committed a generated row and never finished (it failed at engine load, say)
     holds nothing worth keeping: a corrected run may replace it instead of being refused."""
-    return not (output.root / SUCCESS).exists() and all(m.get("kind") == "invalid" for m in committed.values())
+    return not (output.root / SUCCESS).exists() and _no_generated_rows(committed)
 
 
 def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
@@ -298,11 +248,12 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
         "runs": [*(previous or {}).get("runs", []), {"started_at": time.time(), "resumed_shards": len(committed)}],
     }
 
-    final: list[str] = []  # the status finish() last wrote to job.json
+    final: str | None = None  # the status finish() last wrote to job.json
 
     def finish(status: str, **extra: Any) -> None:
+        nonlocal final
         output.write_job({**record, "status": status, "accounting": accounting(plan, output.committed()), **extra})
-        final[:] = [status]
+        final = status
 
     stop.set_on_force(lambda code: finish("interrupted", exit_code=code))  # last words before os._exit
     try:
@@ -313,7 +264,7 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
     except BaseException as exc:  # whatever ends the run, job.json says how, with its accounting
         with contextlib.suppress(OSError):
             (output.root / SUCCESS).unlink(missing_ok=True)  # a half-written success is no success
-        if not final or final == ["succeeded"]:
+        if final in (None, "succeeded"):
             status, extra = _status_of(exc)
             try:
                 finish(status, **extra)

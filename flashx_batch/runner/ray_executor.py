@@ -26,6 +26,7 @@ from flashx_batch.backends import BACKENDS
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.errors import ConfigError, FlashxError
+from flashx_batch.job_errors import InputChangedError, ModelChangedError
 from flashx_batch.runner.executor import ExecResult
 from flashx_batch.runner.failures import BAD_JOB, DIED, FATAL, TIMEOUT, FailedRows, Work, WorkerFailure, clean, decide
 from flashx_batch.runner.progress import Progress
@@ -35,7 +36,8 @@ from flashx_batch.runner.worker import ShardWorker, WorkerContext
 log = logging.getLogger(__name__)
 _WAIT_S = 0.5  # also the watchdog's resolution
 _MAX_BOOT_FAILURES = 8  # actors that die while loading their engine, in a row, before the job gives up
-_JOB_LEVEL = ("ModelChangedError", "InputChangedError")  # a replacement's load failure that no retry can cure
+# a replacement's load failure that no retry can cure (failures travel as data: matched by type name)
+_JOB_LEVEL = (ModelChangedError.__name__, InputChangedError.__name__)
 _PROBE_TIMEOUT_S = 300.0  # a busy cluster may take a while to schedule the probe; past this, go on unprobed
 
 

@@ -174,6 +174,36 @@ def check_prompt_ids(index: int, ids: list[int], vocab_size: int) -> None:
                           f"(0..{vocab_size - 1}); pass ids from this model's tokenizer, or text.")
 
 
+def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
+                  backend: Backend | None = None) -> torch.dtype | None:
+    """Every refusal an engine makes for `options` (on the model `cfg`, on `backend`, where known);
+    returns the weight dtype on `backend`. The engine and the job's preflight both call it, so a job
+    is refused before its output directory is touched for exactly what the engine would refuse."""
+    if options.backend == "onnx" and options.precision_map:
+        raise ConfigError("runtime.precision_map does not apply to backend=onnx (the export needs float weights); "
+                          "drop one of the two.")
+    if cfg is not None:
+        needed = options.max_input_len + options.max_output_len
+        if needed > cfg.max_position_embeddings:
+            log.warning("max_input_len + max_output_len = %d exceeds the model's max_position_embeddings=%d",
+                        needed, cfg.max_position_embeddings)
+        if cfg.sliding_window is not None and needed > cfg.sliding_window:
+            raise ConfigError(
+                f"max_input_len + max_output_len = {needed} exceeds the model's sliding_window="
+                f"{cfg.sliding_window}; sliding-window attention is not implemented, keep rows within it."
+            )
+    if backend is None:
+        return None
+    if options.cuda_graphs == "on" and not backend.supports_graphs:
+        raise ConfigError(f"runtime.cuda_graphs=on needs a backend that captures CUDA graphs (cuda); this "
+                          f"engine runs on {backend.name}. Use cuda_graphs=auto (graphs where the "
+                          "backend has them) or off.")
+    dtype = backend.default_dtype if options.dtype == "auto" else _DTYPES[options.dtype]
+    if dtype not in backend.supported_dtypes:
+        raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
+    return dtype
+
+
 class Engine:
     def __init__(self, model_dir: Path, options: EngineOptions) -> None:
         self.model_dir = Path(model_dir)
@@ -182,18 +212,13 @@ class Engine:
         if not self.backend.torch_runtime:
             raise ConfigError(f"runtime.backend={options.backend} runs through Engine.from_pretrained, "
                               "which dispatches it to its own engine; do not construct Engine directly.")
-        if options.cuda_graphs == "on" and not self.backend.supports_graphs:
-            raise ConfigError(f"runtime.cuda_graphs=on needs a backend that captures CUDA graphs (cuda); this "
-                              f"engine runs on {self.backend.name}. Use cuda_graphs=auto (graphs where the "
-                              "backend has them) or off.")
-        self.dtype = self._resolve_dtype(options.dtype)
+        self.config = ModelConfig.from_dir(self.model_dir)
+        self.dtype = check_options(options, self.config, self.backend)
         if self.backend.name == "cpu":
             torch.set_num_threads(options.cpu_threads())
         index = self.backend.assigned_device_index(_ray_accelerator_ids())
         self.backend.set_device(index)
         self.device = self.backend.device(index)
-        self.config = ModelConfig.from_dir(self.model_dir)
-        self._check_context(self.config, options)
         started = time.perf_counter()
         model = load_model(self.model_dir, self.dtype, self.device, options.row_capacity)
         if options.precision_map:
@@ -309,29 +334,9 @@ class Engine:
         if opts.backend == "onnx":
             from flashx_batch.onnx import OnnxEngine
 
-            if opts.precision_map:
-                raise ConfigError("runtime.precision_map does not apply to backend=onnx (the export needs float "
-                                  "weights); drop one of the two.")
+            check_options(opts)
             return OnnxEngine(model_dir, opts)
         return cls(model_dir, opts)
-
-    def _resolve_dtype(self, name: str) -> torch.dtype:
-        dtype = self.backend.default_dtype if name == "auto" else _DTYPES[name]
-        if dtype not in self.backend.supported_dtypes:
-            raise ConfigError(f"model.dtype={name} is not supported on {self.backend.name}.")
-        return dtype
-
-    @staticmethod
-    def _check_context(cfg: ModelConfig, options: EngineOptions) -> None:
-        needed = options.max_input_len + options.max_output_len
-        if needed > cfg.max_position_embeddings:
-            log.warning("max_input_len + max_output_len = %d exceeds the model's max_position_embeddings=%d",
-                        needed, cfg.max_position_embeddings)
-        if cfg.sliding_window is not None and needed > cfg.sliding_window:
-            raise ConfigError(
-                f"max_input_len + max_output_len = {needed} exceeds the model's sliding_window="
-                f"{cfg.sliding_window}; sliding-window attention is not implemented, keep rows within it."
-            )
 
     # ---- public API -------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
