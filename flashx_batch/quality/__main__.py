@@ -22,9 +22,10 @@ import logging
 from pathlib import Path
 
 from flashx_batch import Engine
+from flashx_batch.quality.ablations import POLICIES
 from flashx_batch.quality.heldout import token_windows
 from flashx_batch.quality.kv_quality import long_input_quality, policy_quality
-from flashx_batch.runtime.kv_merge import POLICIES, MergeSettings
+from flashx_batch.runtime.kv_merge import MergeSettings
 from flashx_batch.runtime.options import bundled_model_dir
 
 log = logging.getLogger("flashx_batch.quality")

@@ -11,20 +11,9 @@ from __future__ import annotations
 import torch
 
 from flashx_batch import Engine
-from flashx_batch.models.layers import RotaryTable
+from flashx_batch.quality.ablations import policy_plan
 from flashx_batch.quality.metrics import Agreement
-from flashx_batch.runtime.kv_merge import (
-    GROUP,
-    POLICIES,
-    MergePlan,
-    MergeSettings,
-    apply_plan,
-    choose_compression,
-    choose_groups,
-    compressed_length,
-    plan_groups,
-    plan_streaming,
-)
+from flashx_batch.runtime.kv_merge import MergeSettings, apply_plan
 
 
 def _full_logits(engine: Engine, tokens: list[int], from_position: int) -> torch.Tensor:
@@ -36,11 +25,12 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int,
                    runs: dict[str, tuple[MergeSettings, tuple[str, ...]]]) -> dict[str, dict[str, dict[str, float]]]:
     """For each run (settings, policies): every policy at the same groups / slot budget as
     `segment_sparse` at those settings (the least attended groups evicted, the next merged 4:1 with
-    equal weights: `choose_compression`). The `merge_*` ablations change how its merged groups are
-    merged; `merge_only` merges the fraction's groups and evicts none (the best merge-only scheme we
-    built: groups ranked by sum - max, weights sharpened from the scores); `evict` drops every group
-    segment_sparse touches. The full-cache reference and the window scores do not depend on the
-    settings (all runs must share one observation window), so each window computes them once."""
+    equal weights: `choose_compression`); the other policies are the ablations of
+    `flashx_batch.quality.ablations` (`POLICIES`). The `merge_*` ablations change how its merged
+    groups are merged; `merge_only` merges the fraction's groups and evicts none (groups ranked by
+    sum - max, weights sharpened from the scores); `evict` drops every group segment_sparse touches.
+    The full-cache reference and the window scores do not depend on the settings (all runs must
+    share one observation window), so each window computes them once."""
     observe = {settings.window for settings, _ in runs.values()}
     if len(observe) != 1:
         raise ValueError(f"policy_quality: runs observe {sorted(observe)} windows; score one window size per call")
@@ -56,44 +46,16 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int,
         for run, (settings, policies) in runs.items():
             rotary = runner.model.rotary if settings.rerotate else None
             for name in policies:
-                plan, with_bias, merge_rotary = _policy_plan(name, prompt_len, settings, scores, index, rotary)
+                plan, with_bias, merge_rotary = policy_plan(name, prompt_len, settings, scores, index, rotary)
                 runner.extend(prompt, 0, 0, 0)  # fresh prompt KV: the previous policy rewrote it
-                used = apply_plan(arena, 0, prompt_len, 0, plan, with_bias=with_bias, rotary=merge_rotary)
+                used = apply_plan(arena, 0, prompt_len, 0, plan, rotary=merge_rotary)
+                if not with_bias:  # the no-bias ablation: merged slots attended without their log-count bias
+                    arena.bias[:used] = 0.0
                 logits, _ = runner.extend(cont, 0, used, prompt_len, all_logits=True)
                 results[run][name].add(reference, logits, targets)
                 slots[run][name] += used
     return {run: {name: {**agg.summary(), "kv_bytes_ratio": slots[run][name] / (prompt_len * len(windows))}
                   for name, agg in by_policy.items()} for run, by_policy in results.items()}
-
-
-def _policy_plan(name: str, n: int, settings: MergeSettings, scores: torch.Tensor, seed: int,
-                 rotary: RotaryTable | None) -> tuple[MergePlan, bool, RotaryTable | None]:
-    """(plan, with the log-count bias, RoPE table for merged keys) of policy `name` for an n-token prompt."""
-    merge, evict = choose_compression(scores, n, settings)
-    if name == "segment_sparse":
-        return plan_groups(n, merge, evict=evict), True, rotary
-    if name == "merge_only":  # no eviction: groups ranked by sum - max, sharpened score weights
-        return plan_groups(n, choose_groups(scores, n, settings, "merge"), scores=scores), True, rotary
-    if name == "merge_score_weighted":
-        return plan_groups(n, merge, scores=scores, evict=evict), True, rotary
-    if name == "merge_unsharpened":
-        return plan_groups(n, merge, scores=scores, sharpness=1.0, evict=evict), True, rotary
-    if name == "merge_post_rope":
-        return plan_groups(n, merge, evict=evict), True, None
-    if name == "merge_no_bias":
-        return plan_groups(n, merge, evict=evict), False, rotary
-    if name == "evict":
-        return plan_groups(n, merge + evict, drop=True), True, None
-    if name == "evict_same_ratio":  # evicting a group frees 4 slots: as many groups as free the same slots
-        freed = n - compressed_length(n, settings)
-        lowest = choose_groups(scores, n, settings, "evict", count=round(freed / GROUP))
-        return plan_groups(n, lowest, drop=True), True, None
-    if name == "random":  # segment_sparse's counts of merged and evicted groups, on random groups
-        merge, evict = choose_compression(None, n, settings, "random", seed=seed)
-        return plan_groups(n, merge, evict=evict), True, rotary
-    if name == "streaming":
-        return plan_streaming(n, compressed_length(n, settings), settings.sinks), True, None
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
 def long_input_quality(engine: Engine, windows: list[list[int]], prompt_len: int,

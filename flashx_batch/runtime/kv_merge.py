@@ -1,16 +1,19 @@
 """Segment-sparse KV: which 4-token groups to evict or merge, and the rewrite itself.
 
-Pure planning (`plan_*`, `choose_*`) is integer / small-tensor work on the host; `apply_plan` is the
-one place that rewrites arena tensors. A plan maps every source slot to a target slot (or drops it)
-with a weight, so one mechanism serves segment-sparse compression (the least attended groups
-evicted, the next merged 4:1), the merge-only / evict-only / no-bias ablations, StreamingLLM's
-sinks + recent window, and rolling merges of already-merged slots (weights by token count).
+Pure planning (`plan_*`, `choose_compression`) is integer / small-tensor work on the host;
+`apply_plan` / `apply_plans` are the one place that rewrites arena tensors. A plan maps every source
+slot to a target slot (or drops it) with a weight, so one mechanism serves segment-sparse compression
+of a prompt (the least attended groups evicted, the next merged 4:1) and rolling merges of
+already-merged slots (weights by token count) for prompts longer than max_input_len.
 
 Merged slot = weighted mean of its tokens' values and keys (equal weights for a segment-sparse
-merge; sharpened attention scores for the score-weighted ablations; token counts for a rolling
-merge; keys averaged before RoPE and rotated to the slot's weighted mean position when a RoPE table
-is given); attention adds log(count) to its logit (log(effective count) for a score-weighted plan),
-so a slot standing for 4 identical tokens weighs exactly as the 4 did.
+merge; token counts for a rolling merge; keys averaged before RoPE and rotated to the slot's
+weighted mean position when a RoPE table is given); attention adds log(count) to its logit, so a
+slot standing for 4 identical tokens weighs exactly as the 4 did.
+
+The research ablations `python -m flashx_batch.quality` compares this against (merge-only,
+score-weighted merges, evict-only, random groups, StreamingLLM, no bias) live in
+`flashx_batch/quality/ablations.py`; the measurements are in docs/benchmarks.md ("Segment-sparse KV").
 """
 
 from __future__ import annotations
@@ -24,19 +27,18 @@ from flashx_batch.models.layers import RotaryTable
 from flashx_batch.runtime.kv import KVArena
 
 GROUP = 4
-POLICIES = ("segment_sparse", "merge_only", "merge_score_weighted", "merge_unsharpened", "merge_post_rope",
-            "merge_no_bias", "evict", "evict_same_ratio", "random", "streaming")
 
 
 @dataclass(frozen=True)
 class MergeSettings:
-    fraction: float = 0.8  # of eligible groups; chosen by `python -m flashx_batch.quality` (all held-out windows)
+    # fraction and evict_share defaults: picked with `python -m flashx_batch.quality`; the sweeps that
+    # chose them are in docs/benchmarks.md ("Segment-sparse KV")
+    fraction: float = 0.8  # of eligible groups
     sinks: int = 4  # first tokens never merged (attention sinks)
     window: int = 32  # last tokens: the observation window, never merged
     rerotate: bool = True  # merge keys before RoPE and rotate to the group's mean position
     # of the slots the fraction frees, the share freed by evicting the least attended groups outright;
-    # the rest by 4:1 merges of the next least attended (0 = merge only, 1 = evict only). Picked from the
-    # evict-share sweep of `python -m flashx_batch.quality` (best KL at fractions 0.7 and 0.8)
+    # the rest by 4:1 merges of the next least attended (0 = merge only, 1 = evict only)
     evict_share: float = 0.8
 
 
@@ -48,20 +50,14 @@ class MergePlan:
     weight: torch.Tensor  # [L] float32
     counts: list[int]  # tokens each output slot stands for
     positions: list[float]  # the (count-weighted mean) position each output slot stands at
-    mass: list[float] | None = None  # score-weighted plans: per slot, its tokens' attention ÷ the top token's
 
     @property
     def num_slots(self) -> int:
         return len(self.counts)
 
-    def log_counts(self, with_bias: bool = True) -> torch.Tensor:
-        """Per-slot attention bias: log(count) — or, for a score-weighted plan, log(effective count):
-        the attention its tokens received ÷ the most attended one's, so 4 equally attended tokens
-        weigh as 4 (exact for duplicates) and one dominant token as about 1."""
-        if not with_bias:
-            return torch.zeros(len(self.counts))
-        per_slot = self.mass if self.mass is not None else self.counts
-        return torch.tensor([math.log(c) for c in per_slot], dtype=torch.float32)
+    def log_counts(self) -> torch.Tensor:
+        """Per-slot attention bias: log(count), so a slot standing for 4 identical tokens weighs as the 4 did."""
+        return torch.tensor([math.log(c) for c in self.counts], dtype=torch.float32)
 
 
 def _eligible(length: int, settings: MergeSettings) -> range:
@@ -103,75 +99,34 @@ def max_compressed_length(limit: int, settings: MergeSettings) -> int:
     return max(compressed_length(n, settings) for n in range(1, limit + 1))
 
 
-def choose_groups(scores: torch.Tensor | None, length: int, settings: MergeSettings, policy: str,
-                  seed: int = 0, count: int | None = None, ranked: bool = False) -> list[int]:
-    """The `count` groups (default: the fraction's) whose compression loses the least attention,
-    or random ones for the ablation.
-
-    What a group loses depends on what happens to it. Evicted (`policy="evict"`), all its tokens'
-    pooled attention is gone: rank by the sum. Merged with sharpened score weights (`policy="merge"`,
-    the merge-only ablation), its slot keeps the most attended token almost exactly (and the bias
-    restores the group's total weight); what gets blurred is the attention of the other three: rank
-    by sum − max. On the 151 held-out windows that beat ranking by the sum at fraction 0.8 (top-1
-    0.883 vs 0.880, KL 0.0230 vs 0.0234; `python -m flashx_batch.quality`). `ranked`: least loss
-    (random: drawn) first instead of sorted by position."""
+def least_attended(scores: torch.Tensor, length: int, settings: MergeSettings, count: int) -> list[int]:
+    """The `count` eligible groups whose tokens received the least attention (pooled sum of
+    `scores`, one per token), least attended first. `count` must be at least 1."""
     groups = eligible_groups(length, settings)
-    count = merge_count(length, settings) if count is None else count
-    if count == 0:
-        return []
-    if policy == "random":
-        g = torch.Generator().manual_seed(seed)
-        drawn = [groups[i] for i in torch.randperm(len(groups), generator=g)[:count].tolist()]
-        return drawn if ranked else sorted(drawn)
     upto = (groups[-1] + 1) * GROUP
     per_group = scores[:upto].float().view(-1, GROUP)[groups]  # [eligible, 4]
-    if policy not in ("evict", "merge"):
-        raise ValueError(f"choose_groups: policy {policy!r} is not evict, merge or random")
     lost = per_group.sum(-1)
-    if policy == "merge":
-        lost = lost - per_group.max(-1).values
-    lowest = [groups[i] for i in torch.argsort(lost, stable=True)[:count].tolist()]
-    return lowest if ranked else sorted(lowest)
+    return [groups[i] for i in torch.argsort(lost, stable=True)[:count].tolist()]
 
 
-def choose_compression(scores: torch.Tensor | None, length: int, settings: MergeSettings,
-                       policy: str = "segment_sparse", seed: int = 0) -> tuple[list[int], list[int]]:
+def choose_compression(scores: torch.Tensor, length: int, settings: MergeSettings) -> tuple[list[int], list[int]]:
     """(groups to merge, groups to evict): the segment-sparse plan for one prompt.
 
     Groups are ranked by the attention they received (pooled sum). The least attended are evicted;
     the next ones are merged 4:1 (equal weights, log 4 bias), so a merge spends its slot where an
-    approximation is worth keeping. Why both (151 held-out windows, `python -m flashx_batch.quality`):
-    merging alone loses to eviction at the same slot budget at every fraction, while evicting for
-    80 % of the freed slots and merging the next groups beats eviction (fraction 0.8: top-1 0.911 vs
-    0.908, KL 0.0130 vs 0.0142). A merged slot's mean key draws attention that tokens nobody
-    attends never had; for moderately attended tokens a summary beats losing them.
-    `policy="random"`: the same counts on random groups (the ablation)."""
+    approximation is worth keeping: a merged slot's mean key draws attention that tokens nobody
+    attends never had, while for moderately attended tokens a summary beats losing them. Why both
+    rather than merging or evicting alone: the comparison is in docs/benchmarks.md ("Segment-sparse KV")."""
     merged, evicted = compression_counts(length, settings)
     if merged + evicted == 0:
         return [], []
-    order = choose_groups(scores, length, settings, "random" if policy == "random" else "evict", seed=seed,
-                          count=merged + evicted, ranked=True)
+    order = least_attended(scores, length, settings, merged + evicted)
     return sorted(order[evicted:]), sorted(order[:evicted])
 
 
-# merged-slot weights ∝ score ** SHARPNESS when a plan is given scores: the best merge-only scheme we
-# measured (`merge_only` in `python -m flashx_batch.quality`); segment_sparse merges with equal weights
-SHARPNESS = 5.0
-
-
-def plan_groups(length: int, groups: list[int], drop: bool = False,
-                scores: torch.Tensor | None = None, sharpness: float = SHARPNESS,
-                evict: list[int] | tuple[int, ...] = ()) -> MergePlan:
-    """Merge each listed 4-token group (with `drop`, evict them instead) and evict the groups in
-    `evict`; every other token keeps its slot.
-
-    With `scores`, a merged slot leans to its most attended tokens — weights ∝ score ** sharpness,
-    its position their weighted mean — and its bias is the log of its effective token count (see
-    `MergePlan.log_counts`). Without, tokens weigh equally and the bias is log 4."""
-    if drop:
-        if evict:
-            raise ValueError("plan_groups: pass the groups to drop either as `groups` with drop=True or as `evict`")
-        groups, evict = [], list(groups)
+def plan_groups(length: int, groups: list[int], evict: list[int] | tuple[int, ...] = ()) -> MergePlan:
+    """Merge each listed 4-token group into one slot (its tokens weighed equally, bias log 4) and
+    evict the groups in `evict`; every other token keeps its slot."""
     if set(groups) & set(evict):
         raise ValueError(f"plan_groups: groups {sorted(set(groups) & set(evict))[:8]} are both merged and evicted")
     tokens = torch.arange(length)
@@ -192,32 +147,14 @@ def plan_groups(length: int, groups: list[int], drop: bool = False,
     counts = torch.ones(num_slots, dtype=torch.int64)
     positions = torch.zeros(num_slots, dtype=torch.float32)
     positions[target[kept]] = tokens[kept].float()
-    mass = torch.ones(num_slots, dtype=torch.float32)
     if bool(in_group.any()):
         members = tokens[in_group].view(-1, GROUP)  # [merged groups, 4]
         slots = target[members[:, 0]]
         counts[slots] = GROUP
-        if scores is None:
-            w = torch.full(members.shape, 1.0 / GROUP)
-            mass[slots] = float(GROUP)
-        else:
-            s = scores[:length].float().cpu().clamp_min(1e-12)[members]  # one copy to the host
-            top = s.max(dim=1, keepdim=True).values
-            w = (s / top) ** sharpness
-            w = w / w.sum(dim=1, keepdim=True)
-            mass[slots] = (s.sum(dim=1, keepdim=True) / top).squeeze(1)
+        w = torch.full(members.shape, 1.0 / GROUP)
         weight[members.reshape(-1)] = w.reshape(-1)
         positions[slots] = (w * members.float()).sum(dim=1)
-    return MergePlan(target, weight, counts.tolist(), positions.tolist(), mass.tolist() if scores is not None else None)
-
-
-def plan_streaming(length: int, keep: int, sinks: int) -> MergePlan:
-    """StreamingLLM: the first `sinks` tokens and the most recent `keep - sinks`."""
-    target = torch.full((length,), -1, dtype=torch.int64)
-    recent = max(0, keep - sinks)
-    kept = list(range(min(sinks, length))) + list(range(max(sinks, length - recent), length))
-    target[kept] = torch.arange(len(kept))
-    return MergePlan(target, torch.ones(length), [1] * len(kept), [float(k) for k in kept])
+    return MergePlan(target, weight, counts.tolist(), positions.tolist())
 
 
 def plan_oldest(counts: list[int], positions: list[float], slots_to_free: int, settings: MergeSettings) -> MergePlan:
@@ -259,8 +196,7 @@ def _compose(first_target: torch.Tensor, first_weight: torch.Tensor, second: Mer
 
 
 def apply_plan(arena: KVArena, src_start: int, length: int, dst_start: int, plan: MergePlan,
-               with_bias: bool = True, rotary: RotaryTable | None = None,
-               src_positions: list[float] | None = None) -> int:
+               rotary: RotaryTable | None = None, src_positions: list[float] | None = None) -> int:
     """Rewrite `length` slots at `src_start` (all layers, K and V) into `plan.num_slots` slots at
     `dst_start`, and set their log-count bias. The source is read fully before the write, so the
     two regions may overlap (in-place compression). Returns the new slot count.
@@ -268,10 +204,10 @@ def apply_plan(arena: KVArena, src_start: int, length: int, dst_start: int, plan
     With `rotary`, a merged slot's key is the mean of its tokens' keys *before* RoPE, rotated to
     the slot's mean position, instead of the mean of rotated keys (whose phases partly cancel).
     Unmerged slots are copied bit for bit either way."""
-    return apply_plans(arena, [(src_start, length, dst_start, plan)], with_bias, rotary, src_positions)[0]
+    return apply_plans(arena, [(src_start, length, dst_start, plan)], rotary, src_positions)[0]
 
 
-def apply_plans(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]], with_bias: bool = True,
+def apply_plans(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
                 rotary: RotaryTable | None = None, src_positions: list[float] | None = None) -> list[int]:
     """`apply_plan` for several (src_start, length, dst_start, plan) at once — the rows of one packed
     prefill. Every job's source is read before any job writes, so a job's destination may overlap
@@ -289,17 +225,17 @@ def apply_plans(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]], wit
         for (src_start, length, dst_start, plan), (kept, _) in zip(jobs, fan_ins):
             _apply_any(arena, src_start, length, dst_start, plan, kept, rotary, src_positions)
     for _, _, dst_start, plan in jobs:
-        arena.bias[dst_start : dst_start + plan.num_slots] = plan.log_counts(with_bias).to(arena.bias.device)
+        arena.bias[dst_start : dst_start + plan.num_slots] = plan.log_counts().to(arena.bias.device)
     return [plan.num_slots for *_, plan in jobs]
 
 
 def _apply_groups(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
                   fan_ins: list[tuple[torch.Tensor, torch.Tensor]], rotary: RotaryTable | None,
                   src_positions: list[float] | None) -> None:
-    """Every slot is one source copied or GROUP sources merged (4:1 plans, rolling merges, evictions,
-    StreamingLLM): gather the copies and the groups of every job, reduce each group densely, write
-    all back. ~3x faster than the scatter-add of `_apply_any` on a 512-token prompt, and one set of
-    kernels for all the rows of a packed prefill."""
+    """Every slot is one source copied or GROUP sources merged (4:1 plans, evictions, one-pass rolling
+    merges): gather the copies and the groups of every job, reduce each group densely, write all
+    back. Faster than the scatter-add of `_apply_any` (docs/benchmarks.md, "Segment-sparse KV"), and
+    one set of kernels for all the rows of a packed prefill."""
     storage, device = arena.storage, arena.storage.device
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("src", "dst", "members", "slots", "w", "at", "slot_at")}
     for (src_start, length, dst_start, plan), (kept, fan_in) in zip(jobs, fan_ins):
@@ -317,7 +253,8 @@ def _apply_groups(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
             parts["w"].append(plan.weight[grouped])
             parts["at"].append(positions[grouped])
             parts["slot_at"].append(torch.tensor(plan.positions, dtype=torch.float32)[slots])
-    # index_select / index_copy_ move whole [Hkv, D] slots: ~4x faster than advanced indexing on dim 2
+    # index_select / index_copy_ move whole [Hkv, D] slots: faster than advanced indexing on dim 2
+    # (docs/benchmarks.md, "Segment-sparse KV")
     copies = storage.index_select(2, torch.cat(parts["src"]).to(device))  # copies, read before any write
     writes = [(torch.cat(parts["dst"]), copies)]
     if parts["members"]:
