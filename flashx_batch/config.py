@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -32,7 +32,7 @@ DEFAULT_PRESET = "legal_docs"
 @dataclass
 class ModelSection:
     path: str = BUNDLED_PREFIX + "legal-tiny"  # a local HF directory, or bundled://<name>
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # EngineOptions.dtype (see ENGINE_ONLY): auto | float32 | bfloat16 | float16
 
 
 @dataclass
@@ -59,28 +59,35 @@ class SamplingSection:
     ignore_eos: bool = False
 
 
-@dataclass
-class RuntimeSection:
-    backend: str = "auto"
-    max_batch_size: int = 8
-    max_input_len: int = 512
-    max_output_len: int = 128
-    cache_policy: str = "static"
-    segment_size: int = 16  # tokens per KV segment: small segments waste little when merged rows shrink
-    long_input: str = "error"  # error | truncate | rolling_merge
-    kv_merge_fraction: float = 0.8  # segment_sparse: share of eligible 4-token groups merged 4:1
-    kv_observe_window: int = 32  # segment_sparse: queries whose attention scores the groups
-    kv_evict_share: float = 0.8  # segment_sparse: share of the freed slots freed by evicting the least attended groups
-    prefix_cache_tokens: int = 0  # prefix reuse: KV tokens an actor keeps for shared prefixes (0 = off)
-    precision_map: str | None = None  # weight formats per tensor, from `python -m flashx_batch.quantize`
-    num_threads: int | None = None  # CPU threads per engine; None = the actor's CPUs
-    refill: bool = True  # in-flight refill: a finished row's stripe takes the next row of the shard mid-batch
-    batch_growth: int = 4  # short rows: up to batch_growth x max_batch_size rows in the same KV memory (1 = off)
-    prepack_weights: bool = True  # CPU float32: MKL-packed weight copies for the decode batch (2x weight memory)
-    kv_layout: str = "auto"  # growing batches: stripes | extents (each row its own KV extent) | auto (CPU: extents)
-    cuda_graphs: str = "auto"  # striped decode steps replayed from CUDA graphs: auto (where the backend can) | on | off
-    shard_size: int = 64  # rows per shard (the unit of commit and retry)
-    bucket_edges: list[int] = field(default_factory=list)  # token-length bucket upper bounds; [] = powers of 2
+# `runtime.*` = every EngineOptions knob (declared once, with its meaning, in runtime/options.py) except
+# ENGINE_ONLY, plus the job-only keys in JOB_ONLY_RUNTIME. The schema defaults are EngineOptions' defaults;
+# the presets in conf/ set the job values (legal_docs: max_output_len 64, shard_size 16).
+ENGINE_ONLY = {  # knob -> the job key that sets it instead (None: no job key; engine_options pins it)
+    # The job calls it model.dtype: how the model's weights are loaded, next to model.path.
+    "dtype": "model.dtype",
+    # Not a job key, as before: a job always sorts a shard's rows by length (True); the plan has already
+    # bucketed rows by length into shards, and there is no job-level reason to turn it off.
+    "sort_by_length": None,
+}
+
+JOB_ONLY_RUNTIME: list[tuple[str, Any, Any]] = [
+    ("shard_size", int, field(default=64, metadata={"help": "rows per shard (the unit of commit and retry)"})),
+    ("bucket_edges", list[int], field(default_factory=list, metadata={
+        "help": "token-length bucket upper bounds; [] = powers of 2 up to max_input_len"})),
+]
+
+
+def _runtime_fields() -> list[tuple[str, Any, Any]]:
+    """RuntimeSection's fields: the job-visible EngineOptions knobs (same name, type, default, help), then JOB_ONLY."""
+    hints = get_type_hints(EngineOptions)  # evaluated annotations (int, str, bool, float, X | None): OmegaConf's types
+    engine = [(f.name, hints[f.name], field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+              for f in dataclasses.fields(EngineOptions) if f.name not in ENGINE_ONLY]
+    return engine + JOB_ONLY_RUNTIME
+
+
+RuntimeSection = dataclasses.make_dataclass(
+    "RuntimeSection", _runtime_fields(),
+    namespace={"__module__": __name__, "__doc__": "The runtime.* group of a job: EngineOptions knobs + job-only keys."})
 
 
 @dataclass
@@ -115,17 +122,14 @@ class JobConfig:
     log_level: str = "INFO"
 
     def engine_options(self, num_threads: int | None = None) -> EngineOptions:
-        """The runtime.* knobs as the engine takes them (raises ConfigError on bad values)."""
-        r = self.runtime
-        return EngineOptions(backend=r.backend, dtype=self.model.dtype, max_batch_size=r.max_batch_size,
-                             max_input_len=r.max_input_len, max_output_len=r.max_output_len,
-                             cache_policy=r.cache_policy, segment_size=r.segment_size, long_input=r.long_input,
-                             kv_merge_fraction=r.kv_merge_fraction, kv_observe_window=r.kv_observe_window,
-                             kv_evict_share=r.kv_evict_share,
-                             prefix_cache_tokens=r.prefix_cache_tokens, precision_map=r.precision_map,
-                             num_threads=r.num_threads or num_threads, sort_by_length=True, refill=r.refill,
-                             batch_growth=r.batch_growth, prepack_weights=r.prepack_weights, kv_layout=r.kv_layout,
-                             cuda_graphs=r.cuda_graphs)
+        """The runtime.* knobs as the engine takes them (raises ConfigError on bad values).
+
+        `num_threads` is the caller's fallback (the actor's CPUs) when runtime.num_threads is null.
+        """
+        values = {f.name: getattr(self.runtime, f.name) for f in dataclasses.fields(EngineOptions)
+                  if f.name not in ENGINE_ONLY}
+        values["num_threads"] = self.runtime.num_threads or num_threads
+        return EngineOptions(**values, dtype=self.model.dtype, sort_by_length=True)  # the ENGINE_ONLY knobs
 
 
 def resolve_model_dir(path: str) -> Path:

@@ -1,10 +1,14 @@
-"""`EngineOptions`: every knob fixed when an engine starts (the `runtime.*` config group maps here)."""
+"""`EngineOptions`: every knob fixed when an engine starts, declared once with its meaning.
+
+The job schema's `runtime.*` group (`config.RuntimeSection`) is derived from these fields; see `knob`.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from flashx_batch.errors import ConfigError
 
@@ -20,34 +24,53 @@ def bundled_model_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "assets" / "models" / "legal-tiny"
 
 
+def knob(default: Any, meaning: str, choices: tuple[str, ...] = ()) -> Any:
+    """An `EngineOptions` field with its one-line meaning and, for an enum, its allowed values.
+
+    The job schema (`config.RuntimeSection`) is built from these fields and the tests check the README's
+    Config keys table against them, so a knob is declared here once.
+    """
+    return field(default=default, metadata={"help": meaning, "choices": choices})
+
+
 @dataclass(frozen=True)
 class EngineOptions:
-    backend: str = "auto"
-    dtype: str = "auto"
-    max_batch_size: int = 8
-    max_input_len: int = 512
-    max_output_len: int = 128
-    cache_policy: str = "static"
-    segment_size: int = 16  # small segments: merged rows and shared prefixes waste less of the arena
-    long_input: str = "error"
-    num_threads: int | None = None  # CPU only; None = every core this process may run on
-    sort_by_length: bool = True  # generate() groups similar lengths into a batch (bucketing)
-    refill: bool = True  # a finished row's stripe takes the next queued row mid-batch (in-flight refill)
-    # static cache: stripes cut for the longest row still decoding or queued, so short rows run up to
-    # batch_growth x max_batch_size at once in the KV arena sized for max_batch_size full rows; 1 = fixed size
-    batch_growth: int = 4
-    kv_merge_fraction: float = 0.8  # segment_sparse: share of eligible 4-token groups merged 4:1
-    kv_observe_window: int = 32  # segment_sparse: last queries whose attention scores the groups
-    kv_evict_share: float = 0.8  # segment_sparse: share of the freed slots freed by evicting the least attended groups
-    prefix_cache_tokens: int = 0  # prefix reuse: KV tokens kept for shared prefixes (0 = off)
-    precision_map: str | None = None  # JSON from `python -m flashx_batch.quantize`: per-tensor weight formats
-    prepack_weights: bool = True  # CPU float32: MKL-packed weight copies for the decode batch (2x weight memory)
-    # growing refilled batches: "stripes" (equal, cut for the longest row), "extents" (each row its own
-    # prompt + new tokens), "auto" (the backend's preference: extents on CPU)
-    kv_layout: str = "auto"
-    # striped decode steps replayed from CUDA graphs (`runtime.decode_graphs`): "auto" where the backend
-    # captures them (cuda), "on" (an error elsewhere), "off" (eager steps)
-    cuda_graphs: str = "auto"
+    backend: str = knob("auto", "device backend: auto, or a name in flashx_batch.backends.BACKENDS")
+    dtype: str = knob("auto", "weight and activation dtype (model.dtype in a job); auto = float32 on CPU, bfloat16 "
+                              "on accelerators", DTYPES)
+    max_batch_size: int = knob(8, "rows per static batch; under segment_sparse the KV budget in full rows")
+    max_input_len: int = knob(512, "prompt tokens a row may hold; longer prompts follow long_input")
+    max_output_len: int = knob(128, "new tokens a row may generate; the KV arena holds max_batch_size x "
+                                    "(max_input_len + max_output_len) tokens, allocated once")
+    cache_policy: str = knob("static", "KV cache: static, or segment_sparse (low-attention 4-token groups evicted "
+                                       "or merged 4:1)", CACHE_POLICIES)
+    # small segments: merged rows and shared prefixes waste less of the arena
+    segment_size: int = knob(16, "tokens per KV arena segment")
+    long_input: str = knob("error", "prompts over max_input_len: error (an error row), truncate (keep the tail), "
+                                    "rolling_merge (prefill segment by segment, folding the oldest KV)",
+                           LONG_INPUT_POLICIES)
+    num_threads: int | None = knob(None, "CPU threads per engine (CPU only); None = every core this process may "
+                                         "run on")
+    sort_by_length: bool = knob(True, "generate() groups similar lengths into a batch (bucketing)")
+    refill: bool = knob(True, "in-flight refill: a finished row's KV (stripe or extent) takes the next queued row "
+                              "mid-batch; false = classic static batches")
+    batch_growth: int = knob(4, "static cache: short rows run up to batch_growth x max_batch_size at once in the "
+                                "same KV memory; 1 = fixed batch size")
+    kv_merge_fraction: float = knob(0.8, "segment_sparse: share of eligible 4-token groups merged 4:1")
+    kv_observe_window: int = knob(32, "segment_sparse: last queries whose attention scores the groups")
+    kv_evict_share: float = knob(0.8, "segment_sparse: share of the freed slots freed by evicting the least "
+                                      "attended groups; the rest by 4:1 merges (0 = merge only)")
+    prefix_cache_tokens: int = knob(0, "prefix reuse: KV tokens kept for shared prefixes (0 = off)")
+    precision_map: str | None = knob(None, "JSON from `python -m flashx_batch.quantize`: per-tensor weight "
+                                           "formats")
+    prepack_weights: bool = knob(True, "CPU float32: MKL-packed weight copies for the decode batch (2x weight "
+                                       "memory)")
+    kv_layout: str = knob("auto", "growing refilled batches: stripes (equal, cut for the longest row), extents "
+                                  "(each row its own prompt + new tokens), auto (the backend's preference: extents "
+                                  "on CPU)",
+                          KV_LAYOUTS)
+    cuda_graphs: str = knob("auto", "striped decode steps replayed from CUDA graphs: auto (where the backend "
+                                    "captures them: cuda), on (an error elsewhere), off (eager steps)", CUDA_GRAPHS)
 
     def __post_init__(self) -> None:
         checks = [
