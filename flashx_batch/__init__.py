@@ -1,6 +1,6 @@
 """flashx-batch: offline batch LLM inference for heterogeneous accelerators.
 
-Public API (DESIGN.md): `Engine`, `SamplingParams`, `RequestOutput`. Names load lazily so that
+Public API (README "Python API"): `Engine`, `SamplingParams`, `RequestOutput`. Names load lazily so that
 `python -m flashx_batch.doctor` still runs when `import torch` itself is broken (torch_npu without
 CANN), which is exactly when a user needs it.
 """

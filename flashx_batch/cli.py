@@ -1,4 +1,5 @@
-"""The Hydra command line: `python -m flashx_batch conf=NAME key=value ...` (DESIGN.md "CLI").
+"""The Hydra command line: `python -m flashx_batch conf=NAME key=value ...` (README "Commands";
+docs/batch_jobs.md for presets, Hydra settings and exit codes).
 
 Thin on purpose: Hydra composes the preset, `to_job_config` turns it into a `JobConfig`, and
 `runner.run` does the work. This is the only module (with `config.compose_job`) that knows Hydra.

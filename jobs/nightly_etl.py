@@ -5,11 +5,12 @@
         [--preset legal_docs] [key=value ...]
 
 reads  <input-root>/<date>/*   (any mix of .parquet / .jsonl / .csv; see data.path)
-writes <output-root>/<date>/   (the DESIGN.md output layout; rerunning the same day resumes it)
+writes <output-root>/<date>/   (the output layout of README "Output"; rerunning the same day resumes it)
 
 Exit codes, for the scheduler (cron, Airflow, Argo):
     0        done (row-level errors are in <out>/errors/): mark the day complete
     2        bad job or bad input (config, schema, corrupt file, changed settings): do NOT retry, alert a person
+    75       another live run holds the day's output directory (e.g. an earlier run still going): retry later
     130, 143 interrupted (SIGINT / SIGTERM, e.g. pre-emption): retry the same command, it resumes
     1        anything else (a shard kept failing, a crash): retry with backoff, alert after a few tries
 """

@@ -14,7 +14,8 @@ from typing import Any
 
 from flashx_batch.runtime.tokenizer import Tokenizer
 
-# Error codes (DESIGN.md errors/ `error_code`); prompt_too_long is decided after tokenizing, in plan.py.
+# Error codes (`error_code` in errors/; docs/batch_jobs.md "Error rows"); prompt_too_long is decided
+# after tokenizing, in plan.py.
 NULL_PROMPT = "null_prompt"
 EMPTY_PROMPT = "empty_prompt"
 BAD_TYPE = "bad_type"

@@ -5,7 +5,8 @@ several row ranges (a fused `qkv` whose q rows are int4 and k / v rows int8). Th
 calls `module(x)`, so it never learns which format runs.
 
 Kernels (`choose_kernel`, per format, device and compute dtype), chosen from measurements on CPU
-(torch 2.13, one thread; see the report of issue 9):
+(torch 2.13, one thread, when the kernels were chosen in commit 0ee4b5c; end-to-end decode
+speeds: docs/benchmarks.md, "Mixed-precision weights"):
   native / cast      float weights; `cast` converts a bf16 / fp16 weight to the compute dtype per call.
   int8pack_mm        `_weight_int8pack_mm` for bf16 / fp16 activations (CPU, CUDA), at most `SMALL_M`
                      rows per call (decode): 1.8x faster than bf16 F.linear at one row. Above that the

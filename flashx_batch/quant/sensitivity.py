@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from flashx_batch.models.decoder import DecoderModel, ForwardContext
-from flashx_batch.quality.metrics import Agreement
 from flashx_batch.quant import formats as fm
+from flashx_batch.quant.agreement import Agreement
 from flashx_batch.quant.units import FormatSwap, Unit, available_formats
 from flashx_batch.runtime.kv import KVArena
 

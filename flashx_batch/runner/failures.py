@@ -5,7 +5,7 @@ classify each failure (`kind_of`) and follow `decide`; `FailedRows` is how they 
 they give up, through the same commit protocol as generated rows. Kept free of Ray so the policy
 is a pure function the unit tests walk through.
 
-Policy (DESIGN.md exit codes, docs/reliability.md):
+Policy (exit codes: docs/reliability.md "Exit codes"):
   error   an exception in the worker (a bug, ENOSPC): retry up to max_attempts, then the job
           fails with exit 1 and a rerun retries it — the rows are not ours to give up.
   fatal   the engine's device is gone: the worker is replaced (never reused), then as `error`.

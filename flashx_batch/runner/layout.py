@@ -1,4 +1,5 @@
-"""The output directory (DESIGN.md "Output layout") and its commit protocol.
+"""The output directory (README "Output"; docs/batch_jobs.md "Output layout and exactly-once") and
+its commit protocol.
 
 Who calls it: the driver (`runner.job`) to open, lock, resume, clean and finish a job; every worker
 (`runner.worker`, in-process or in a Ray actor) to commit one shard. A shard is committed when

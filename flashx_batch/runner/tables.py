@@ -1,4 +1,4 @@
-"""Arrow tables of the output layout (DESIGN.md): generations, errors and stats, one builder each.
+"""Arrow tables of the output layout (README "Output"): generations, errors and stats, one builder each.
 
 Who calls it: `runner.worker` (all three, per shard) and `runner.job` (errors of the rows the plan
 rejected). Keeping the column lists here keeps every writer on the same schema.

@@ -1,4 +1,4 @@
-"""The bad-input fixture (issue 6, item 5): every kind of dirty input gets its documented outcome —
+"""The bad-input fixture: every kind of dirty input gets its documented outcome —
 an error row with its code while the rest of the job runs, or exit 2 before anything is written.
 The tables below are the ones in docs/reliability.md."""
 

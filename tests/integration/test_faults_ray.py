@@ -1,6 +1,7 @@
-"""Faults under the Ray executor (issue 6, items 1, 2 and 4): actors killed at seeded moments, a hung
-shard cut by the watchdog, a poison row isolated by splitting, a fatal engine error, crashes at each
-named point of the commit — every run ends with each input id exactly once and no orphan file."""
+"""Faults under the Ray executor: actors killed at seeded moments, a hung shard cut by the watchdog,
+a poison row isolated by splitting, a fatal engine error, crashes at each named point of the
+commit — every run ends with each input id exactly once and no orphan file. The table of these
+faults: docs/reliability.md, "Faults the test suite survives"."""
 
 from __future__ import annotations
 

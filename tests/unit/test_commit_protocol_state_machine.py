@@ -1,7 +1,8 @@
-"""Property test of the commit protocol (issue 6, item 6): random interleavings of attempts of any
-piece of three shards — staged and left pending (zombies), published, crashed mid-write or
-mid-publish, resumed over — never commit two pieces that share a row, and finishing the job always
-yields committed ids = planned ids, each exactly once, with no orphan file left behind."""
+"""Property test of the commit protocol (docs/batch_jobs.md, "Output layout and exactly-once"):
+random interleavings of attempts of any piece of three shards — staged and left pending (zombies),
+published, crashed mid-write or mid-publish, resumed over — never commit two pieces that share a
+row, and finishing the job always yields committed ids = planned ids, each exactly once, with no
+orphan file left behind."""
 
 from __future__ import annotations
 
