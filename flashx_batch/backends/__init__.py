@@ -1,12 +1,18 @@
 """Backend registry: `get_backend("auto" | "cpu" | "cuda" | "rocm" | "npu" | "onnx")`.
 
 Called by `runtime.engine` when an engine starts, by `onnx.OnnxEngine`, by the Ray runner (for
-`ray_options`) and by `doctor`'s probe subprocess.
+`ray_options`, and `resolve_for_ray` to decide `auto` by what the cluster offers), by the benchmarks
+(`for_device`) and by `doctor`'s probe subprocess.
 """
 
 from __future__ import annotations
 
-from flashx_batch.backends.base import Backend
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from flashx_batch.backends.base import Backend, GraphReplay
 from flashx_batch.backends.cpu import CpuBackend
 from flashx_batch.backends.cuda import CudaBackend
 from flashx_batch.backends.npu import NpuBackend
@@ -36,6 +42,46 @@ def resolve_name(name: str = "auto") -> str:
     return name
 
 
+def cluster_offers(options: Mapping[str, Any], resources: Mapping[str, float]) -> bool:
+    """Whether a Ray cluster with `resources` (`ray.cluster_resources()`) can place one actor with
+    these `ray_options` (GPUs and custom resources; CPUs are the executor's to size)."""
+    needed = {"GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+    return all(resources.get(key, 0) >= amount for key, amount in needed.items() if amount)
+
+
+def resolve_for_ray(name: str, resources: Mapping[str, float], extra_resources: Mapping[str, float] | None,
+                    ask_worker: Callable[[dict[str, Any]], str | None]) -> str:
+    """The backend Ray actors run: `auto` decided by what the cluster offers, not by the driver's own
+    devices (a CPU-only head node may drive a GPU cluster); other names pass through.
+
+    The candidates are the backends, in `AUTO_ORDER`, whose one-actor request (`ray_options` with the
+    executor's `extra_resources`) the cluster can place. Resources alone cannot tell every kind apart
+    (a ROCm GPU and an NVIDIA one are both `GPU`; a DCU Ray does not detect is only a custom
+    resource), so unless cpu is the sole candidate, `ask_worker(options)` runs `resolve_name("auto")`
+    on a worker placed with the first candidate's options, and its answer wins (a kind the cluster
+    cannot place is then refused by the caller's resource check). When it gives no answer (None: not
+    scheduled in time) the first candidate is taken.
+    """
+    if name != "auto":
+        return name
+    candidates = [n for n in AUTO_ORDER if cluster_offers(BACKENDS[n]().ray_options(extra_resources), resources)]
+    if not candidates or candidates == ["cpu"]:
+        return "cpu"
+    answer = ask_worker(BACKENDS[candidates[0]]().ray_options(extra_resources))
+    return answer if answer is not None else candidates[0]
+
+
+def for_device(device: torch.device | str) -> Backend:
+    """The available backend whose tensors live on `device` (`cuda` is the cuda or the rocm backend,
+    whichever this torch is built for): what a benchmark holding only a device synchronizes with."""
+    kind = str(device).split(":", 1)[0]  # "npu:0" does not parse as a torch.device before torch_npu is imported
+    for name in AUTO_ORDER:
+        if BACKENDS[name].device_type == kind and BACKENDS[name].is_available():
+            return BACKENDS[name]()
+    raise ConfigError(f"no available backend runs on device {str(device)!r}; "
+                      "run `python -m flashx_batch.doctor` to see why.")
+
+
 def check_known(name: str) -> None:
     """ConfigError unless `name` is `auto` or a registered backend (available here or not)."""
     if name != "auto" and name not in BACKENDS:
@@ -55,4 +101,5 @@ def get_backend(name: str = "auto") -> Backend:
     return backend()
 
 
-__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "check_known", "get_backend", "resolve_name"]
+__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "GraphReplay", "check_known", "cluster_offers", "for_device",
+           "get_backend", "resolve_for_ray", "resolve_name"]

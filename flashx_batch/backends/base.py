@@ -5,7 +5,9 @@ Who calls what:
 - `runtime.engine` asks for `device()`, `default_dtype`, `supported_dtypes`, `synchronize()`;
 - `runner.ray_executor` asks `ray_options()` how to pin one actor to one device;
 - a Ray actor asks `assigned_device_index()` which local device is its own;
-- `doctor` (in a probe subprocess) and `get_backend("auto")` call `is_available()` and `describe()`.
+- `doctor` (in a probe subprocess) and `get_backend("auto")` call `is_available()` and `describe()`;
+- `runtime.decode_graphs` asks `capture_graph()` for a replayable decode step (where `supports_graphs`);
+- benchmarks ask `synchronize()` and `device_name()` (through `backends.for_device`).
 
 `is_available()` must never raise: it runs on machines where the vendor stack is half-installed.
 """
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -44,6 +46,15 @@ def local_index_for(accelerator_id: str, visible: list[str] | None) -> int:
     if accelerator_id in visible:
         return visible.index(accelerator_id)
     raise RuntimeError(f"Ray assigned device {accelerator_id}, which is not in the visible devices {visible}")
+
+
+T = TypeVar("T")
+
+
+class GraphReplay(Protocol):
+    """A captured device graph: `replay()` reruns the captured work on the same buffers."""
+
+    def replay(self) -> None: ...
 
 
 class Backend:
@@ -95,6 +106,14 @@ class Backend:
 
     def empty_cache(self) -> None:
         """Return cached allocator blocks to the device."""
+
+    def capture_graph(self, fn: Callable[[], T], pool: Any = None) -> tuple[GraphReplay, T, Any]:
+        """Warm `fn` up, then capture one call of it as a device graph -> (the graph, what `fn`
+        returned while captured, the memory pool). Each `replay()` reruns the captured work on the
+        same input and output buffers, so the output returned here holds the latest replay's result.
+        Pass the returned pool to the next capture for graphs that share memory (None: a new pool).
+        Backends without graphs (`supports_graphs` False) raise NotImplementedError (a RuntimeError)."""
+        raise NotImplementedError(f"the {self.name} backend captures no device graphs")
 
     def device_count(self) -> int:
         return 1

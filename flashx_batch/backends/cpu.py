@@ -29,13 +29,19 @@ class CpuBackend(Backend):
         return platform.processor() or platform.machine()
 
     def prepare_model(self, model: torch.nn.Module, decode_rows: list[int]) -> int:
-        """Pack every float32 `Linear` for MKL's few-rows sgemm (see `Linear.prepack`). Quantized
-        linears keep their own kernels; builds without MKL keep plain sgemm."""
-        from flashx_batch.models.layers import Linear
-
+        """MKL-pack the weights of every module that opts in (a class attribute `mkl_packable = True`,
+        a `prepack(decode_rows)` method, a float32 `weight`: `models.layers.Linear`) for MKL's
+        few-rows sgemm. Quantized linears do not opt in and keep their own kernels; builds without
+        MKL keep plain sgemm. Duck-typed, so this package never imports the models above it."""
         if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
             return 0
-        linears = [m for m in model.modules() if type(m) is Linear and m.weight.dtype == torch.float32]
-        for module in linears:
+        packable = [m for m in model.modules() if _mkl_packable(m)]
+        for module in packable:
             module.prepack(decode_rows)
-        return len(linears)
+        return len(packable)
+
+
+def _mkl_packable(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (getattr(type(module), "mkl_packable", False) is True and callable(getattr(module, "prepack", None))
+            and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32)

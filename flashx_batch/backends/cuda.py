@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from flashx_batch.backends.base import Backend
+from flashx_batch.backends.base import Backend, T
 
 
 class CudaBackend(Backend):
@@ -42,6 +45,19 @@ class CudaBackend(Backend):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def capture_graph(self, fn: Callable[[], T], pool: Any = None) -> tuple[torch.cuda.CUDAGraph, T, Any]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy cuBLAS / SDPA setup must not happen while capturing
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        if pool is None:
+            pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out, pool
 
     def device_count(self) -> int:
         return torch.cuda.device_count()

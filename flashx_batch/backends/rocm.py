@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from flashx_batch.backends.base import parse_visible_devices
+from flashx_batch.backends.base import Backend, parse_visible_devices
 from flashx_batch.backends.cuda import CudaBackend
 
 # Substrings of `torch.cuda.get_device_name()` / gcnArchName that identify a Hygon DCU.
@@ -36,6 +36,7 @@ class RocmBackend(CudaBackend):
     visible_devices_env = "HIP_VISIBLE_DEVICES"
     ray_noset_env = "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"
     supports_graphs = False
+    capture_graph = Backend.capture_graph  # not the CUDA one it would inherit: HIP graphs are not wired in
 
     @classmethod
     def is_available(cls) -> bool:

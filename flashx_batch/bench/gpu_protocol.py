@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.backends import BACKENDS
 from flashx_batch.bench.gate import compare, reference_tokens, sample_rows
 from flashx_batch.bench.models import parameter_count
 from flashx_batch.bench.roofline import ModelCost, measure_machine
@@ -170,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"wall-clock budget; phases that would not fit are skipped (default {BUDGET_S}s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        log.error("no CUDA GPU visible (torch %s, torch.cuda.is_available() is False): this protocol needs one "
+    if not args.cpu_smoke and not BACKENDS["cuda"].is_available():
+        log.error("no CUDA GPU visible (torch %s: the cuda backend is not available): this protocol needs one "
                   "GPU. Run it on a GPU machine, or pass --cpu-smoke to check the script on CPU.", torch.__version__)
         return 2
     budget = Budget(args.budget_s)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from flashx_batch.backends import for_device
 from flashx_batch.bench.workloads import Workload
 
 
@@ -41,19 +42,15 @@ class Machine:
         return asdict(self)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _best(fn, device: torch.device, repeats: int) -> float:
+    sync = for_device(device).synchronize  # queued device work finishes inside the timing
     fn()  # first touch / allocation outside the timing
-    _sync(device)
+    sync()
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         fn()
-        _sync(device)
+        sync()
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -89,9 +86,10 @@ def _cpu_name() -> str:
 def measure_machine(device: str = "cpu", matmul_n: int = 1024, matmul_dtype: torch.dtype = torch.float32,
                     nbytes: int = 256 * 2**20) -> Machine:
     """Both probes on `device` with the current torch thread setting."""
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
+    backend = for_device(device)
     return Machine(
-        device=name if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores visible)",
+        device=(f"cpu ({os.cpu_count()} cores visible)" if backend.device_type == "cpu"
+                else backend.device_name(torch.device(device).index or 0)),
         threads=torch.get_num_threads(),
         mem_bandwidth_gb_s=measure_bandwidth(device, nbytes) / 1e9,
         matmul_gflop_s=measure_matmul(device, matmul_n, matmul_dtype) / 1e9,

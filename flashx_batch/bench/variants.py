@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.backends import for_device
 from flashx_batch.bench.timing import timed
 from flashx_batch.bench.workloads import Workload
 from flashx_batch.runtime.options import EngineOptions
@@ -115,8 +116,7 @@ def hf_greedy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_
     with torch.inference_mode():
         out = model.generate(input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for_device(device).synchronize()
     return out
 
 

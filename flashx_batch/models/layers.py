@@ -127,6 +127,8 @@ class Linear(nn.Module):
     """y = x W^T (+ b). A module, not a bare tensor, so that quantization can swap it at load time
     (gpt-fast style) without the decoder knowing which weight format it runs."""
 
+    mkl_packable = True  # the CPU backend's `prepare_model` calls `prepack` on float32 weights
+
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()

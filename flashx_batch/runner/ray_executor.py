@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from flashx_batch.backends import BACKENDS
+from flashx_batch.backends import BACKENDS, resolve_for_ray
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.errors import ConfigError, FlashxError
@@ -98,7 +98,8 @@ def _init_ray(ray: Any, address: str | None) -> None:
 
 def probe_cluster(job: JobConfig) -> None:
     """Before the output directory is touched: does the cluster offer what one actor needs, and does
-    the backend work there? One task with the actor's resources runs `get_backend` on a worker node;
+    the backend work there? One task with the actor's resources runs `get_backend` on a worker node
+    (after, for `auto` on a cluster with devices, one that resolves it there: `resolve_for_ray`);
     a refusal there is a bad job (ConfigError, exit 2), never an actor that dies at load."""
     import ray
 
@@ -110,20 +111,25 @@ def probe_cluster(job: JobConfig) -> None:
         raise ConfigError(f"runtime.backend={job.runtime.backend}: one actor needs {short}, and the Ray cluster offers "
                           f"{ {k: resources.get(k, 0) for k in short} }; pick a backend the cluster has, or add "
                           "nodes with those resources.")
-    backend = job.runtime.backend  # as given: `auto` resolves on the worker, as the engine will (rocm too)
-    ref = ray.remote(_probe_backend).options(**options).remote(backend)
+    ref = ray.remote(_probe_backend).options(**options).remote(job.runtime.backend)
+    failure = _run_on_worker(ray, ref, "backend probe")
+    if failure is not None:
+        raise ConfigError(f"runtime.backend={job.runtime.backend} cannot run on the Ray workers: {failure}")
+
+
+def _run_on_worker(ray: Any, ref: Any, what: str) -> Any:
+    """The result of a small task started on a worker; None if it was not scheduled within
+    `_PROBE_TIMEOUT_S` (a busy cluster: the caller goes on without it)."""
     ready, _ = ray.wait([ref], timeout=_PROBE_TIMEOUT_S)
     if not ready:
         ray.cancel(ref, force=True)
-        log.warning("backend probe not scheduled within %.0fs (a busy cluster?); going on without it", _PROBE_TIMEOUT_S)
-        return
+        log.warning("%s not scheduled within %.0fs (a busy cluster?); going on without it", what, _PROBE_TIMEOUT_S)
+        return None
     try:
-        failure = ray.get(ref)
-    except Exception as exc:  # the probe's worker died, or could not import flashx_batch
-        raise FlashxError(f"the backend probe failed on a Ray worker: {_first_line(exc)}; check that every node "
+        return ray.get(ref)
+    except Exception as exc:  # the task's worker died, or could not import flashx_batch
+        raise FlashxError(f"the {what} failed on a Ray worker: {_first_line(exc)}; check that every node "
                           "has flashx-batch installed (the same version as the driver).") from None
-    if failure is not None:
-        raise ConfigError(f"runtime.backend={backend} cannot run on the Ray workers: {failure}")
 
 
 def _probe_backend(name: str) -> str | None:
@@ -137,11 +143,30 @@ def _probe_backend(name: str) -> str | None:
     return None
 
 
+def _resolve_auto() -> str:
+    """Runs on a worker: what `runtime.backend=auto` is there (the engine resolves it the same way)."""
+    from flashx_batch.backends import resolve_name
+
+    return resolve_name("auto")
+
+
+# (Ray job id, actor options) -> the worker's answer: the probe and the executor of one job ask once
+_resolved_on_worker: dict[tuple[str, str], str | None] = {}
+
+
+def _ask_worker(options: dict[str, Any]) -> str | None:
+    """`runtime.backend=auto` resolved on a worker placed with `options` (see `backends.resolve_for_ray`)."""
+    import ray
+
+    key = (ray.get_runtime_context().get_job_id(), repr(sorted(options.items())))
+    if key not in _resolved_on_worker:
+        ref = ray.remote(_resolve_auto).options(**options).remote()
+        _resolved_on_worker[key] = _run_on_worker(ray, ref, "backend resolution")
+    return _resolved_on_worker[key]
+
+
 def _backend_name(job: JobConfig, resources: dict[str, float]) -> str:
-    name = job.runtime.backend
-    if name == "auto":  # decided by what the cluster offers, not by the driver's own devices
-        name = "npu" if resources.get("NPU") else "cuda" if resources.get("GPU") else "cpu"
-    return name
+    return resolve_for_ray(job.runtime.backend, resources, job.executor.resources, _ask_worker)
 
 
 def actor_options(job: JobConfig, resources: dict[str, float]) -> tuple[dict[str, Any], int, int | None]:
@@ -155,7 +180,10 @@ def actor_options(job: JobConfig, resources: dict[str, float]) -> tuple[dict[str
         capacity = int(resources.get("CPU", 1)) // ex.cpus_per_actor
     else:
         options["num_cpus"] = 1
-        capacity = int(resources.get("NPU" if name == "npu" else "GPU", 1))
+        # as many actors as the scarcest resource one actor asks for allows (none asked: one per GPU, or one)
+        needed = {"GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+        capacity = min((int(resources.get(k, 0) // v) for k, v in needed.items() if v),
+                       default=int(resources.get("GPU", 1)))
     return options, max(1, ex.num_actors or capacity), threads
 
 

@@ -22,27 +22,30 @@ another's output, and each graph's static output stays referenced, so no later c
 temporaries over it.
 
 Inputs live in static tensors the graph reads; the KV arena and the RoPE tables are allocated once
-(a rolling merge that grows the RoPE table drops every graph). Capture needs a warm-up run on a
-side stream; it takes the step's own inputs, so the KV it writes is the step's own (the replay
-writes the same values again).
+(a rolling merge that grows the RoPE table drops every graph). The backend captures
+(`Backend.capture_graph`: the CUDA one warms the step up on a side stream first), on the step's own
+inputs, so the KV the capture writes is the step's own (the replay writes the same values again).
 
-Decision (issue 5): CUDA graphs, not `torch.compile`. Graphs need no compiler, no Triton and no
+Decision: CUDA graphs, not `torch.compile`. Graphs need no compiler, no Triton and no
 recompiles as rows come and go, and keep our kernels (SDPA, cuBLAS) as they are. A compiled decode
 step on CPU (torch 2.13 inductor, bundled model, 16 rows, static shapes; a throwaway script) ran
 5x slower than eager, the time inside the compiled graph's own kernels, so it is not the CPU path
 either.
 
 `capture=False` runs the same padded static-shape step eagerly: what the CPU tests check for equal
-tokens (the padding, the buckets and the mask); capture itself needs a GPU (tests/device).
+tokens (the padding, the buckets and the mask); capture itself needs a GPU (tests/device), or a
+stand-in backend (the CPU tests' replays).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from flashx_batch.backends import Backend, GraphReplay, get_backend
 
 if TYPE_CHECKING:
     from flashx_batch.runtime.model_runner import ModelRunner
@@ -77,7 +80,7 @@ def slots_bucket(slots: int, capacity: int) -> int:
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: GraphReplay
     inputs: tuple[torch.Tensor, ...]  # tokens, positions, write_flat, mask: what the graph reads
     # what it writes: final-norm hidden states [rows, hidden]. Kept referenced for the graph's life, so
     # no later capture in the shared pool places its temporaries over it.
@@ -87,14 +90,17 @@ class _Captured:
 class DecodeGraphs:
     """Striped decode steps at bucketed static shapes, replayed from CUDA graphs (see the module doc).
 
-    `capture=False` runs the padded step eagerly instead (the CPU tests' stand-in for a replay)."""
+    `capture=False` runs the padded step eagerly instead (the CPU tests' stand-in for a replay).
+    `backend` captures the graphs (`Backend.capture_graph`); None: the cuda backend, looked up at the
+    first capture."""
 
-    def __init__(self, runner: ModelRunner, capture: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, capture: bool = True, backend: Backend | None = None) -> None:
         self.runner = runner
         self.capture = capture
+        self.backend = backend
         self.failed = False  # a capture failed: every step runs eagerly, unpadded, from then on
         self.graphs: dict[tuple[int, int, int], _Captured] = {}
-        self.pool = None
+        self.pool: Any = None  # the backend's memory pool, shared by every graph
         self.rotary = None  # the RoPE table the graphs read (dropped with it)
         self.steps = self.replays = self.padding_rows = 0  # padded steps run here, from graphs, padding rows added
 
@@ -162,14 +168,7 @@ class DecodeGraphs:
 
     def _capture(self, inputs: tuple[torch.Tensor, ...], runs: tuple) -> _Captured:
         static = tuple(t.clone() for t in inputs)  # outside the pool: no graph's temporaries overlap them
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (lazy cuBLAS / SDPA setup must not happen while capturing)
-            self.runner._step(*static, runs)
-        torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.runner._step(*static, runs)
+        if self.backend is None:
+            self.backend = get_backend("cuda")
+        graph, hidden, self.pool = self.backend.capture_graph(lambda: self.runner._step(*static, runs), self.pool)
         return _Captured(graph, static, hidden)

@@ -221,3 +221,90 @@ def test_onnx_ray_options_follow_the_provider(monkeypatch):
     assert onnx_mod.OnnxBackend().ray_options() == {}
     monkeypatch.setattr(onnx_mod, "available_providers", lambda: ["MIGraphXExecutionProvider", "CPUExecutionProvider"])
     assert onnx_mod.OnnxBackend().ray_options({"DCU": 1}) == {"num_gpus": 1.0, "resources": {"DCU": 1}}
+
+
+# ---- hooks the rest of the package asks instead of naming a device --------------------------------
+def test_cpu_prepare_model_packs_only_modules_that_opt_in():
+    from flashx_batch.models.layers import Linear
+    from flashx_batch.quant.linear import QuantLinear
+
+    class Unlisted(torch.nn.Module):  # prepack and a float32 weight, but no opt-in
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+            self.calls = []
+
+        def prepack(self, sizes):
+            self.calls.append(sizes)
+
+    def linear(dtype):
+        module = Linear(8, 16, bias=False, dtype=dtype, device=torch.device("cpu"))
+        torch.nn.init.normal_(module.weight)
+        return module
+
+    fp32, bf16, unlisted = linear(torch.float32), linear(torch.bfloat16), Unlisted()
+    quant = QuantLinear.from_float(torch.randn(8, 16), "fp32", torch.float32)  # a float32 weight, its own kernel
+    model = torch.nn.ModuleList([fp32, bf16, unlisted, quant])
+    packed = CpuBackend().prepare_model(model, [4, 8])
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        assert packed == 0 and not fp32.packed
+        return
+    assert packed == 1 and sorted(fp32.packed) == [4, 8]  # the quantized linear is not counted: not packed
+    assert not bf16.packed and not unlisted.calls
+
+
+def test_graph_capture_is_refused_where_graphs_are_not_wired():
+    for backend in (CpuBackend(), RocmBackend(), NpuBackend()):
+        assert not backend.supports_graphs
+        with pytest.raises(NotImplementedError, match="captures no device graphs"):
+            backend.capture_graph(lambda: torch.zeros(1))
+    assert issubclass(NotImplementedError, RuntimeError)  # what `DecodeGraphs` treats as a failed capture
+
+
+def test_for_device_names_the_backend_of_a_device(fake_rocm):
+    from flashx_batch.backends import for_device
+
+    assert for_device("cpu").name == "cpu" and for_device(torch.device("cpu")).name == "cpu"
+    fake_rocm()
+    assert for_device("cuda").name == "rocm" and for_device("cuda:1").name == "rocm"  # a HIP build's `cuda`
+    with pytest.raises(ConfigError, match="no available backend runs on device 'npu:0'"):
+        for_device("npu:0")
+
+
+class _Worker:
+    """Stands in for a Ray task that resolves `auto` on a worker: records where it was placed."""
+
+    def __init__(self, answer):
+        self.answer, self.placed = answer, []
+
+    def __call__(self, options):
+        self.placed.append(options)
+        return self.answer
+
+
+@pytest.mark.parametrize(("resources", "extra", "worker_says", "expected", "placed"), [
+    ({"CPU": 8}, None, "cuda", "cpu", None),  # nothing but CPUs: no worker asked
+    ({"CPU": 8, "GPU": 4}, None, "cuda", "cuda", {"num_gpus": 1.0}),  # NVIDIA: as before
+    ({"CPU": 8, "GPU": 4}, None, "rocm", "rocm", {"num_gpus": 1.0}),  # the same resources on AMD GPUs
+    ({"CPU": 8, "NPU": 8}, None, "npu", "npu", {"resources": {"NPU": 1}}),
+    # a DCU Ray does not detect, offered as a custom resource: asked there, not taken for a CPU node
+    ({"CPU": 8, "DCU": 4}, {"DCU": 1}, "rocm", "rocm", {"resources": {"DCU": 1}}),
+    ({"CPU": 8, "bigmem": 2}, {"bigmem": 1}, "cpu", "cpu", {"resources": {"bigmem": 1}}),
+    ({"CPU": 8, "GPU": 4}, None, None, "rocm", {"num_gpus": 1.0}),  # no answer in time: the first candidate
+])
+def test_resolve_for_ray_decides_auto_by_the_cluster(resources, extra, worker_says, expected, placed):
+    from flashx_batch.backends import resolve_for_ray
+
+    worker = _Worker(worker_says)
+    assert resolve_for_ray("auto", resources, extra, worker) == expected
+    assert worker.placed == ([] if placed is None else [placed])
+    assert resolve_for_ray("npu", resources, extra, worker) == "npu"  # a named backend passes through
+    assert len(worker.placed) == (0 if placed is None else 1)
+
+
+def test_cluster_offers_counts_gpus_and_custom_resources():
+    from flashx_batch.backends import cluster_offers
+
+    assert cluster_offers({}, {}) and cluster_offers({"num_cpus": 64}, {"CPU": 1})  # CPUs are the executor's
+    assert cluster_offers({"num_gpus": 1.0}, {"GPU": 1}) and not cluster_offers({"num_gpus": 1.0}, {"CPU": 8})
+    assert not cluster_offers({"resources": {"NPU": 1, "a2": 1}}, {"NPU": 8})

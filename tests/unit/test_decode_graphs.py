@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.backends.cpu import CpuBackend
 from flashx_batch.config import JobConfig
 from flashx_batch.errors import ConfigError
 from flashx_batch.runtime import decode_graphs
-from flashx_batch.runtime.decode_graphs import SLOT_BUCKET, DecodeGraphs, _Captured, rows_bucket, slots_bucket
+from flashx_batch.runtime.decode_graphs import SLOT_BUCKET, DecodeGraphs, rows_bucket, slots_bucket
 
 
 def _engine(model_dir, **kw):
@@ -91,32 +92,42 @@ def test_cuda_graphs_option(tiny_models):
 
 
 class _StandInGraph:
-    """What a captured graph does, on CPU: replay reruns the step on the static inputs, with the
-    shape (runs) and RoPE table fixed at capture, into the static output."""
+    """What a captured graph does, on CPU: replay reruns the captured step (its static inputs, its
+    shape and the RoPE table fixed at capture) into the output returned at capture."""
 
-    def __init__(self, runner, static, runs):
-        self.runner, self.static, self.runs, self.rotary = runner, static, runs, runner.model.rotary
-        self.hidden = runner._step(*static, runs).clone()
+    def __init__(self, runner, fn):
+        self.runner, self.fn, self.rotary = runner, fn, runner.model.rotary
+        self.output = fn().clone()
 
     def replay(self):
         assert self.runner.model.rotary is self.rotary, "a graph replayed after its RoPE table was replaced"
-        self.hidden.copy_(self.runner._step(*self.static, self.runs))
+        self.output.copy_(self.fn())
+
+
+class _StandInBackend(CpuBackend):
+    """A backend that captures `_StandInGraph`s (or raises RuntimeError once `fail_after` graphs exist),
+    so `DecodeGraphs` runs its capture and replay path — keys, static inputs copied in, the output read
+    back, one pool handed from capture to capture — as on a GPU."""
+
+    supports_graphs = True
+
+    def __init__(self, runner, fail_after: int | None = None):
+        self.runner, self.fail_after, self.captures, self.pools = runner, fail_after, 0, []
+
+    def capture_graph(self, fn, pool=None):
+        if self.fail_after is not None and self.captures >= self.fail_after:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captures += 1
+        self.pools.append(pool)
+        fn()  # the warm-up
+        graph = _StandInGraph(self.runner, fn)
+        return graph, graph.output, pool if pool is not None else object()
 
 
 def _with_stand_in_graphs(engine, fail_after: int | None = None):
-    """Give `engine` capturing DecodeGraphs whose capture builds a `_StandInGraph` (or raises
-    RuntimeError once `fail_after` graphs exist): the replay path — keys, static inputs copied in,
-    the output read back — runs as on a GPU."""
-    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, capture=True)
-
-    def capture(inputs, runs):
-        if fail_after is not None and len(graphs.graphs) >= fail_after:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        static = tuple(t.clone() for t in inputs)
-        stand_in = _StandInGraph(engine.runner, static, runs)
-        return _Captured(stand_in, static, stand_in.hidden)
-
-    graphs._capture = capture
+    """Give `engine` capturing DecodeGraphs whose backend captures stand-in graphs."""
+    backend = _StandInBackend(engine.runner, fail_after)
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, capture=True, backend=backend)
     return graphs
 
 
@@ -140,6 +151,8 @@ def test_replayed_graphs_give_the_eager_tokens(arch, policy, tiny_models, one_th
     assert graphs.replays == graphs.steps == engine.last_stats.decode_steps
     assert 2 <= len(graphs.graphs) < graphs.replays  # graphs were replayed, not only captured
     assert any(slots < cap for _, cap, slots in graphs.graphs)
+    pools = graphs.backend.pools  # the first capture makes the pool, every later one shares it
+    assert pools[0] is None and pools[1:] == [graphs.pool] * (len(pools) - 1)
     assert engine.runner.arena.allocator.is_whole()
 
 
@@ -186,3 +199,14 @@ def test_graphs_are_dropped_when_a_rolling_merge_grows_the_rope_table(tiny_model
     assert got == expected
     assert engine.runner.model.rotary is not first and graphs.rotary is engine.runner.model.rotary
     assert graphs.replays == graphs.steps > 0 and len(graphs.graphs) == 1  # (2 rows, 112, 112): dropped, captured again
+
+
+def test_a_backend_without_graphs_leaves_steps_to_the_eager_path(tiny_models, one_thread):
+    """The CPU backend captures no graphs: its refusal is a failed capture, not a failed step."""
+    model_dir, _ = tiny_models["llama"]
+    prompts, params = _workload()
+    expected = [o.token_ids for o in _engine(model_dir).generate(prompts, params)]
+    engine = _engine(model_dir)
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, backend=CpuBackend())
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert graphs.failed and graphs.replays == graphs.steps == 0
