@@ -27,8 +27,9 @@ test:  ## run the test suite (CPU; GPU tests skip without a GPU)
 bench:  ## run the benchmarks, writing results/ (ratios measured side by side in one process)
 	$(PY) -m flashx_batch.bench --out results/bench
 
-lint:  ## ruff
+lint:  ## ruff, and the layering contract (import-linter; pyproject.toml [tool.importlinter])
 	$(PY) -m ruff check flashx_batch tests jobs
+	$(VENV)/bin/lint-imports
 
 doctor:  ## check the accelerator stack (torch build, drivers, CANN / ROCm, Ray) and name the fix
 	$(PY) -m flashx_batch.doctor

@@ -2,7 +2,7 @@
 # Every GPU check of this repository in one run, for a GPU machine lent for a few minutes:
 #   OUT=DIR bash jobs/gpu_check.sh
 # 1. the GPU tests (tests/device: parity with CPU, bf16 agreement, CUDA-graph decode = eager tokens),
-# 2. the issue-5 protocol (python -m flashx_batch.bench.gpu_protocol: Llama-3.2-1B-shaped bf16 model,
+# 2. the GPU protocol (python -m flashx_batch.bench.gpu_protocol: Llama-3.2-1B-shaped bf16 model,
 #    ours vs transformers on W1, decode step times with and without CUDA graphs), its budget cut to
 #    6 minutes so that the whole script ends within 9 (a device call may run 10).
 # Needs torch with CUDA, transformers, safetensors, tokenizers, pytest (no Ray, Hydra or network: the

@@ -1,6 +1,6 @@
 """Backend registry: `get_backend("auto" | "cpu" | "cuda" | "rocm" | "npu" | "onnx")`.
 
-Called by `runtime.engine` when an engine starts, by `onnx.OnnxEngine`, by the Ray runner (for
+Called by `runtime.engine` when an engine starts, by `runtime.onnx_runner`, by the Ray runner (for
 `ray_options`, and `resolve_for_ray` to decide `auto` by what the cluster offers), by the benchmarks
 (`for_device`) and by `doctor`'s probe subprocess.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from flashx_batch.backends.base import Backend, GraphReplay
+from flashx_batch.backends.base import Backend, GraphReplay, ray_accelerator_ids
 from flashx_batch.backends.cpu import CpuBackend
 from flashx_batch.backends.cuda import CudaBackend
 from flashx_batch.backends.npu import NpuBackend
@@ -102,4 +102,4 @@ def get_backend(name: str = "auto") -> Backend:
 
 
 __all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "GraphReplay", "check_known", "cluster_offers", "for_device",
-           "get_backend", "resolve_for_ray", "resolve_name"]
+           "get_backend", "ray_accelerator_ids", "resolve_for_ray", "resolve_name"]

@@ -69,10 +69,10 @@ class Backend:
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     supports_graphs: bool = False  # CUDA graphs / torch.compile with static shapes
     # decode attention in two calls when that saves reading this many bytes of one layer's cache
-    # (`runtime.batches.attention_groups`); None: one call always (measured on CPU only; on a GPU a
+    # (`runtime.layouts.stripes.attention_groups`); None: one call always (measured on CPU only; on a GPU a
     # kernel launch weighs more against the bytes it reads)
     attention_split_min_bytes: int | None = None
-    # growing refilled batches keep each row in a KV extent of its own (`runtime.batches.ExtentBatch`):
+    # growing refilled batches keep each row in a KV extent of its own (`runtime.layouts.extents.ExtentLayout`):
     # attention then runs once per run of rows, which a CPU pays in microseconds and a GPU in launches
     prefers_row_extents: bool = False
     torch_runtime: bool = True  # False: the torch `Engine` cannot run on it (the ONNX Runtime path)
@@ -97,6 +97,10 @@ class Backend:
 
     def synchronize(self) -> None:
         """Wait for queued device work, so wall-clock timings are honest."""
+
+    def setup_threads(self, num_threads: int | None) -> None:
+        """Host threads for this process's kernels (CPU: intra-op threads; None = every core this
+        process may run on). Accelerator backends leave torch's default alone."""
 
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the current device; host memory for CPU-like backends."""
@@ -167,3 +171,14 @@ class Backend:
         except Exception as exc:  # a half-installed stack: report, do not crash the report
             facts["error"] = f"{type(exc).__name__}: {exc}"
         return facts
+
+
+def ray_accelerator_ids() -> dict[str, list[str]] | None:
+    """Inside a Ray actor: the accelerator ids Ray assigned to it (`assigned_device_index` maps them
+    to a local device); elsewhere None."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never import Ray just to ask: the local path must not need it
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_accelerator_ids()

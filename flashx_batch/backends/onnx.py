@@ -1,8 +1,8 @@
 """ONNX Runtime backend: for ROCm / DCU hosts whose torch is not a HIP build.
 
-The model runs in `onnxruntime` (`flashx_batch.onnx.OnnxEngine`), not in the torch runtime, so
+The model runs in `onnxruntime` (`runtime.onnx_runner.OnnxRunner`), not in the torch runtime, so
 `torch_runtime` is False; torch stays on the host for loading weights and sampling. Who calls it:
-`OnnxEngine` (providers, host device), the Ray runner (`ray_options`), `doctor`.
+`OnnxRunner` (providers, host device), the Ray runner (`ray_options`), `doctor`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue-5 harness: ours vs `transformers` on mixed, equal and few-shot workloads, side by side.
+"""The throughput harness: ours vs `transformers` on mixed, equal and few-shot workloads, side by side.
 
     python -m flashx_batch.bench --out DIR [--quick] [--model PATH ...] [--threads N] [--repeats N]
 

@@ -1,4 +1,4 @@
-"""Issue-5 GPU protocol: a Llama-3.2-1B-shaped random bf16 model, ours vs `transformers`, < 8 minutes.
+"""The GPU protocol: a Llama-3.2-1B-shaped random bf16 model, ours vs `transformers`, < 8 minutes.
 
     python -m flashx_batch.bench.gpu_protocol --out DIR            # needs one CUDA GPU
     python -m flashx_batch.bench.gpu_protocol --out DIR --cpu-smoke  # tiny shape on CPU: checks the script only

@@ -1,4 +1,4 @@
-"""Issue-4 benchmark: segment_sparse vs static under the same KV arena, long prompts.
+"""KV-compression benchmark: segment_sparse vs static under the same KV arena, long prompts.
 
     python -m flashx_batch.bench.kv_sparse --out results/kv_sparse [--rows N] [--repeats 3]
 

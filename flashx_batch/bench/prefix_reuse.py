@@ -1,4 +1,4 @@
-"""Issue-8 benchmark: prefix reuse on few-shot sweeps (W3) and multi-turn chat histories.
+"""Prefix-reuse benchmark: prefix reuse on few-shot sweeps (W3) and multi-turn chat histories.
 
     python -m flashx_batch.bench.prefix_reuse --out results/prefix_reuse [--repeats 3]
 
@@ -62,8 +62,8 @@ def compare(model_dir: Path, rows: list[list[int]], new_tokens: int, repeats: in
     stats, outputs = {}, {}
     for _ in range(repeats):
         for name, engine in engines.items():
-            if engine.prefix_cache is not None:
-                engine.prefix_cache.clear()  # every repeat starts cold: no credit for earlier repeats
+            if engine.scheduler.prefix_cache is not None:
+                engine.scheduler.prefix_cache.clear()  # every repeat starts cold: no credit for earlier repeats
             started = time.perf_counter()
             outputs[name] = [o.token_ids for o in engine.generate(rows, params)]
             seconds[name].append(time.perf_counter() - started)

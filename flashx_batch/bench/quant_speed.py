@@ -1,4 +1,4 @@
-"""Issue-9 benchmark: decode tokens/s of a planned precision map ÷ the unquantized model, side by side.
+"""Quantization speed benchmark: decode tokens/s of a planned precision map ÷ the unquantized model, side by side.
 
     python -m flashx_batch.bench.quant_speed --map results/quant/precision_map.json --out results/quant
         [--model PATH] [--dtypes float32,bfloat16] [--batch-sizes 1,8] [--prompt-len 64] [--new-tokens 32]

@@ -1,7 +1,7 @@
 """Summaries, ratios and the written outputs: `results.json`, `results.md`, two PNG plots.
 
 Called by the harness after every measurement is taken. `VariantRuns` collects one variant's
-repeats on one workload; `summary()` gives the issue-5 schema fields (medians) plus their min / max.
+repeats on one workload; `summary()` gives the results-file schema fields (medians) plus their min / max.
 Ratios pair repeat i of one variant with repeat i of the other — they ran back to back, so the pair
 shares whatever the machine was doing at the time.
 """
@@ -111,7 +111,7 @@ def ratios(model: str, runs: dict[str, dict[str, VariantRuns]]) -> dict[str, dic
 
 def results_document(workloads: dict[str, dict[str, VariantRuns]], ratio_table: dict, machine: dict,
                      run: dict) -> dict:
-    """The issue-5 schema; workload keys are `model/W` so one file holds both models."""
+    """The results-file schema; workload keys are `model/W` so one file holds both models."""
     return {
         "workloads": {key: {"variants": {name: v.summary() for name, v in variants.items()}}
                       for key, variants in workloads.items()},

@@ -1,4 +1,4 @@
-"""Issue-2 benchmark: our `Engine` vs `transformers` `generate`, equal-length batch, same process.
+"""Engine-vs-transformers benchmark: our `Engine` vs `transformers` `generate`, equal-length batch, same process.
 
     python -m flashx_batch.bench.runtime_vs_hf --out results/runtime [--repeats 5]
 

@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     w1 = mixed_intake(FULL, engine.config.vocab_size)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in w1.max_new_tokens]
     # what a row holds at its end, in whole segments (the engine's own arithmetic), in the engine's orders
-    allocator = engine.runner.arena.allocator
-    needs = [SEGMENT * allocator.segments_for(engine._slots_needed(p, q)) for p, q in zip(w1.prompts, params)]
+    geometry = engine.geometry
+    needs = [SEGMENT * geometry.segments_for(min(len(p), engine.prompt_slots) + q.max_new_tokens)
+             for p, q in zip(w1.prompts, params)]
     counts: dict[str, dict[str, int]] = {}
     for order in ("sorted", "arrival"):
         rows = batch_order(w1, order == "sorted", with_output=True)

@@ -1,4 +1,4 @@
-"""Timing helpers shared by every benchmark in this package (issue 2, 4 and 5 harnesses).
+"""Timing helpers shared by every benchmark in this package.
 
 Called by `runtime_vs_hf`, `kv_sparse` and the `python -m flashx_batch.bench` harness. Nothing here
 knows about models: it times callables and summarises samples, so every figure is computed one way.

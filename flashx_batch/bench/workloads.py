@@ -1,4 +1,4 @@
-"""Seeded benchmark workloads (issue 5): token-id prompts plus a per-row output length.
+"""Seeded workloads of the throughput benchmark: token-id prompts plus a per-row output length.
 
 Called by the harness (`flashx_batch.bench.__main__`), the GPU protocol and the tests. Prompts are
 random token ids (ids 0-2 are pad/bos/eos and never drawn), so any model with a vocabulary of the

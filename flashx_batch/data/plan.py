@@ -18,7 +18,7 @@ from flashx_batch.config import JobConfig
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import InputFile
 from flashx_batch.data.validate import PROMPT_TOO_LONG, RowProblem, build_prompt
-from flashx_batch.runtime.prefix_cache import block_keys
+from flashx_batch.kvcache.prefix_cache import block_keys
 from flashx_batch.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -1,71 +1,23 @@
 """One decoder for every supported family; `FamilyFlags` switch the few places they differ.
 
-Called by `runtime.model_runner`, which owns the `KVArena` and builds a `ForwardContext` per call.
-Weights arrive already fused (`qkv`, `gate_up`) from `models.loader`.
+Called by the torch model runner, which builds one `models.forward` metadata object per call and
+hands each layer its cache as plain `(keys, values)` views (never the arena). Weights arrive already
+fused (`qkv`, `gate_up`) from `models.loader`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashx_batch.models.config import ModelConfig
+from flashx_batch.models.forward import Decode, Extend, ForwardMeta, Packed, Paged, TeacherForced
 from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_
-from flashx_batch.runtime.kv import KVArena
 
-
-@dataclass
-class ForwardContext:
-    """Per-call metadata shared by all layers. Three modes:
-
-    prefill: rows right-padded to T; row i writes stripe i, positions 0..T-1. Causal attention
-      means a real token never sees the padding that follows it.
-    decode: one token per row; row i writes flat slot `write_flat[i]` (computed once per step, not
-      per layer); each run of rows in `runs` reads its own strided view of the cache (stripes, or
-      extents of their own), and `attn_mask` (float, carrying merged slots' log-count bias) hides
-      the slots past each row of a run whose rows differ in length.
-    extend: one row, a chunk of C tokens appended after `cached` slots of a flat region starting at
-      slot `start` (segment-sparse prefill, rolling merge, teacher-forced scoring). `extend_mask`
-      [1, 1, C, cached + C] is None for a plain causal chunk with nothing cached.
-    packed: rows' prompts end to end in one [1, N] sequence, no padding (prefill of rows of different
-      lengths); token t goes to flat slot `write_flat[t]`; each row attends causally to its own
-      `row_lengths[r]` tokens only, so the matmuls run on N real tokens instead of B x longest.
-      With `last_only` (here and in extend), the final layer computes attention, o_proj and MLP
-      for each row's last token only: it still writes every token's K and V, but nothing reads its
-      other outputs (the caller wants last-token logits), which saves ~1/num_layers of a prefill.
-    paged: rows read through per-row slot tables (shared prefix segments + their own), any T:
-      token t of row b is written to flat slot `write_slots[b, t]`; keys are gathered from
-      `slot_table` [B, L] (position j -> flat slot) and `attn_mask` [B, 1, T, L] hides the rest.
-    """
-
-    mode: str
-    cos: torch.Tensor  # [B, T, 1, rotary_dim]
-    sin: torch.Tensor
-    write_slots: torch.Tensor | None = None  # paged: [B, T] flat slots
-    write_flat: torch.Tensor | None = None  # decode: [B], packed: [N] flat arena slots to write
-    slot_table: torch.Tensor | None = None  # paged: [B, L]
-    attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, L]
-    # decode: per run of rows (first row, end row, keys and values of every layer [layers, 2, rows, Hkv,
-    # slots, D], slots the mask covers or None: every row of the run that long)
-    runs: tuple[tuple[int, int, torch.Tensor, int | None], ...] = ()
-    start: int = 0  # extend
-    cached: int = 0
-    extend_mask: torch.Tensor | None = None
-    row_lengths: tuple[int, ...] = ()  # packed: tokens per row, in sequence order
-    last_only: bool = False  # packed / extend: the final layer returns each row's last token only, [1, B, hidden]
-    observe: int = 0  # extend / packed: score keys by the attention of the (row's) last `observe` queries
-    # when observe > 0, zeros from the caller that each layer adds its scores to: extend [cached + C]; packed [N]
-    scores: torch.Tensor | None = None
-
-    def last_tokens(self, device: torch.device) -> torch.Tensor:
-        """Sequence positions of each row's last token (packed: one per row; extend: the chunk's last)."""
-        if self.mode == "packed":
-            return torch.tensor(self.row_lengths, device=device).cumsum(0) - 1
-        return torch.tensor([-1], device=device)
+KVView = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [slots, kv_heads, head_dim] each
 
 
 def _by_rows(lengths: tuple[int, ...], *packed: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
@@ -112,40 +64,35 @@ class Attention(nn.Module):
         k = self.k_norm.forward(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
         return apply_rotary_(q, cos, sin, self.interleaved), apply_rotary_(k, cos, sin, self.interleaved), v
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena, last_only: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: KVView | None, last_only: bool = False
+                ) -> torch.Tensor:
         batch, seq = x.shape[:2]
-        q, k, v = self.project(x, ctx.cos, ctx.sin)
-        if last_only:
-            if ctx.mode not in ("packed", "extend"):
-                raise ValueError(f"last_only serves packed and extend forwards, not {ctx.mode!r}")
-            packed = ctx.mode == "packed"
-            out = self._packed_last(q, k, v, ctx, arena) if packed else self._extend(q, k, v, ctx, arena, True)
-            seq = out.shape[2]
-        elif ctx.mode == "prefill":
-            out = self._prefill(q, k, v, arena)
-        elif ctx.mode == "decode":
-            out = self._decode(q, k, v, ctx, arena)
-        elif ctx.mode == "packed":
-            out = self._packed(q, k, v, ctx, arena)
-        elif ctx.mode == "paged":
-            out = self._paged(q, k, v, ctx, arena)
-        else:
-            out = self._extend(q, k, v, ctx, arena)
+        q, k, v = self.project(x, meta.cos, meta.sin)
+        match meta:
+            case Packed() if last_only:
+                out = self._packed_last(q, k, v, meta, cache)
+                seq = out.shape[2]
+            case Extend() if last_only:
+                out = self._extend(q, k, v, meta, cache, True)
+                seq = out.shape[2]
+            case _ if last_only:
+                raise ValueError(f"last_only serves packed and extend forwards, not {type(meta).__name__}")
+            case TeacherForced():
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     is_causal=True, scale=self.scale, enable_gqa=True)
+            case Decode():
+                out = self._decode(q, k, v, meta, cache)
+            case Packed():
+                out = self._packed(q, k, v, meta, cache)
+            case Paged():
+                out = self._paged(q, k, v, meta, cache)
+            case Extend():
+                out = self._extend(q, k, v, meta, cache)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.o_proj.forward(out)
 
-
-    def _prefill(self, q, k, v, arena: KVArena) -> torch.Tensor:
-        batch, seq = q.shape[:2]
-        k_cache, v_cache = arena.stripes(self.layer)  # [max_rows, cap, Hkv, D]
-        k_cache[:batch, :seq] = k
-        v_cache[:batch, :seq] = v
-        return F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale, enable_gqa=True
-        )
-
-    def _decode(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
-        k_flat, v_flat = arena.flat(self.layer)
+    def _decode(self, q, k, v, ctx: Decode, cache: KVView) -> torch.Tensor:
+        k_flat, v_flat = cache
         k_flat.index_copy_(0, ctx.write_flat, k[:, 0])  # row i's new token -> its slot
         v_flat.index_copy_(0, ctx.write_flat, v[:, 0])
         # each run of rows read in place through its strided view, up to its own longest row
@@ -168,9 +115,9 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, 1, self.head_dim)
 
-    def _packed_write(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> None:
+    def _packed_write(self, q, k, v, ctx: Packed, cache: KVView) -> None:
         """Packed rows' K and V into their arena slots; with `observe`, each row's window scores too."""
-        k_flat, v_flat = arena.flat(self.layer)
+        k_flat, v_flat = cache
         k_flat.index_copy_(0, ctx.write_flat, k[0])
         v_flat.index_copy_(0, ctx.write_flat, v[0])
         if ctx.observe:  # ctx.scores: [N], each row's keys scored by its own last queries
@@ -178,26 +125,26 @@ class Attention(nn.Module):
                       for q_r, k_r in _by_rows(ctx.row_lengths, q, k)]
             ctx.scores += torch.cat(scores)
 
-    def _packed(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+    def _packed(self, q, k, v, ctx: Packed, cache: KVView) -> torch.Tensor:
         """Packed rows: each attends causally to its own tokens -> [B, H, n, D] for rows of one
         length, else [1, H, N, D] (both read back as the packed sequence)."""
-        self._packed_write(q, k, v, ctx, arena)
+        self._packed_write(q, k, v, ctx, cache)
         outs = [F.scaled_dot_product_attention(q_r.transpose(1, 2), k_r.transpose(1, 2), v_r.transpose(1, 2),
                                                is_causal=True, scale=self.scale, enable_gqa=True)
                 for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # one batch: no copy
 
-    def _packed_last(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+    def _packed_last(self, q, k, v, ctx: Packed, cache: KVView) -> torch.Tensor:
         """Packed rows, final layer: every token's K and V into the arena, but only each row's last
         query attends (to its whole row, so no causal mask) -> [1, H, rows, D]."""
-        self._packed_write(q, k, v, ctx, arena)
+        self._packed_write(q, k, v, ctx, cache)
         outs = [self._attend_one(q_r[:, -1:], k_r.transpose(1, 2), v_r.transpose(1, 2), None)  # [rows, H, 1, D]
                 for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]
         return torch.cat(outs, dim=0).transpose(0, 2)
 
-    def _paged(self, q, k, v, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
+    def _paged(self, q, k, v, ctx: Paged, cache: KVView) -> torch.Tensor:
         batch, seq = q.shape[:2]
-        k_flat, v_flat = arena.flat(self.layer)  # [slots, Hkv, D]
+        k_flat, v_flat = cache  # [slots, Hkv, D]
         slots = ctx.write_slots.reshape(-1)
         k_flat[slots] = k.reshape(batch * seq, self.num_kv_heads, self.head_dim)
         v_flat[slots] = v.reshape(batch * seq, self.num_kv_heads, self.head_dim)
@@ -208,9 +155,9 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.attn_mask,
                                               scale=self.scale, enable_gqa=True)
 
-    def _extend(self, q, k, v, ctx: ForwardContext, arena: KVArena, last_only: bool = False) -> torch.Tensor:
+    def _extend(self, q, k, v, ctx: Extend, cache: KVView, last_only: bool = False) -> torch.Tensor:
         seq = q.shape[1]
-        k_flat, v_flat = arena.flat(self.layer)  # [slots, Hkv, D]
+        k_flat, v_flat = cache  # [slots, Hkv, D]
         begin, end = ctx.start + ctx.cached, ctx.start + ctx.cached + seq
         k_flat[begin:end] = k[0]
         v_flat[begin:end] = v[0]
@@ -218,15 +165,15 @@ class Attention(nn.Module):
         values = v_flat[ctx.start : end][None].transpose(1, 2)
         queries = q.transpose(1, 2)  # [1, H, C, D]
         if ctx.observe:
-            ctx.scores += self._window_scores(queries, keys, ctx.observe, ctx.extend_mask)[0]
+            ctx.scores += self._window_scores(queries, keys, ctx.observe, ctx.mask)[0]
         if last_only:  # the chunk's last query sees every slot: its row of the mask is the bias alone
-            mask = None if ctx.extend_mask is None else ctx.extend_mask[:, :, -1:]
+            mask = None if ctx.mask is None else ctx.mask[:, :, -1:]
             return F.scaled_dot_product_attention(queries[:, :, -1:], keys, values, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=True)
-        if ctx.extend_mask is None and ctx.cached == 0:
+        if ctx.mask is None and ctx.cached == 0:
             return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
                                                   enable_gqa=True)
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.extend_mask, scale=self.scale,
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.mask, scale=self.scale,
                                               enable_gqa=True)
 
     def _window_scores(self, queries: torch.Tensor, keys: torch.Tensor, observe: int,
@@ -263,9 +210,10 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, dtype, device) if sandwich else None
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps, dtype, device) if sandwich else None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, arena: KVArena, last_only: bool = False) -> torch.Tensor:
-        ends = ctx.last_tokens(x.device) if last_only else None  # the residual stream of each row's last token
-        return self.block(x, lambda h: self.attn.forward(h, ctx, arena, last_only), ends)
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache: KVView | None, last_only: bool = False
+                ) -> torch.Tensor:
+        ends = meta.last_tokens(x.device) if last_only else None  # the residual stream of each row's last token
+        return self.block(x, lambda h: self.attn.forward(h, meta, cache, last_only), ends)
 
     def block(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
               keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -303,14 +251,16 @@ class DecoderModel(nn.Module):
         cfg = self.config
         self.rotary = RotaryTable(cfg.rope, cfg.rotary_dim, max_positions, self.embed.dtype, self.embed.device)
 
-    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext, arena: KVArena) -> torch.Tensor:
-        """input_ids [B, T] -> final-norm hidden states [B, T, hidden]."""
+    def hidden_states(self, input_ids: torch.Tensor, meta: ForwardMeta,
+                      caches: Sequence[KVView] | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final-norm hidden states [B, T, hidden]; layer i writes and reads
+        `caches[i]` (None: a `TeacherForced` pass, which keeps no cache)."""
         x = F.embedding(input_ids, self.embed)
         # `.forward` directly, here and inside the layers: nn.Module.__call__ (hooks, which nothing
         # here uses) costs a few microseconds per call, ~10 calls per layer per decode step.
         final = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, ctx, arena, ctx.last_only and i == final)
+            x = layer.forward(x, meta, None if caches is None else caches[i], meta.last_only and i == final)
         return self.norm.forward(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Export our decoder to two ONNX graphs with the KV cache as explicit inputs and outputs.
 
-Who calls it: `OnnxEngine` when it starts (once per model directory; the files are cached), and
-tests. The graphs reuse the loaded `DecoderModel`'s weights and blocks (norms, MLP, RoPE), but
-replace its arena-writing attention with a functional one, because an ONNX graph cannot mutate
-a tensor it does not own:
+Who calls it: `onnx.sessions.ensure_export` when an ONNX runner starts (once per model directory;
+the files are cached), and tests. The graphs reuse the loaded `DecoderModel`'s weights and blocks
+(norms, MLP, RoPE), but replace its arena-writing attention with a functional one, because an ONNX
+graph cannot mutate a tensor it does not own:
 
   prefill: input_ids [B, T] int64, last_index [B] int64
            -> logits [B, V] float32 (at last_index), present [L, 2, B, Hkv, T, D]

@@ -8,7 +8,7 @@ average that is about half a forward pass per (unit, format), with no KV cache, 
 engine: windows all have the same length, so one causal prefill per chunk covers them.
 
 Called by `quant.planner` (sensitivity scan over calibration windows; validation of whole maps over
-held-out windows). Measures with `quality.metrics.Agreement`: ΔNLL and KL(float || quantized) per
+held-out windows). Measures with `quant.agreement.Agreement`: ΔNLL and KL(float || quantized) per
 predicted token, top-1 agreement, and the per-window ΔNLL the bootstrap resamples.
 """
 
@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from flashx_batch.models.decoder import DecoderModel, ForwardContext
+from flashx_batch.models.decoder import DecoderModel
+from flashx_batch.models.forward import TeacherForced
 from flashx_batch.quant import formats as fm
 from flashx_batch.quant.agreement import Agreement
 from flashx_batch.quant.units import FormatSwap, Unit, available_formats
-from flashx_batch.runtime.kv import KVArena
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,10 @@ class WindowScorer:
         self.length = lengths.pop()
         self.batch_size = batch_size
         self.cache_layers = cache_layers
-        cfg, device = model.config, model.embed.device
+        device = model.embed.device
         model.build_rotary(self.length)
-        self.arena = KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch_size, self.length, self.length,
-                             model.embed.dtype, device)
         cos, sin = model.rotary.lookup(torch.arange(self.length, device=device)[None, :])
-        self.ctx = ForwardContext("prefill", cos, sin)
+        self.meta = TeacherForced(cos, sin)  # teacher-forced windows: no KV cache
         ids = torch.tensor(windows, dtype=torch.long, device=device)  # [N, T]
         self.chunks = list(ids.split(batch_size))
         self.inputs: list[list[torch.Tensor]] = []  # [chunk][layer] hidden entering that layer (L+1: the head)
@@ -86,7 +84,7 @@ class WindowScorer:
             x = torch.nn.functional.embedding(ids, self.model.embed)
             states = [x]
             for layer in self.model.layers:
-                x = layer(x, self.ctx, self.arena)
+                x = layer(x, self.meta, None)
                 states.append(x)
             self.inputs.append(states if self.cache_layers else [])
             self.reference.append(self._head(x))
@@ -103,9 +101,8 @@ class WindowScorer:
             x = torch.nn.functional.embedding(self.chunks[chunk], self.model.embed)
         else:
             raise ValueError("layer inputs were not cached; build the scorer with cache_layers=True")
-        ctx = ForwardContext("prefill", self.ctx.cos, self.ctx.sin)
         for block in self.model.layers[layer:]:
-            x = block(x, ctx, self.arena)
+            x = block(x, self.meta, None)
         return self._head(x)
 
     def compare(self, start_layer: int = 0) -> Agreement:

@@ -1,19 +1,19 @@
 """report.md: totals, a per-bucket table and three plots, written from the committed stats.
 
-Who calls it: `runner.job` after the invariant check, before `_SUCCESS`. It reads only the output
-directory (stats parts) and the plan, so it can be re-run on any finished job.
+Who calls it: `runner.job` after the invariant check, before `_SUCCESS`, with the committed stats
+table and the plan, so it can be re-run on any finished job. It imports nothing of the runner.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from flashx_batch.data.plan import Plan
 from flashx_batch.report.plots import bar_plot, histogram
-from flashx_batch.runner.layout import OutputDir, write_atomic
 
 log = logging.getLogger(__name__)
 PLOTS = {"tok_s": "report_tok_per_s.png", "pad": "report_padding.png", "wall": "report_shard_wall.png"}
@@ -38,9 +38,10 @@ def bucket_rows(stats: Any) -> list[dict[str, Any]]:
     return out
 
 
-def write_report(root: Path, totals: dict[str, Any], plan: Plan) -> Path:
-    out = OutputDir(root)
-    stats = out.read_stats()
+def write_report(root: Path, totals: dict[str, Any], plan: Plan, stats: Any,
+                 write_text: Callable[[Path, str], None]) -> Path:
+    """report.md and its plots in `root`, from the job's totals, plan and stats table (None: no shard
+    ran); `write_text` writes report.md (the runner's atomic write)."""
     lines = ["# flashx-batch job report", "", "## Totals", "", "| metric | value |", "|---|---|"]
     for k, v in totals.items():
         if k != "finished_at":
@@ -74,7 +75,7 @@ def write_report(root: Path, totals: dict[str, Any], plan: Plan) -> Path:
         lines += ["## Error rows", "", "| code | rows |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in sorted(totals["error_counts"].items())]
     path = root / "report.md"
-    write_atomic(path, "\n".join(lines) + "\n")
+    write_text(path, "\n".join(lines) + "\n")
     return path
 
 

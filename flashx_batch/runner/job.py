@@ -337,7 +337,7 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     if job.output.report:
         from flashx_batch.report import write_report
 
-        write_report(output.root, totals, plan)
+        write_report(output.root, totals, plan, output.read_stats(), write_atomic)
     if stop.requested:
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code

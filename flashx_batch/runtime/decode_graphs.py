@@ -10,7 +10,7 @@ against eager steps when one is available.)
 A graph replays fixed shapes and fixed addresses, so each step is padded to a *bucket*:
 - rows up to the next of 1, 2, 4, 8, 16, 32, 48, 64, ... (16 apart), at most the stripes of the
   current layout; a padding row decodes token 0 at position 0 of its own (free) stripe, and its
-  output is dropped. Live rows are always stripes 0..B-1 (`StripedBatch` keeps them dense).
+  output is dropped. Live rows are always stripes 0..B-1 (`layouts.stripes.StripeLayout` keeps them dense).
 - slots read up to the next multiple of SLOT_BUCKET (coarser past 1024, see `slots_bucket`), at
   most the stripe capacity. The mask (always present in a graph) hides the slots past each row's
   own, as it does for rows of mixed lengths.
@@ -48,7 +48,7 @@ import torch
 from flashx_batch.backends import Backend, GraphReplay, get_backend
 
 if TYPE_CHECKING:
-    from flashx_batch.runtime.model_runner import ModelRunner
+    from flashx_batch.runtime.torch_runner import TorchRunner
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class DecodeGraphs:
     `backend` captures the graphs (`Backend.capture_graph`); None: the cuda backend, looked up at the
     first capture."""
 
-    def __init__(self, runner: ModelRunner, capture: bool = True, backend: Backend | None = None) -> None:
+    def __init__(self, runner: TorchRunner, capture: bool = True, backend: Backend | None = None) -> None:
         self.runner = runner
         self.capture = capture
         self.backend = backend
@@ -105,13 +105,13 @@ class DecodeGraphs:
         self.steps = self.replays = self.padding_rows = 0  # padded steps run here, from graphs, padding rows added
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-               write_slots: torch.Tensor | None) -> torch.Tensor | None:
-        """`ModelRunner.decode` for rows 0..B-1 of the stripes (no groups): logits [B, V], or None when
-        the step should run eagerly at its own shape (a capture failed, or MAX_GRAPHS are held and
-        this shape is new)."""
-        runner, arena = self.runner, self.runner.arena
-        rows, cap = len(tokens), arena.row_capacity
-        padded, slots = rows_bucket(rows, arena.max_rows), slots_bucket(kv_len, cap)
+               write_slots: torch.Tensor | None, cap: int, stripes: int) -> torch.Tensor | None:
+        """`TorchRunner.decode` for rows 0..B-1 of `stripes` stripes of `cap` slots (no groups): logits
+        [B, V], or None when the step should run eagerly at its own shape (a capture failed, or
+        MAX_GRAPHS are held and this shape is new)."""
+        runner = self.runner
+        rows = len(tokens)
+        padded, slots = rows_bucket(rows, stripes), slots_bucket(kv_len, cap)
         key = (padded, cap, slots)
         if self.capture:
             if self.rotary is not runner.model.rotary:  # a rebuilt RoPE table: old graphs read the freed one
@@ -124,12 +124,12 @@ class DecodeGraphs:
             tokens, positions = torch.cat((tokens, pad)), torch.cat((positions, pad))
             if write_slots is not None:
                 write_slots = torch.cat((write_slots, pad))
-        mask = runner.stripe_mask(positions, write_slots, slots)
-        write_flat = arena.stripe_starts()[:padded] + (positions if write_slots is None else write_slots)
+        mask = runner.stripe_mask(positions, write_slots, slots, cap)
+        write_flat = runner.stripe_starts(cap, padded) + (positions if write_slots is None else write_slots)
         inputs = (tokens, positions, write_flat, mask)
         runs = ((0, padded, 0, cap, slots, False),)
         if not self.capture:
-            hidden = runner._step(*inputs, runs)
+            hidden = runner.step_hidden(*inputs, runs)
         else:
             captured = self.graphs.get(key)
             if captured is None:
@@ -170,5 +170,5 @@ class DecodeGraphs:
         static = tuple(t.clone() for t in inputs)  # outside the pool: no graph's temporaries overlap them
         if self.backend is None:
             self.backend = get_backend("cuda")
-        graph, hidden, self.pool = self.backend.capture_graph(lambda: self.runner._step(*static, runs), self.pool)
+        graph, hidden, self.pool = self.backend.capture_graph(lambda: self.runner.step_hidden(*static, runs), self.pool)
         return _Captured(graph, static, hidden)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.layers import RotaryTable
-from flashx_batch.runtime.kv import KVArena
 
 GROUP = 4
 

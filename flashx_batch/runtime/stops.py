@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flashx_batch.runtime.sampling import SamplingParams
+from flashx_batch.runtime.params import SamplingParams
 
 
 @dataclass

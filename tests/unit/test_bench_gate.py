@@ -1,4 +1,4 @@
-"""Issue-5 harness: the correctness gate catches a wrong variant; workloads are seeded and have the
+"""The throughput harness: the correctness gate catches a wrong variant; workloads are seeded and have the
 stated mix; the written results follow the issue's schema. Tiny random model: a few seconds."""
 
 from __future__ import annotations

@@ -43,13 +43,13 @@ def test_padded_static_steps_give_the_eager_tokens(arch, policy, tiny_models, on
     runner = graphed.runner
     runner.graphs = DecodeGraphs(runner, capture=False)
     shapes = []
-    step = runner._step
+    step = runner.step_hidden
 
     def recording(tokens, positions, write_flat, mask, runs):
         shapes.append((len(tokens), mask.shape[-1], runs, int(positions.max()) + 1))
         return step(tokens, positions, write_flat, mask, runs)
 
-    runner._step = recording
+    runner.step_hidden = recording
     got = [(o.token_ids, o.finish_reason) for o in graphed.generate(prompts, params)]
     assert got == expected
     assert graphed.last_stats.decode_steps == eager.last_stats.decode_steps == len(shapes)
@@ -62,7 +62,7 @@ def test_padded_static_steps_give_the_eager_tokens(arch, policy, tiny_models, on
         assert slots >= longest or policy == "segment_sparse"  # merged rows hold fewer slots than positions
     if policy == "static":
         assert any(slots > longest for _, slots, _, longest in shapes)
-    assert graphed.runner.arena.allocator.is_whole()
+    assert graphed.scheduler.allocator.is_whole()
 
 
 def test_buckets():
@@ -153,7 +153,7 @@ def test_replayed_graphs_give_the_eager_tokens(arch, policy, tiny_models, one_th
     assert any(slots < cap for _, cap, slots in graphs.graphs)
     pools = graphs.backend.pools  # the first capture makes the pool, every later one shares it
     assert pools[0] is None and pools[1:] == [graphs.pool] * (len(pools) - 1)
-    assert engine.runner.arena.allocator.is_whole()
+    assert engine.scheduler.allocator.is_whole()
 
 
 def test_a_failed_capture_leaves_every_step_to_the_eager_path(tiny_models, caplog, one_thread):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashx_batch import Engine, SamplingParams
-from flashx_batch.runtime.kv import KVArena
+from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.runtime.kv_merge import (
     GROUP,
     MergeSettings,
@@ -35,7 +35,7 @@ def test_duplicate_oracle():
     bias is what makes it exact."""
     torch.manual_seed(0)
     length, heads, dim = 64, 2, 16
-    arena = KVArena(1, heads, dim, max_rows=1, row_capacity=64, segment_size=16, dtype=torch.float32,
+    arena = KVArena(1, heads, dim, num_slots=64, dtype=torch.float32,
                     device=torch.device("cpu"))
     groups = torch.randn(2, length // GROUP, heads, dim)
     arena.storage[0, :, :length] = groups.repeat_interleave(GROUP, dim=1)  # every group: 4 identical K/V
@@ -161,7 +161,7 @@ def test_segment_sparse_admits_more_rows_and_keeps_the_arena_whole(llama_dir):
     outs = sparse.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (16, 3, 16, 1, 9, 16)])
     assert [o.num_generated_tokens for o in outs] == [16, 3, 16, 1, 9, 16]
     assert sparse.last_stats.batches == 1 and sparse.last_stats.kv_bytes_peak < sparse.last_stats.kv_bytes_static_peak
-    assert sparse.runner.arena.allocator.is_whole()
+    assert sparse.scheduler.allocator.is_whole()
     # the first generated token comes from the uncompressed prefill: always equal to static's
     first = static.generate(prompts[:1], SamplingParams(max_new_tokens=1))[0].token_ids
     assert outs[0].token_ids[:1] == first
@@ -172,7 +172,7 @@ def test_rolling_merge_completes_a_prompt_three_times_max_input_len(llama_dir):
     long_prompt = _prompts((3 * 96,))[0]
     out = engine.generate([long_prompt, long_prompt[:50]], SamplingParams(max_new_tokens=16, ignore_eos=True))
     assert out[0].num_input_tokens == 3 * 96 and out[0].num_generated_tokens == 16
-    assert engine.runner.arena.allocator.is_whole()
+    assert engine.scheduler.allocator.is_whole()
     reference = _engine(llama_dir).generate([long_prompt[:50]], SamplingParams(max_new_tokens=16, ignore_eos=True))
     assert out[1].token_ids == reference[0].token_ids  # a short row in the same batch is unaffected
 
@@ -183,7 +183,7 @@ def test_merged_keys_are_averaged_before_rope_and_rotated_to_the_mean_position()
 
     torch.manual_seed(1)
     rotary = RotaryTable(RopeConfig(theta=100.0), 16, 64, torch.float32, torch.device("cpu"))
-    arena = KVArena(1, 2, 16, max_rows=1, row_capacity=16, segment_size=16, dtype=torch.float32,
+    arena = KVArena(1, 2, 16, num_slots=16, dtype=torch.float32,
                     device=torch.device("cpu"))
     raw = torch.randn(1, 2, 16)  # one pre-RoPE key, seen at positions 0..15
     arena.storage[0, 0, :16] = rotary.rotate(raw.expand(16, 2, 16).clone(), torch.arange(16.0))
@@ -212,7 +212,7 @@ def test_stripes_hold_every_prompt_length_at_awkward_fractions(llama_dir):
     out = engine.generate([_prompts((63,))[0]], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
     assert out.num_generated_tokens == 9
     with pytest.raises(Exception, match="longer than a row"):
-        engine.score([[5] * (engine.runner.arena.row_capacity + 1)])
+        engine.score([[5] * (engine.geometry.row_capacity + 1)])
 
 
 @pytest.mark.parametrize("rerotate", [True, False])
@@ -233,7 +233,7 @@ def test_dense_group_path_equals_the_scatter_path(rerotate):
     for plan in plans:
         caches = []
         for dense in (True, False):
-            arena = KVArena(2, 2, 16, max_rows=1, row_capacity=length, segment_size=16, dtype=torch.float32,
+            arena = KVArena(2, 2, 16, num_slots=length, dtype=torch.float32,
                             device=torch.device("cpu"))
             arena.storage.copy_(torch.randn(arena.storage.shape, generator=torch.Generator().manual_seed(5)))
             if dense:
@@ -250,40 +250,40 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
     merged down in stripe order; outputs must equal prefilling and merging each row alone. (Exact
     tokens rely on CPU float32 sgemm giving the same window scores for a packed and a lone row, as it
     does here; another BLAS could flip a near-tie between two groups.)"""
-    from flashx_batch.runtime.batches import StripedBatch, _staged_rows
+    from flashx_batch.runtime.torch_runner import TorchRunner, staged_rows
 
     engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8)
     prompts = _prompts((96, 20, 71, 96, 33, 90, 12, 64, 96, 50, 81))
     params = [SamplingParams(max_new_tokens=3 + (5 * i) % 14, ignore_eos=True) for i in range(len(prompts))]
-    arena = engine.runner.arena
+    runner, cap = engine.runner, engine.geometry.row_capacity
     lengths = [len(p) for p in prompts]
-    assert _staged_rows(0, arena.num_slots, arena.row_capacity, lengths) > 1  # rows do share a prefill
+    assert staged_rows(0, runner.arena.num_slots, cap, lengths) > 1  # rows do share a prefill
     packed = [o.token_ids for o in engine.generate(prompts, params)]
-    assert arena.allocator.is_whole()
+    assert engine.scheduler.allocator.is_whole()
 
-    def one_by_one(self, first, rows):  # each row prefilled alone in its own region, then merged in place
+    def one_by_one(self, first, capacity, rows):  # each row prefilled alone in its own region, merged in place
         logits, used = [], []
         for i, prompt in enumerate(rows):
-            start = (first + i) * arena.row_capacity
-            last, scores = self.runner.extend(prompt, start, 0, 0, observe=engine.merge.window)
-            merge, evict = choose_compression(scores, len(prompt), engine.merge)
+            start = (first + i) * capacity
+            last, scores = self.extend(prompt, start, 0, 0, observe=self.merge.window)
+            merge, evict = choose_compression(scores, len(prompt), self.merge)
             plan = plan_groups(len(prompt), merge, evict=evict)
-            used.append(apply_plan(arena, start, len(prompt), start, plan, rotary=engine.merge_rotary))
+            used.append(apply_plan(self.arena, start, len(prompt), start, plan, rotary=self.merge_rotary))
             logits.append(last[-1])
         return torch.stack(logits), used
 
-    monkeypatch.setattr(StripedBatch, "_fill_merged", one_by_one)
+    monkeypatch.setattr(TorchRunner, "_fill_merged", one_by_one)
     assert packed == [o.token_ids for o in engine.generate(prompts, params)]
 
 
 def test_staged_rows_keep_each_merge_clear_of_the_rows_still_staged():
-    from flashx_batch.runtime.batches import _staged_rows
+    from flashx_batch.runtime.torch_runner import staged_rows
 
     # 2 stripes of 100 slots + 50 spare; prompts staged at the end, row 0 merges into [0, 100)
-    assert _staged_rows(0, 250, 100, [60, 150]) == 2  # row 1 staged from slot 100: clear of row 0's stripe
-    assert _staged_rows(0, 250, 100, [60, 160]) == 1  # row 1 would start at slot 90, inside row 0's stripe
-    assert _staged_rows(0, 250, 100, [150, 150]) == 1  # 300 tokens do not fit 250 slots
-    assert _staged_rows(0, 416, 80, [96] * 5) == 4
+    assert staged_rows(0, 250, 100, [60, 150]) == 2  # row 1 staged from slot 100: clear of row 0's stripe
+    assert staged_rows(0, 250, 100, [60, 160]) == 1  # row 1 would start at slot 90, inside row 0's stripe
+    assert staged_rows(0, 250, 100, [150, 150]) == 1  # 300 tokens do not fit 250 slots
+    assert staged_rows(0, 416, 80, [96] * 5) == 4
 
 
 def test_an_over_long_row_among_segment_sparse_rows_leaves_theirs_unchanged(llama_dir):
@@ -297,4 +297,4 @@ def test_an_over_long_row_among_segment_sparse_rows_leaves_theirs_unchanged(llam
     assert mixed[2].num_input_tokens == len(long_prompt) and mixed[2].num_generated_tokens == 6
     alone = engine.generate(short, params)
     assert [o.token_ids for o in mixed[:2] + mixed[3:]] == [o.token_ids for o in alone]
-    assert engine.runner.arena.allocator.is_whole()
+    assert engine.scheduler.allocator.is_whole()

@@ -1,4 +1,5 @@
-"""The ONNX Runtime path generates the torch runtime's greedy tokens (float32, CPU provider)."""
+"""The ONNX Runtime runner under the one `Engine` generates the torch runner's greedy tokens (float32,
+CPU provider)."""
 
 import pytest
 import torch
@@ -10,10 +11,10 @@ from model_factory import build  # noqa: E402
 
 from flashx_batch import Engine, SamplingParams  # noqa: E402
 from flashx_batch.errors import ConfigError  # noqa: E402
-from flashx_batch.onnx import OnnxEngine  # noqa: E402
+from flashx_batch.runtime.onnx_runner import OnnxRunner  # noqa: E402
 from flashx_batch.runtime.options import bundled_model_dir  # noqa: E402
 
-OPTS = dict(dtype="float32", max_batch_size=4, max_input_len=64, max_output_len=48, segment_size=16)
+OPTS = dict(backend="onnx", dtype="float32", max_batch_size=4, max_input_len=64, max_output_len=48, segment_size=16)
 
 
 def _prompts(seed: int, lengths: tuple[int, ...], vocab: int = 256) -> list[list[int]]:
@@ -26,16 +27,17 @@ def llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("onnx")
     build("llama", root / "llama", seed=3)
     cache = root / "cache"
-    return root / "llama", cache, OnnxEngine.from_pretrained(root / "llama", cache_dir=cache, **OPTS)
+    return root / "llama", cache, Engine.from_pretrained(root / "llama", onnx_cache_dir=cache, **OPTS)
 
 
 def test_graphs_take_and_return_the_kv_cache(llama):
     import onnx
 
     _, _, engine = llama
+    assert isinstance(engine.runner, OnnxRunner)
     names = {}
     for graph in ("prefill", "decode"):
-        model = onnx.load(str(engine.export_dir / f"{graph}.onnx"), load_external_data=False)
+        model = onnx.load(str(engine.runner.export_dir / f"{graph}.onnx"), load_external_data=False)
         names[graph] = ([i.name for i in model.graph.input], [o.name for o in model.graph.output])
     assert names["prefill"] == (["input_ids", "last_index"], ["logits", "present"])
     assert names["decode"] == (["input_ids", "position_ids", "attn_bias", "past"], ["logits", "present"])
@@ -43,7 +45,7 @@ def test_graphs_take_and_return_the_kv_cache(llama):
 
 def test_random_llama_greedy_tokens_equal_torch_runtime(llama):
     model_dir, _, onnx_engine = llama
-    torch_engine = Engine.from_pretrained(model_dir, backend="cpu", **OPTS)
+    torch_engine = Engine.from_pretrained(model_dir, **{**OPTS, "backend": "cpu"})
     prompts = _prompts(1, (5, 17, 9, 30, 12))  # 5 rows > max_batch_size: two static batches
     same = SamplingParams(max_new_tokens=32, ignore_eos=True)
     mixed = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 24, 1, 9, 32)]  # rows leave early
@@ -59,12 +61,12 @@ def test_random_llama_greedy_tokens_equal_torch_runtime(llama):
 
 def test_export_is_cached_and_dtype_checked(llama):
     model_dir, cache, engine = llama
-    stamp = (engine.export_dir / "decode.onnx").stat().st_mtime_ns
-    again = OnnxEngine.from_pretrained(model_dir, cache_dir=cache, **OPTS)
-    assert again.export_dir == engine.export_dir
-    assert (again.export_dir / "decode.onnx").stat().st_mtime_ns == stamp
+    stamp = (engine.runner.export_dir / "decode.onnx").stat().st_mtime_ns
+    again = Engine.from_pretrained(model_dir, onnx_cache_dir=cache, **OPTS)
+    assert again.runner.export_dir == engine.runner.export_dir
+    assert (again.runner.export_dir / "decode.onnx").stat().st_mtime_ns == stamp
     with pytest.raises(ConfigError, match="not supported by runtime.backend=onnx"):
-        OnnxEngine.from_pretrained(model_dir, cache_dir=cache, **{**OPTS, "dtype": "bfloat16"})
+        Engine.from_pretrained(model_dir, onnx_cache_dir=cache, **{**OPTS, "dtype": "bfloat16"})
 
 
 def test_bundled_model_greedy_tokens_equal_torch_runtime(tmp_path):
@@ -72,8 +74,8 @@ def test_bundled_model_greedy_tokens_equal_torch_runtime(tmp_path):
     if not (model_dir / "config.json").is_file():
         pytest.skip("the bundled legal-tiny model is not trained yet (no config.json)")
     opts = {**OPTS, "max_input_len": 128, "max_output_len": 32}
-    onnx_engine = OnnxEngine.from_pretrained(model_dir, cache_dir=tmp_path, **opts)
-    torch_engine = Engine.from_pretrained(model_dir, backend="cpu", **opts)
+    onnx_engine = Engine.from_pretrained(model_dir, onnx_cache_dir=tmp_path, **opts)
+    torch_engine = Engine.from_pretrained(model_dir, **{**opts, "backend": "cpu"})
     prompts = ["Summarise the obligations of the lessee.", "The court held that",
                "Clause 4.2: The supplier shall", "Extract the parties:"]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)

@@ -5,7 +5,7 @@ import torch
 from model_factory import ARCHS
 
 from flashx_batch import Engine, SamplingParams
-from flashx_batch.runtime.prefix_cache import block_keys
+from flashx_batch.kvcache.prefix_cache import block_keys
 
 
 def _engine(model_dir, **kw):
@@ -27,9 +27,9 @@ def _few_shot(seed=3, groups=2, per_group=5, prefix_len=50):
 
 
 def _only_cache_holds_segments(engine):
-    alloc, cache = engine.runner.arena.allocator, engine.prefix_cache
+    alloc, cache = engine.scheduler.allocator, engine.scheduler.prefix_cache
     cached = set(cache._blocks.values())
-    trash = engine.runner.arena.num_segments - 1
+    trash = engine.geometry.num_segments - 1
     for s, count in enumerate(alloc.refcount):
         expected = 1 if s in cached or s == trash else 0
         assert count == expected, (s, count, expected)
@@ -49,8 +49,8 @@ def test_prefix_reuse_is_token_identical(arch, tiny_models):
     assert stats["cached_prompt_tokens"] == 10 * 48
     assert reuse.last_stats.prefix_tokens_computed == 2 * 48
     _only_cache_holds_segments(reuse)
-    reuse.prefix_cache.clear()
-    assert reuse.runner.arena.allocator.refcount.count(0) == reuse.runner.arena.num_segments - 1  # trash only
+    reuse.scheduler.prefix_cache.clear()
+    assert reuse.scheduler.allocator.refcount.count(0) == reuse.geometry.num_segments - 1  # trash only
 
 
 def test_cache_survives_batches_and_evicts_under_its_cap(tiny_models):
@@ -60,13 +60,13 @@ def test_cache_survives_batches_and_evicts_under_its_cap(tiny_models):
     plain = _engine(model_dir).generate(rows, params)
     small = _engine(model_dir, prefix_cache_tokens=48)  # room for one group's 40-token prefix (5 blocks)
     first = small.generate(rows[:4], params)  # group 0 fills the cache
-    assert len(small.prefix_cache) == 5
+    assert len(small.scheduler.prefix_cache) == 5
     again = small.generate(rows[:4], params)  # a later call hits without computing anything
     assert small.last_stats.prefix_tokens_computed == 0 and small.last_stats.cached_prompt_tokens == 4 * 40
     rest = small.generate(rows[4:], params)  # groups 1 and 2 evict group 0's blocks
     assert [o.token_ids for o in first + rest] == [o.token_ids for o in plain]
     assert [o.token_ids for o in again] == [o.token_ids for o in plain[:4]]
-    assert len(small.prefix_cache) <= 6
+    assert len(small.scheduler.prefix_cache) <= 6
     _only_cache_holds_segments(small)
 
 

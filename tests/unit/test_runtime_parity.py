@@ -1,13 +1,16 @@
 """Lossless path = transformers: greedy tokens identical, prefill logits within 1e-4 (float32, CPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 from model_factory import ARCHS
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.errors import ConfigError
-from flashx_batch.runtime import batches
-from flashx_batch.runtime.model_runner import ModelRunner
+from flashx_batch.runtime.layouts.extents import extent_runs
+from flashx_batch.runtime.layouts.stripes import attention_groups
+from flashx_batch.runtime.torch_runner import TorchRunner
 
 NEW_TOKENS = 32
 
@@ -62,7 +65,7 @@ def test_row_output_is_independent_of_batch_and_position(arch, tiny_models):
     outs = engine.generate([others[0], target, others[1], others[2]], mixed)
     assert outs[1].token_ids == alone
     assert [len(o.token_ids) for o in outs] == [3, 24, 1, 9]
-    assert engine.runner.arena.allocator.is_whole()
+    assert engine.scheduler.allocator.is_whole()
 
 
 def test_dtype_auto_is_float32_on_cpu_and_bfloat16_tracks_it(tiny_models):
@@ -94,7 +97,7 @@ def test_inflight_refill_matches_static_batches_with_fewer_steps(arch, policy, l
         assert engine.uses_extents == (refill and layout != "stripes" and policy == "static")
         outs = engine.generate(prompts, params)
         runs[refill] = ([(o.token_ids, o.finish_reason) for o in outs], engine.last_stats)
-        assert engine.runner.arena.allocator.is_whole()
+        assert engine.scheduler.allocator.is_whole()
     (static_outs, static_stats), (refill_outs, refill_stats) = runs[False], runs[True]
     assert refill_outs == static_outs
     assert [len(t) for t, _ in refill_outs][:3] == [30, 1, 12]
@@ -144,8 +147,8 @@ def test_growing_batches_match_fixed_batches_and_take_more_rows(arch, tiny_model
         outs = engine.generate([prompts[i] for i in rows], [params[i] for i in rows])
         by_row = dict(zip(rows, ((o.token_ids, o.finish_reason) for o in outs)))
         runs[growth, order] = ([by_row[i] for i in range(len(prompts))], engine.last_stats)
-        arena = engine.runner.arena
-        assert arena.allocator.is_whole() and (arena.max_rows, arena.row_capacity) == (4, 112)
+        geometry = engine.geometry
+        assert engine.scheduler.allocator.is_whole() and (geometry.max_rows, geometry.row_capacity) == (4, 112)
     fixed_outs, fixed = runs[1, "sorted"]
     assert fixed.peak_rows == 4 and fixed.relayouts == 0
     for key in ((4, "sorted"), (4, "arrival")):
@@ -179,7 +182,7 @@ def test_extent_batches_match_fixed_batches_and_take_more_rows(arch, tiny_models
         assert engine.uses_extents == (layout == "extents")
         runs[layout, sort] = ([(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)],
                               engine.last_stats)
-        assert engine.runner.arena.allocator.is_whole()
+        assert engine.scheduler.allocator.is_whole()
     fixed_outs, _ = runs["stripes", True]
     for key, (outs, _) in runs.items():
         assert outs == fixed_outs, key
@@ -204,11 +207,11 @@ def test_extent_batches_take_the_decode_steps_a_paged_cache_would(tiny_models):
     for sort in (True, False):
         engine = _engine(model_dir, sort_by_length=sort)
         engine.generate(prompts, params)
-        arena = engine.runner.arena
-        needs = [16 * arena.allocator.segments_for(n + k) for n, k in zip(lengths, new)]
+        geometry = engine.geometry
+        needs = [16 * geometry.segments_for(n + k) for n, k in zip(lengths, new)]
         order = sorted(range(30), key=lambda i: -(lengths[i] + new[i])) if sort else list(range(30))
-        counted = paged_decode_steps([needs[i] for i in order], [new[i] for i in order], arena.striped_slots,
-                                     arena.base_rows * engine.options.batch_growth)
+        counted = paged_decode_steps([needs[i] for i in order], [new[i] for i in order], geometry.striped_slots,
+                                     geometry.base_rows * engine.options.batch_growth)
         assert engine.last_stats.decode_steps == counted, sort
         assert engine.last_stats.relayouts >= 1  # compactions happened: fragmentation never made a row wait
 
@@ -233,7 +236,7 @@ def test_extent_layout_applies_where_rows_keep_plain_stripes_otherwise():
 def test_extent_runs_read_adjacent_equal_extents_together():
     """One decode step's runs for rows in extents: rows next to each other in the batch and in the arena,
     with equal extents, share one strided view; every other row is read alone, exactly to its length."""
-    runs = batches.extent_runs
+    runs = extent_runs
     # rows 0-2: 64-slot extents back to back; row 3 elsewhere
     assert runs([0, 64, 128, 320], [64, 64, 64, 32], [60, 50, 64, 20]) == ((0, 3, 0, 64, 64, False),
                                                                            (3, 4, 320, 20, 20, True))
@@ -263,7 +266,7 @@ def test_growing_batch_layouts():
     """Layouts: as many rows as the stripe region holds for the longest row, capped at batch_growth x
     the base rows; static cache only."""
     engine = _engine(None, max_batch_size=4, max_input_len=64, max_output_len=48)  # bundled model
-    assert engine.grows_batches and engine.runner.arena.striped_slots == 4 * 112
+    assert engine.grows_batches and engine.geometry.striped_slots == 4 * 112
     assert engine.layout_for(112) == (112, 4)  # full-length rows: the base layout
     assert engine.layout_for(40) == (48, 9)  # 40 slots -> 3 segments each: 9 rows of 48 in 448 slots
     assert engine.layout_for(100) == (112, 4)  # 7 segments: still only 4 rows; the stripes keep the slack
@@ -281,14 +284,20 @@ def test_a_failed_re_cut_surfaces_its_own_error_and_leaves_the_arena_whole(tiny_
     prompts = _prompts(13, (60, 58, 20, 18, 16, 14, 12, 10, 9, 8))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 3) + (6,) * 8]
 
-    def fail(*args, **kwargs):
-        raise RuntimeError("simulated: no memory for the copy")
+    copy, recuts = engine.runner.arena.move_slots, []
 
-    monkeypatch.setattr(engine.runner.arena, "relayout", fail)
+    def fail(moves):  # the copies of a re-cut run while the scheduler's layout is already the new one
+        if engine.geometry.row_capacity != 112:
+            recuts.append(moves)
+            raise RuntimeError("simulated: no memory for the copy")
+        copy(moves)
+
+    monkeypatch.setattr(engine.runner.arena, "move_slots", fail)
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate(prompts, params)
-    arena = engine.runner.arena
-    assert arena.allocator.is_whole() and (arena.max_rows, arena.row_capacity) == (4, 112)
+    geometry = engine.geometry
+    assert recuts and engine.scheduler.allocator.is_whole()
+    assert (geometry.max_rows, geometry.row_capacity) == (4, 112)
     monkeypatch.undo()
     assert len(engine.score([prompts[0] + [5] * 50])[0]) == 110  # a full-length row fits again
 
@@ -309,7 +318,7 @@ def test_a_failed_compaction_surfaces_its_own_error_and_leaves_the_arena_whole(t
     monkeypatch.setattr(engine.runner.arena, "move_slots", fail)
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate(_prompts(21, lengths), params)
-    assert engine.runner.arena.allocator.is_whole()
+    assert engine.scheduler.allocator.is_whole()
     monkeypatch.undo()
     assert len(engine.generate(_prompts(21, lengths), params)) == 16
 
@@ -332,7 +341,7 @@ def test_static_batches_grow_to_the_rows_they_take(tiny_models):
 def test_attention_groups_cut_where_the_fewest_slots_are_read():
     """One decode step's attention: one call unless two runs of rows read at least the backend's
     minimum fewer bytes of a layer's cache; the cut is the cheapest of every possible cut."""
-    groups, limit = batches.attention_groups, 256 << 10
+    groups, limit = attention_groups, 256 << 10
     assert groups([600, 40, 40, 40], 1024, limit) == ((0, 1, 600), (1, 4, 40))
     assert groups([40, 600, 40, 40, 41], 1024, 0) == ((0, 2, 600), (2, 5, 41))
     assert groups([600, 40, 40, 40], 1024, None) is None  # the backend never splits
@@ -346,7 +355,7 @@ def test_attention_groups_cut_where_the_fewest_slots_are_read():
         lengths = torch.randint(1, 700, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
         n = len(lengths)
         cheapest = min(k * max(lengths[:k]) + (n - k) * max(lengths[k:]) for k in range(1, n))
-        groups = batches.attention_groups(lengths, 1, 0)
+        groups = attention_groups(lengths, 1, 0)
         if cheapest == n * max(lengths):
             assert groups is None
             continue
@@ -366,13 +375,13 @@ def test_split_decode_attention_gives_the_same_tokens(arch, policy, tiny_models,
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 25, 20, 6, 28, 9, 14, 22, 5, 16, 8)]
     params[2] = SamplingParams(max_new_tokens=25, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
     split_steps = []
-    decode = ModelRunner.decode
+    decode = TorchRunner.decode
 
     def counting(self, *args, groups=None, **kw):
         split_steps.append(groups is not None)
         return decode(self, *args, groups=groups, **kw)
 
-    monkeypatch.setattr(ModelRunner, "decode", counting)
+    monkeypatch.setattr(TorchRunner, "decode", counting)
     runs = {}
     for threshold in (None, 0):  # never split, split whenever a slot is saved
         split_steps.clear()
@@ -380,8 +389,9 @@ def test_split_decode_attention_gives_the_same_tokens(arch, policy, tiny_models,
         cfg = engine.config  # one layer's keys + values per slot; the CPU backend's default threshold
         assert engine.runner.arena.layer_slot_bytes() == 2 * cfg.num_kv_heads * cfg.head_dim * 4
         assert engine.backend.attention_split_min_bytes == 256 << 10
-        engine.backend.attention_split_min_bytes = threshold  # this engine's backend instance only
+        # the scheduler takes the backend's threshold when the engine starts: set it there for this engine
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, split_min_bytes=threshold)
         runs[threshold] = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, params)]
-        assert engine.runner.arena.allocator.is_whole()
+        assert engine.scheduler.allocator.is_whole()
         assert any(split_steps) == (threshold == 0)
     assert runs[0] == runs[None]

@@ -96,4 +96,4 @@ def test_token_ids_outside_the_vocabulary_are_a_clear_error(engine):
         engine.generate([[5, 6], [7, vocab, 8]], SamplingParams(max_new_tokens=2))
     with pytest.raises(ConfigError, match="token id -3"):
         engine.generate([[-3, 4]], SamplingParams(max_new_tokens=2))
-    assert engine.runner.arena.allocator.is_whole()  # refused before anything was allocated
+    assert engine.scheduler.allocator.is_whole()  # refused before anything was allocated

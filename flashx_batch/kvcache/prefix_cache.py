@@ -1,6 +1,6 @@
 """Prefix cache: segment-sized token blocks whose KV already sits in the arena, found by hash chain.
 
-Owned by one `Engine` (so one per Ray actor) and kept across batches and `generate` calls. Pure
+Owned by one engine's scheduler (so one per Ray actor) and kept across batches and `generate` calls. Pure
 integer bookkeeping over the arena's `SegmentAllocator`: the cache holds one reference on each
 cached segment; every row reading it holds another, so a segment is reusable the moment both are
 gone. Block i's key hashes block i's tokens *and* block i-1's key, so a hit on block i implies
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from flashx_batch.runtime.kv import SegmentAllocator
+from flashx_batch.kvcache.allocator import SegmentAllocator
 
 
 def block_keys(tokens: list[int], segment_size: int, limit: int) -> list[bytes]:
@@ -65,6 +65,12 @@ class PrefixCache:
     def insert(self, key: bytes, segment: int) -> None:
         """Adopt a reserved segment now holding block `key` (the cache keeps its reference)."""
         self._blocks[key] = segment
+
+    def forget(self, key: bytes) -> None:
+        """Drop a block whose KV was never computed (the step that would have computed it failed)."""
+        segment = self._blocks.pop(key, None)
+        if segment is not None:
+            self.allocator.release([segment])
 
     def _evict_one(self) -> bool:
         for key, segment in self._blocks.items():

@@ -1,0 +1,63 @@
+"""`KVArena`: device storage for the keys and values of every layer, allocated once.
+
+One tensor `[layers, 2, slots, kv_heads, head_dim]` (slot = segment * segment_size + offset, see
+`geometry`) and a per-slot merge bias: log(tokens a slot stands for), 0 for an ordinary slot, log 4
+for a 4:1 merged one. Nothing here allocates per decode step and nothing here decides where a row
+goes: the scheduler does, on `SegmentAllocator` and `ArenaGeometry`, and hands the runner slot
+numbers and slot copies.
+
+Model layers never see the arena: they get `layer_views()`, each layer's keys and values as flat
+`[slots, kv_heads, head_dim]` views, and the runner builds the strided read views per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVArena:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.storage = torch.zeros(num_layers, 2, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.bias = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        # per-layer views, built once: slicing the storage anew costs every layer of every step
+        self._flat = [(self.storage[layer, 0], self.storage[layer, 1]) for layer in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def bytes_per_token(self) -> int:
+        return self.nbytes // self.num_slots
+
+    def layer_slot_bytes(self) -> int:
+        """Bytes of one slot's keys and values in one layer (what attention reads per slot and layer)."""
+        return self.bytes_per_token() // self.storage.shape[0]
+
+    def layer_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, [slots, kv_heads, head_dim] views of its keys and values (what layers write)."""
+        return self._flat
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._flat[layer]
+
+    def stripe_bias(self, rows: int, capacity: int) -> torch.Tensor:
+        """[rows, capacity] log-count bias per slot of stripes 0..rows-1 cut `capacity` slots long."""
+        return self.bias[: rows * capacity].view(rows, capacity)
+
+    def move_slots(self, moves) -> None:
+        """Copy each (src, dst, n) run of flat slots — keys, values and merge bias, all layers — in
+        order. A run that overlaps its own destination is copied out first; the caller orders the
+        moves so that no destination overwrites a source still to come."""
+        for src, dst, n in moves:
+            if src == dst:
+                continue
+            overlaps = dst < src + n and src < dst + n
+            kv, bias = self.storage[:, :, src : src + n], self.bias[src : src + n]
+            self.storage[:, :, dst : dst + n] = kv.clone() if overlaps else kv
+            self.bias[dst : dst + n] = bias.clone() if overlaps else bias
+
+    def clear_bias(self, start: int, end: int) -> None:
+        """No merge bias left in slots [start, end) (where a row's next tokens, or a new row, go)."""
+        self.bias[start:end] = 0.0

@@ -1,0 +1,99 @@
+"""What a forward pass needs besides the token ids: one metadata type per kind of pass.
+
+The runner builds one per call; every layer reads it, and `Attention` dispatches on its type. None of
+them holds the KV arena: layers get their cache as plain views (`DecoderModel.hidden_states`'s
+`caches`, one `(keys, values)` pair of `[slots, kv_heads, head_dim]` per layer), and a decode step's
+read views arrive ready-made in `Decode.runs`. Flat slot numbers are the arena's addressing
+(glossary: docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TeacherForced:
+    """Teacher-forced rows right-padded to T, causal attention over the rows' own keys; writes no
+    cache (quality measurements, parity tests, quantization sensitivity)."""
+
+    cos: torch.Tensor  # [B or 1, T, 1, rotary_dim]
+    sin: torch.Tensor
+    last_only: bool = False  # never: a score wants every position
+
+
+@dataclass
+class Packed:
+    """Rows' prompts end to end in one [1, N] sequence, no padding: token t goes to flat slot
+    `write_flat[t]`; each row attends causally to its own `row_lengths[r]` tokens only, so the
+    matmuls run on N real tokens instead of B x longest. With `last_only` the final layer computes
+    attention, o_proj and MLP for each row's last token only (it still writes every token's K and V;
+    the caller wants last-token logits). With `observe`, each layer adds the attention each row's last
+    `observe` queries pay its keys to `scores` [N] (segment-sparse compression)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    write_flat: torch.Tensor  # [N]
+    row_lengths: tuple[int, ...]
+    last_only: bool = False
+    observe: int = 0
+    scores: torch.Tensor | None = None
+
+    def last_tokens(self, device: torch.device) -> torch.Tensor:
+        """Sequence positions of each row's last token."""
+        return torch.tensor(self.row_lengths, device=device).cumsum(0) - 1
+
+
+@dataclass
+class Decode:
+    """One new token per row: row i writes flat slot `write_flat[i]`; each run of rows in `runs`
+    reads its own strided view of the cache (stripes, or extents of their own), and `attn_mask`
+    [B, 1, 1, L] (float, carrying merged slots' log-count bias) hides the slots past each row of a
+    run whose rows differ in length."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    write_flat: torch.Tensor  # [B]
+    attn_mask: torch.Tensor | None
+    # per run of rows: (first row, end row, keys and values of every layer [layers, 2, rows, Hkv, slots, D],
+    # slots the mask covers or None: every row of the run that long, no mask)
+    runs: tuple[tuple[int, int, torch.Tensor, int | None], ...]
+    last_only: bool = False
+
+
+@dataclass
+class Extend:
+    """One row: a chunk of C tokens appended after `cached` slots of a flat region starting at slot
+    `start` (rolling merge, the quality harness). `mask` [1, 1, C, cached + C] is None for a plain
+    causal chunk with nothing cached. `last_only` / `observe` / `scores` [cached + C] as in `Packed`."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    start: int
+    cached: int
+    mask: torch.Tensor | None = None
+    last_only: bool = False
+    observe: int = 0
+    scores: torch.Tensor | None = None
+
+    def last_tokens(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([-1], device=device)
+
+
+@dataclass
+class Paged:
+    """Rows read through per-row slot tables (shared prefix segments + their own), any T: token t of
+    row b is written to flat slot `write_slots[b, t]`; keys are gathered from `slot_table` [B, L]
+    (position j -> flat slot) and `attn_mask` [B, 1, T, L] hides the rest."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    write_slots: torch.Tensor  # [B, T]
+    slot_table: torch.Tensor  # [B, L]
+    attn_mask: torch.Tensor
+    last_only: bool = False
+
+
+ForwardMeta = TeacherForced | Packed | Decode | Extend | Paged

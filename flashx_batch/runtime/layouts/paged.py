@@ -1,0 +1,142 @@
+"""`PagedLayout`: rows whose prompts start with blocks already in (or just added to) the prefix cache.
+
+Each row's slot table is its shared prefix segments (read-only, reference-counted) followed by its
+own; attention gathers through the table. A block shared by two rows of a batch, or already cached,
+is computed once into a cache segment (`share_prefixes`). Paged batches take no refill: the rows
+after one may share prefixes again in the next paged batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from flashx_batch.kvcache.allocator import SegmentAllocator
+from flashx_batch.kvcache.geometry import ArenaGeometry
+from flashx_batch.kvcache.prefix_cache import PrefixCache, block_keys
+from flashx_batch.runtime.plan import KVOp, NewRow, PagedDecode, PagedPrefill, PrefixBlock
+from flashx_batch.runtime.rows import Row
+
+
+class SharedPrefixes:
+    """What `share_prefixes` found for a list of rows: per row the cache segments it reads (one
+    reference each, held by the row), the blocks to compute first, and the keys inserted for them
+    (forgotten again if computing them fails)."""
+
+    def __init__(self) -> None:
+        self.shared: list[list[int]] = []
+        self.blocks: list[PrefixBlock] = []
+        self.inserted: list[bytes] = []
+        self.tokens_computed = 0
+
+
+def share_prefixes(cache: PrefixCache, allocator: SegmentAllocator, segment_size: int,
+                   prompts: list[list[int]]) -> SharedPrefixes | None:
+    """Per row, the prefix-cache segments it can read instead of recomputing. A block is shared when
+    it is already cached or when two rows of this batch start with it; the first time it is needed it
+    is planned to be computed once (reading the blocks before it) and cached. Each row keeps at least
+    one token of its own to prefill. None when no row shares anything."""
+    seg = segment_size
+    keys = [block_keys(p, seg, len(p) - 1) for p in prompts]
+    seen: dict[bytes, int] = {}
+    for row in keys:
+        for key in row:
+            seen[key] = seen.get(key, 0) + 1
+    found = SharedPrefixes()
+    try:
+        for prompt, row_keys in zip(prompts, keys):
+            segments = cache.match(row_keys)
+            found.shared.append(segments)
+            for segment in segments:  # the row's reference, taken at once: eviction must not pick them
+                allocator.share(segment)
+            wanted = len(segments)
+            while wanted < len(row_keys) and seen[row_keys[wanted]] > 1:
+                wanted += 1
+            new = cache.reserve(wanted - len(segments)) if wanted > len(segments) else None
+            if new is None:
+                continue
+            start = len(segments) * seg
+            table = tuple(s * seg + o for s in segments + new for o in range(seg))[: wanted * seg]
+            tokens = tuple(prompt[start : wanted * seg])
+            found.blocks.append(PrefixBlock(tokens, start, table))
+            found.tokens_computed += len(tokens)
+            for key, segment in zip(row_keys[len(segments) : wanted], new):
+                cache.insert(key, segment)  # the reservation's reference becomes the cache's
+                found.inserted.append(key)
+                allocator.share(segment)
+            segments.extend(new)
+    except BaseException:
+        for segments in found.shared:
+            allocator.release(segments)
+        for key in found.inserted:
+            cache.forget(key)
+        raise
+    if not any(found.shared):
+        return None
+    return found
+
+
+class PagedLayout:
+    def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account, cache: PrefixCache,
+                 trash_slot: int, found: SharedPrefixes) -> None:
+        self.geometry, self.allocator, self.account, self.cache = geometry, allocator, account, cache
+        self.trash_slot, self.found = trash_slot, found
+        self.rows: list[Row] = []
+        self.joining: list[Row] = []
+
+    def joinable(self, queue: deque[Row]) -> int:
+        return 0
+
+    def before_refill(self, queue: deque[Row]) -> list[KVOp]:
+        return []
+
+    def admit(self, rows: list[Row]) -> tuple[list[KVOp], PagedPrefill]:
+        g, allocator, seg = self.geometry, self.allocator, self.geometry.segment_size
+        stripes = range(g.striped_segments)
+        for row, shared in zip(rows, self.found.shared):
+            row.shared = shared
+        self.joining = rows  # from here on `release` frees their references and own segments
+        cached = [len(r.shared) * seg for r in rows]
+        for row, c in zip(rows, cached):
+            row.segments = allocator.allocate(g.segments_for(len(row.prompt) - c + row.params.max_new_tokens),
+                                              within=stripes)
+        unique_shared = len({s for r in rows for s in r.shared})
+        self.account.kv(sum(len(r.segments) for r in rows) + unique_shared,
+                        sum(g.segments_for(len(r.prompt) + r.params.max_new_tokens) for r in rows))
+        tables = tuple(tuple(s * seg + o for s in r.shared + r.segments for o in range(seg)) for r in rows)
+        prefill = PagedPrefill(tuple(NewRow(r.prompt, r.params) for r in rows), tables, tuple(cached),
+                               self.trash_slot, tuple(self.found.blocks))
+        self.account.cached_prompt_tokens(sum(cached))
+        self.account.prefix_tokens(self.found.tokens_computed)
+        return [], prefill
+
+    def admitted(self, rows: list[Row], slots: list[int]) -> None:
+        for row in rows:
+            row.slots = row.position = len(row.prompt)
+        self.rows, self.joining = list(rows), []
+        self.found.inserted = []  # computed: the cache keeps them
+
+    def decode(self) -> PagedDecode:
+        return PagedDecode(tuple(r.position for r in self.rows))
+
+    def stepped(self) -> None:
+        for row in self.rows:
+            row.slots += 1
+            row.position += 1
+
+    def drop(self, finished: list[int]) -> tuple[list[int], list[KVOp]]:
+        gone = set(finished)
+        for j in finished:  # a finished row gives its memory back at once
+            row = self.rows[j]
+            self.allocator.release(row.segments + row.shared)
+            row.segments, row.shared = [], []
+        keep = [j for j in range(len(self.rows)) if j not in gone]
+        self.rows = [self.rows[j] for j in keep]
+        return keep, []
+
+    def release(self) -> None:
+        for row in self.rows + self.joining:
+            self.allocator.release(row.segments + row.shared)
+            row.segments, row.shared = [], []
+        for key in self.found.inserted:  # planned but never computed: their KV is not there
+            self.cache.forget(key)
+        self.rows, self.joining, self.found.inserted = [], [], []

@@ -1,0 +1,474 @@
+"""`TorchRunner`: the `ModelRunner` for torch devices (CPU, CUDA, ROCm, NPU) — weights, KV arena,
+RoPE tables, the forward passes and sampling.
+
+It never decides which rows run or when they stop (the scheduler does); it carries out one
+`StepPlan` at a time and keeps the device-side state of the live rows in the scheduler's batch order:
+each row's last sampled token (the next step's input), its step count and sampling knobs, and for
+paged batches the slot tables. Segment-sparse compression runs here because it needs the attention
+scores of the prefill: the scheduler asks for rows in stripes, the runner reports the slots each kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashx_batch.backends import Backend
+from flashx_batch.errors import ConfigError
+from flashx_batch.kvcache.arena import KVArena
+from flashx_batch.models.decoder import DecoderModel
+from flashx_batch.models.forward import Decode, Extend, Packed, Paged, TeacherForced
+from flashx_batch.models.layers import RotaryTable
+from flashx_batch.runtime.decode_graphs import DecodeGraphs
+from flashx_batch.runtime.kv_merge import (
+    MergeSettings,
+    apply_plan,
+    apply_plans,
+    choose_compression,
+    plan_groups,
+    plan_oldest,
+)
+from flashx_batch.runtime.plan import (
+    ExtentDecode,
+    ExtentPrefill,
+    NewRow,
+    PagedDecode,
+    PagedPrefill,
+    SlotMove,
+    StepOutput,
+    StepPlan,
+    StripeDecode,
+    StripePrefill,
+)
+from flashx_batch.runtime.runner import ModelRunner
+from flashx_batch.runtime.sampling import SamplingBatch, sample
+
+
+@dataclass(frozen=True)
+class PrefillPolicy:
+    """How prompts go into stripes: plain, or segment-sparse (merged down after a packed prefill);
+    a prompt longer than `max_input_len` is rolled into `prompt_slots` (long_input=rolling_merge)."""
+
+    max_input_len: int
+    prompt_slots: int
+    sparse: bool
+    segment_size: int
+    max_output_len: int
+    row_capacity: int  # slots of a full-length row, whole segments
+
+
+class _LiveRows:
+    """Device-side state of the live rows, in batch order: the last sampled token (the next step's
+    input), tokens generated so far, sampling knobs, and (paged batches) slot tables."""
+
+    def __init__(self, device: torch.device) -> None:
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        self.tokens, self.steps = none, none.clone()
+        self.sampling: SamplingBatch | None = None
+        self.table: torch.Tensor | None = None
+
+    def join(self, tokens: torch.Tensor, steps: torch.Tensor, sampling: SamplingBatch) -> None:
+        self.tokens, self.steps = torch.cat((self.tokens, tokens)), torch.cat((self.steps, steps))
+        self.sampling = sampling if self.sampling is None else self.sampling.extend(sampling)
+
+    def keep(self, positions: tuple[int, ...]) -> None:
+        index = torch.tensor(positions, dtype=torch.long, device=self.tokens.device)
+        self.tokens, self.steps = self.tokens[index], self.steps[index]
+        self.sampling = self.sampling.select(index) if self.sampling is not None else None
+        if self.table is not None:
+            self.table = self.table[index]
+
+
+class TorchRunner(ModelRunner):
+    def __init__(self, model: DecoderModel, arena: KVArena, backend: Backend, policy: PrefillPolicy,
+                 merge: MergeSettings, pad_id: int = 0) -> None:
+        self.model, self.arena, self.backend, self.policy, self.merge = model, arena, backend, policy, merge
+        self.device = model.embed.device
+        self.pad_id = pad_id
+        self.caches = arena.layer_views()
+        self._slot_range = torch.arange(policy.row_capacity, device=self.device)
+        self._starts: dict[int, torch.Tensor] = {}  # stripe capacity -> flat slot where each stripe begins
+        self.graphs: DecodeGraphs | None = None  # striped decode steps from CUDA graphs (the engine sets it)
+        self.live = _LiveRows(self.device)
+
+    # ---- the ModelRunner interface ----------------------------------------------------------
+    @property
+    def kv_bytes(self) -> int:
+        return self.arena.nbytes
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        return self.arena.bytes_per_token()
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepOutput:
+        live = self.live
+        if plan.keep is not None:
+            live.keep(plan.keep)
+        for op in plan.kv_ops:
+            if isinstance(op, SlotMove):
+                self.arena.move_slots(((op.src, op.dst, op.n),))
+            else:
+                self.arena.clear_bias(op.start, op.end)
+        if plan.prefill is not None:
+            match plan.prefill:
+                case StripePrefill() as p:
+                    logits, slots, computed = self._fill_stripes(p)
+                case ExtentPrefill() as p:
+                    logits, slots = self.prefill_packed_at([r.prompt for r in p.rows], list(p.starts))[0], None
+                    computed = sum(len(r.prompt) for r in p.rows)
+                case PagedPrefill() as p:
+                    (logits, computed), slots = self._paged_prefill(p), None
+            return StepOutput(self._join(plan.prefill.rows, logits), slots, computed)
+        if plan.decode is not None:
+            match plan.decode:
+                case StripeDecode() as d:
+                    logits = self._stripe_step(d)
+                case ExtentDecode() as d:
+                    logits = self._extent_step(d)
+                case PagedDecode() as d:
+                    logits = self._paged_step(d)
+            live.steps += 1
+            live.tokens = sample(logits, live.sampling, live.steps)
+            return StepOutput(live.tokens.tolist(), None, len(live.tokens))
+        return StepOutput([])
+
+    def reset(self) -> None:
+        self.live = _LiveRows(self.device)
+
+    def synchronize(self) -> None:
+        self.backend.synchronize()
+
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced logits for every position of every prompt: list of [T_i, V] float32."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        cos, sin = self.model.rotary.lookup(self._range(width)[None, :])  # [1, T], broadcast over rows
+        hidden = self.model.hidden_states(ids.to(self.device), TeacherForced(cos, sin))
+        return [self.model.logits(hidden[i, : len(p)]) for i, p in enumerate(prompts)]
+
+    # ---- prefill ----------------------------------------------------------------------------
+    def _join(self, rows: tuple[NewRow, ...], logits: torch.Tensor) -> list[int]:
+        """Sample the first tokens of rows just prefilled and join them to the live rows."""
+        sampling = SamplingBatch.build([r.params for r in rows], logits.shape[-1], self.device)
+        steps = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        base = len(self.live.tokens)
+        self.live.join(sample(logits, sampling, steps), steps, sampling)
+        return self.live.tokens[base:].tolist()
+
+    def prefill_packed(self, prompts: list[list[int]], first_row: int = 0, capacity: int | None = None
+                       ) -> torch.Tensor:
+        """Prompts packed end to end, no padding, into stripes first_row, first_row + 1, ... of
+        `capacity` slots (default: the longest row) -> last-token logits [B, V]."""
+        cap = capacity or self.policy.row_capacity
+        starts = [(first_row + r) * cap for r in range(len(prompts))]
+        return self.prefill_packed_at(prompts, starts)[0]
+
+    @torch.inference_mode()
+    def prefill_packed_at(self, prompts: list[list[int]], starts: list[int], observe: int = 0
+                          ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Packed prefill with row r's KV written to flat slots starts[r], starts[r] + 1, ...
+        -> (last-token logits [B, V], and with `observe` each row's pooled window scores [len_r])."""
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)[None]
+        positions = torch.cat([self._range(n) for n in lengths])
+        first_slots = torch.repeat_interleave(torch.tensor(starts, device=self.device),
+                                              torch.tensor(lengths, device=self.device))
+        cos, sin = self.model.rotary.lookup(positions[None])
+        scores = torch.zeros(len(positions), device=self.device) if observe else None
+        meta = Packed(cos, sin, write_flat=first_slots + positions, row_lengths=tuple(lengths), last_only=True,
+                      observe=observe, scores=scores)
+        logits = self.model.logits(self.model.hidden_states(ids, meta, self.caches)[0])  # [B, hidden] -> [B, V]
+        return logits, (list(scores.split(lengths)) if observe else None)
+
+    def _fill_stripes(self, p: StripePrefill) -> tuple[torch.Tensor, list[int], int]:
+        """Prompts into stripes p.first, p.first + 1, ... -> (last-token logits [B, V], cache slots per
+        row, token positions computed).
+
+        Plain rows: one prefill, packed end to end without padding. Segment-sparse rows: packed
+        prefills into free space, each row then merged down into its stripe (`_fill_merged`). A row
+        longer than max_input_len (rolling merge) is prefilled alone, between the runs of rows that
+        fit (`rolling_prefill`)."""
+        prompts, cap, limit = [r.prompt for r in p.rows], p.capacity, self.policy.max_input_len
+        last_logits, slots, computed, i = [], [], 0, 0
+        while i < len(prompts):  # runs of rows that fit, packed; an over-long row alone (rolling merge)
+            if len(prompts[i]) > limit:
+                computed += len(prompts[i])
+                logits, used = self.rolling_prefill(prompts[i], (p.first + i) * cap, self.policy.prompt_slots)
+                last_logits.append(logits[-1][None])
+                slots.append(used)
+                i += 1
+                continue
+            run = 1
+            while i + run < len(prompts) and len(prompts[i + run]) <= limit:
+                run += 1
+            rows = prompts[i : i + run]
+            computed += sum(map(len, rows))
+            if self.policy.sparse:
+                logits, used_slots = self._fill_merged(p.first + i, cap, rows)
+            else:
+                logits, used_slots = self.prefill_packed(rows, p.first + i, cap), [len(r) for r in rows]
+            last_logits.append(logits)
+            slots += used_slots
+            i += run
+        return torch.cat(last_logits), slots, computed
+
+    def _fill_merged(self, first: int, cap: int, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Segment-sparse rows into stripes first, first + 1, ...: as many rows as fit are prefilled
+        in one packed pass, their full KV staged at the end of the free space (every stripe from
+        `first` on, plus the spare segments), then merged down one by one, in stripe order, into
+        their stripes. Staging at the end keeps each merge's destination clear of the rows still
+        waiting: see `staged_rows`."""
+        last_logits, slots, done = [], [], 0
+        num_slots = self.arena.num_slots
+        while done < len(prompts):
+            row = first + done
+            lengths = [len(p) for p in prompts[done:]]
+            count = staged_rows(row * cap, num_slots, cap, lengths)
+            starts = (num_slots - torch.tensor(lengths[:count]).flip(0).cumsum(0).flip(0)).tolist()
+            logits, scores = self.prefill_packed_at(prompts[done : done + count], starts, observe=self.merge.window)
+            jobs = []
+            for j, (n, src, row_scores) in enumerate(zip(lengths, starts, scores)):
+                merge, evict = choose_compression(row_scores, n, self.merge)
+                plan = plan_groups(n, merge, evict=evict)
+                jobs.append((src, n, (row + j) * cap, plan))
+            slots += apply_plans(self.arena, jobs, rotary=self.merge_rotary)  # reads every row before writing
+            last_logits.append(logits)
+            done += count
+        return torch.cat(last_logits), slots
+
+    @property
+    def merge_rotary(self) -> RotaryTable | None:
+        """The RoPE table merges re-rotate keys with (None: average rotated keys as they are)."""
+        return self.model.rotary if self.merge.rerotate else None
+
+    def rolling_prefill(self, prompt: list[int], start: int, budget: int) -> tuple[torch.Tensor, int]:
+        """long_input=rolling_merge: prefill segment by segment; before a segment would overflow
+        `budget` slots, fold the oldest slots 4:1 (again and again for the oldest history).
+
+        Returns the last position's logits and the slots the row now holds at flat slot `start`
+        (also the quality harness's entry point)."""
+        chunk = min(self.policy.segment_size, budget - self.merge.sinks - self.merge.window)
+        if chunk < 1:
+            raise ConfigError(f"max_input_len={self.policy.max_input_len} leaves no room to roll a long prompt "
+                              f"past {self.merge.sinks} sink and {self.merge.window} window tokens; raise it.")
+        # positions run on past the slots: the RoPE table must cover the true token count
+        self.model.build_rotary(len(prompt) + self.policy.max_output_len)
+        counts: list[int] = []
+        positions: list[float] = []
+        logits = None
+        for begin in range(0, len(prompt), chunk):
+            piece = prompt[begin : begin + chunk]
+            overflow = len(counts) + len(piece) - budget
+            if overflow > 0:
+                plan = plan_oldest(counts, positions, overflow, self.merge)
+                if plan.num_slots + len(piece) > budget:
+                    raise ConfigError(f"rolling merge cannot fit a {len(prompt)}-token prompt into {budget} slots; "
+                                      "raise max_input_len or shorten the prompt.")
+                apply_plan(self.arena, start, len(counts), start, plan, rotary=self.merge_rotary,
+                           src_positions=positions)
+                counts, positions = plan.counts, plan.positions
+            logits, _ = self.extend(piece, start, len(counts), begin)
+            counts += [1] * len(piece)
+            positions += [float(p) for p in range(begin, begin + len(piece))]
+        return logits, len(counts)
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int], start: int, cached: int, first_position: int, observe: int = 0,
+               all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append `tokens` to one row's flat region at `start`, after `cached` slots already there.
+
+        Cached slots are all visible, with their log-count bias; the new tokens attend causally.
+        Returns logits (last position, or every position with `all_logits`) and, when `observe` > 0,
+        the pooled attention the last `observe` queries paid to each slot.
+        """
+        count = len(tokens)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        positions = torch.arange(first_position, first_position + count, device=self.device)[None, :]
+        cos, sin = self.model.rotary.lookup(positions)
+        mask = None
+        if cached:
+            dtype = self.arena.storage.dtype
+            causal = torch.full((count, count), float("-inf"), device=self.device).triu(1)
+            bias = self.arena.bias[start : start + cached][None, :].expand(count, cached)
+            mask = torch.cat((bias, causal), dim=1)[None, None].to(dtype)  # [1, 1, C, cached + C]
+        scores = torch.zeros(cached + count, device=self.device) if observe else None
+        meta = Extend(cos, sin, start=start, cached=cached, mask=mask, observe=observe, scores=scores,
+                      last_only=not all_logits)
+        hidden = self.model.hidden_states(ids, meta, self.caches)[0]  # [C, hidden], or [1, hidden] for the last
+        self.arena.clear_bias(start + cached, start + cached + count)
+        return self.model.logits(hidden), meta.scores
+
+    def _paged_prefill(self, p: PagedPrefill) -> tuple[torch.Tensor, int]:
+        """Shared blocks computed into the cache first, then each row's own suffix through its table
+        -> (last-token logits [B, V], token positions computed)."""
+        device, trash = self.device, p.trash
+        computed = 0
+        for block in p.blocks:
+            table = torch.tensor(block.table, device=device)[None]
+            end = block.first_position + len(block.tokens)
+            self.paged(torch.tensor([list(block.tokens)], device=device),
+                       torch.arange(block.first_position, end, device=device)[None],
+                       table[:, block.first_position :], table, torch.tensor([len(block.tokens) - 1], device=device))
+            computed += len(block.tokens)
+        size = len(p.rows)
+        width = max(len(t) for t in p.tables)
+        table = torch.full((size, width), trash, dtype=torch.long)
+        for i, flat in enumerate(p.tables):
+            table[i, : len(flat)] = torch.tensor(flat)
+        suffixes = [r.prompt[c:] for r, c in zip(p.rows, p.cached)]
+        span = max(map(len, suffixes))
+        tokens = torch.zeros(size, span, dtype=torch.long)
+        positions = torch.zeros(size, span, dtype=torch.long)
+        writes = torch.full((size, span), trash, dtype=torch.long)
+        for i, (suffix, start) in enumerate(zip(suffixes, p.cached)):
+            tokens[i, : len(suffix)] = torch.tensor(suffix)
+            positions[i] = torch.arange(start, start + span)
+            writes[i, : len(suffix)] = table[i, start : start + len(suffix)]
+        positions = positions.clamp_max(width - 1)  # padding columns: any in-range position will do
+        kv_len = max(len(r.prompt) for r in p.rows)
+        self.live.table = table.to(device)
+        last = torch.tensor([len(s) - 1 for s in suffixes], device=device)
+        logits = self.paged(tokens.to(device), positions.to(device), writes.to(device),
+                            self.live.table[:, :kv_len], last)
+        return logits, computed + size * span
+
+    # ---- decode -----------------------------------------------------------------------------
+    def _stripe_step(self, d: StripeDecode) -> torch.Tensor:
+        positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)
+        write_slots = None if d.write_slots is None else torch.tensor(d.write_slots, dtype=torch.long,
+                                                                      device=self.device)
+        return self.decode(self.live.tokens, positions, d.kv_len, d.capacity, d.stripes, write_slots=write_slots,
+                           aligned=d.aligned, groups=d.groups)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, capacity: int, stripes: int,
+               write_slots: torch.Tensor | None = None, aligned: bool = False,
+               groups: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor:
+        """One step: tokens [B] at RoPE positions [B], row i in stripe i of `stripes` stripes of
+        `capacity` slots -> logits [B, V].
+
+        `write_slots` (default = positions) differ from positions once a row's KV is merged; then
+        the mask also carries each slot's log-count bias from the arena. `aligned`: every row writes
+        slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask.
+        `groups` (see `layouts.stripes.attention_groups`): attend in runs of rows (start, end, slots
+        read); only rows of mixed lengths are split, so `aligned` (no mask) never comes with groups.
+        With `graphs` set, the step runs from a CUDA graph at padded shapes (groups are not needed
+        there) unless the graphs hand it back (see `DecodeGraphs.decode`).
+        """
+        if self.graphs is not None:
+            logits = self.graphs.decode(tokens, positions, kv_len, write_slots, capacity, stripes)
+            if logits is not None:
+                return logits
+        mask = None if aligned and write_slots is None else self.stripe_mask(positions, write_slots, kv_len, capacity)
+        runs = tuple((a, b, a * capacity, capacity, n, mask is None)
+                     for a, b, n in groups or ((0, len(tokens), kv_len),))
+        write_flat = self.stripe_starts(capacity, stripes)[: len(tokens)]
+        write_flat = write_flat + (positions if write_slots is None else write_slots)
+        return self.model.logits(self.step_hidden(tokens, positions, write_flat, mask, runs))
+
+    def stripe_starts(self, capacity: int, stripes: int) -> torch.Tensor:
+        """[stripes] flat slot where each stripe of `capacity` slots begins (built once per capacity)."""
+        starts = self._starts.get(capacity)
+        if starts is None:
+            fits = self.arena.num_slots // capacity
+            starts = self._starts[capacity] = torch.arange(fits, device=self.device) * capacity
+        return starts[:stripes]
+
+    def stripe_mask(self, positions: torch.Tensor, write_slots: torch.Tensor | None, kv_len: int,
+                    capacity: int) -> torch.Tensor:
+        """Additive mask [B, 1, 1, kv_len] for rows 0..B-1 of the stripes: slots past each row's new one
+        hidden; once rows are merged (`write_slots`), visible slots also carry the arena's log-count bias."""
+        if write_slots is None:
+            return self._visible(kv_len, positions)
+        bias = self.arena.stripe_bias(len(positions), capacity)[:, :kv_len]
+        mask = bias.masked_fill(self._range(kv_len)[None, :] > write_slots[:, None], float("-inf"))
+        return mask.to(self.arena.storage.dtype)[:, None, None, :]
+
+    def _extent_step(self, d: ExtentDecode) -> torch.Tensor:
+        positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)
+        starts = torch.tensor(d.starts, dtype=torch.long, device=self.device)
+        return self.decode_runs(self.live.tokens, positions, starts, d.runs)
+
+    @torch.inference_mode()
+    def decode_runs(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
+                    runs: tuple[tuple[int, int, int, int, int, bool], ...]) -> torch.Tensor:
+        """One step for rows in extents of their own: row i's cache begins at flat slot starts[i] and its
+        new token goes to slot positions[i] of it; attention reads the `runs`
+        (`layouts.extents.extent_runs`) -> logits [B, V]."""
+        mask = None
+        if not all(run[-1] for run in runs):  # some run holds rows of different lengths
+            mask = self._visible(max(run[4] for run in runs), positions)
+        return self.model.logits(self.step_hidden(tokens, positions, starts + positions, mask, runs))
+
+    def step_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,
+                    mask: torch.Tensor | None, runs: tuple[tuple[int, int, int, int, int, bool], ...]
+                    ) -> torch.Tensor:
+        """The decode forward up to the final norm -> hidden [B, hidden]: each run of rows (first row,
+        end row, first flat slot, stride, slots read, aligned) attends through one strided view of the
+        cache; `mask` [B, 1, 1, L] hides the slots past each row of a run that is not aligned."""
+        cos, sin = self.model.rotary.lookup(positions[:, None])
+        # each run's keys and values of every layer as one view [layers, 2, rows, Hkv, slots, D], built
+        # once per step (not per layer: a few microseconds per view, rows x layers of them)
+        storage = self.arena.storage
+        layers, _, _, heads, dim = storage.shape
+        views = []
+        for a, b, first, stride, slots, aligned in runs:
+            kv = storage[:, :, first : first + (b - a) * stride].view(layers, 2, b - a, stride, heads, dim)
+            views.append((a, b, kv[:, :, :, :slots].transpose(3, 4), None if aligned else slots))
+        meta = Decode(cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views))
+        return self.model.hidden_states(tokens[:, None], meta, self.caches)[:, 0]
+
+    def _paged_step(self, d: PagedDecode) -> torch.Tensor:
+        positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)[:, None]
+        table = self.live.table
+        writes = table.gather(1, positions)
+        kv_len = max(d.positions) + 1
+        last = torch.zeros(len(d.positions), dtype=torch.long, device=self.device)
+        return self.paged(self.live.tokens[:, None], positions, writes, table[:, :kv_len], last)
+
+    @torch.inference_mode()
+    def paged(self, tokens: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+              slot_table: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Rows reading through slot tables (shared prefix segments): tokens / positions / write_slots
+        [B, T], slot_table [B, L] with L > every position; returns logits at column `last` [B] -> [B, V]."""
+        cos, sin = self.model.rotary.lookup(positions)
+        kv_len = slot_table.shape[1]
+        mask = (self._range(kv_len)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        meta = Paged(cos, sin, write_slots=write_slots, slot_table=slot_table, attn_mask=mask)
+        hidden = self.model.hidden_states(tokens, meta, self.caches)
+        return self.model.logits(hidden[torch.arange(len(tokens), device=self.device), last])
+
+    def _visible(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
+        """Additive mask [B, 1, 1, kv_len]: 0 up to each row's `last` slot, -inf after (built once
+        per step, so no layer converts a boolean mask again)."""
+        hidden = self._range(kv_len)[None, :] > last[:, None]
+        zeros = torch.zeros(hidden.shape, dtype=self.arena.storage.dtype, device=self.device)
+        return zeros.masked_fill_(hidden, float("-inf"))[:, None, None, :]
+
+    def _range(self, n: int) -> torch.Tensor:
+        if n > len(self._slot_range):
+            self._slot_range = torch.arange(n, device=self.device)
+        return self._slot_range[:n]
+
+
+def staged_rows(free_start: int, free_end: int, cap: int, lengths: list[int]) -> int:
+    """How many of `lengths` (the next rows, stripe after stripe from `free_start`) one packed
+    prefill can stage at the end of [free_start, free_end) and still merge safely in order: row j's
+    merged slots, at most its stripe [free_start + j*cap, + cap), must end before the staged prompts
+    of rows j+1.. begin (its own may overlap: a merge reads its source before writing). At least 1:
+    the arena keeps the last stripe plus spare segments as long as the longest prompt."""
+    count = 1
+    while count < len(lengths):
+        staged = lengths[: count + 1]
+        if sum(staged) > free_end - free_start:
+            break
+        # row j's stripe end vs the first staged slot of row j + 1 (rows after j sit behind it)
+        if any(free_start + (j + 1) * cap > free_end - sum(staged[j + 1 :]) for j in range(count + 1)):
+            break
+        count += 1
+    return count
