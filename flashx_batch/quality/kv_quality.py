@@ -67,7 +67,7 @@ def long_input_quality(engine: Engine, windows: list[list[int]], prompt_len: int
         prompt, cont = window[:prompt_len], window[prompt_len:-1]
         targets = torch.tensor(window[prompt_len + 1 :])
         reference = _full_logits(engine, prompt + cont, prompt_len)
-        _, used = engine.runner.rolling_prefill(prompt, 0, budget)
+        _, used = engine.runner.compress.rolling_prefill(prompt, 0, budget)
         logits, _ = engine.runner.extend(cont, 0, used, prompt_len, all_logits=True)
         results["rolling_merge"].add(reference, logits, targets)
         tail = prompt[-budget:]

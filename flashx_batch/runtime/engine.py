@@ -70,7 +70,7 @@ class Engine:
             self.runner = OnnxRunner(self.model_dir, options, self.config, self.backend, onnx_cache_dir)
         self.scheduler = Scheduler(self._scheduler_config(), self.geometry, self.eos_token_ids,
                                    self.tokenizer.decode if self.tokenizer is not None else (lambda ids: ""),
-                                   prefix_cache_segments=options.prefix_cache_tokens)
+                                   prefix_reuse=options.prefix_cache_tokens > 0)
         self.last_stats = GenerateStats()
         log.info("engine ready: %s %s on %s (%s), arena %.1f MiB, %.2fs", self.config.architecture,
                  self.model_dir.name, self.device, self.dtype, self.runner.kv_bytes / 2**20,
@@ -88,7 +88,7 @@ class Engine:
         if o.prepack_weights:
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             sizes = kv_sizing.decode_pack_sizes(o, self.geometry.base_rows, weight_bytes, PACK_ALL_SIZES_BYTES)
-            if len(sizes) == 1 and self.grows_batches and o.batch_growth > 1:
+            if len(sizes) == 1 and kv_sizing.grows_batches(o):
                 log.info("weights of %.1f GiB: packed for %d-row decode batches only", weight_bytes / 2**30,
                          sizes[0])
             self.backend.prepare_model(model, sizes)

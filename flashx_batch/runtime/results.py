@@ -75,3 +75,24 @@ class GenerateStats:
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "prefix_hit_rate": self.cached_prompt_tokens / self.input_tokens if self.input_tokens else 0.0,
         }
+
+
+class KVAccount:
+    """The figures batch layouts report into a call's `GenerateStats` (KV held, re-cuts, prefix tokens)."""
+
+    def __init__(self, stats: GenerateStats, segment_bytes: int) -> None:
+        self.stats, self.segment_bytes = stats, segment_bytes
+
+    def kv(self, segments_held: int, static_segments: int) -> None:
+        s = self.stats
+        s.kv_bytes_peak = max(s.kv_bytes_peak, segments_held * self.segment_bytes)
+        s.kv_bytes_static_peak = max(s.kv_bytes_static_peak, static_segments * self.segment_bytes)
+
+    def relayout(self) -> None:
+        self.stats.relayouts += 1
+
+    def cached_prompt_tokens(self, count: int) -> None:
+        self.stats.cached_prompt_tokens += count
+
+    def prefix_tokens(self, count: int) -> None:
+        self.stats.prefix_tokens_computed += count

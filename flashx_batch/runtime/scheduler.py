@@ -29,7 +29,7 @@ from flashx_batch.runtime.layouts.extents import ExtentLayout
 from flashx_batch.runtime.layouts.paged import PagedLayout, share_prefixes
 from flashx_batch.runtime.layouts.stripes import StripeLayout
 from flashx_batch.runtime.plan import DecodeStep, KVOp, Prefill, StepOutput, StepPlan
-from flashx_batch.runtime.results import GenerateStats
+from flashx_batch.runtime.results import GenerateStats, KVAccount
 from flashx_batch.runtime.rows import Row
 from flashx_batch.runtime.stops import RowState
 
@@ -50,36 +50,17 @@ class SchedulerConfig:
     split_min_bytes: int | None  # decode attention in two runs when that saves reading this much
 
 
-class BatchAccount:
-    """The figures layouts report into a call's `GenerateStats`."""
-
-    def __init__(self, stats: GenerateStats, segment_bytes: int) -> None:
-        self.stats, self.segment_bytes = stats, segment_bytes
-
-    def kv(self, segments_held: int, static_segments: int) -> None:
-        s = self.stats
-        s.kv_bytes_peak = max(s.kv_bytes_peak, segments_held * self.segment_bytes)
-        s.kv_bytes_static_peak = max(s.kv_bytes_static_peak, static_segments * self.segment_bytes)
-
-    def relayout(self) -> None:
-        self.stats.relayouts += 1
-
-    def cached_prompt_tokens(self, count: int) -> None:
-        self.stats.cached_prompt_tokens += count
-
-    def prefix_tokens(self, count: int) -> None:
-        self.stats.prefix_tokens_computed += count
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, geometry: ArenaGeometry, eos_token_ids: tuple[int, ...],
-                 decode_text: Callable[[list[int]], str], prefix_cache_segments: int = 0) -> None:
+                 decode_text: Callable[[list[int]], str], prefix_reuse: bool = False) -> None:
+        """`prefix_reuse`: the arena's segments past the stripe region hold a prefix cache, and its
+        last segment is the paged batches' trash segment (see `kv_sizing.arena_geometry`)."""
         self.config, self.geometry = config, geometry
         self.eos_token_ids, self.decode_text = eos_token_ids, decode_text
         self.allocator = SegmentAllocator(geometry.num_segments, geometry.segment_size)
         self.prefix_cache: PrefixCache | None = None
         self.trash_slot = -1  # paged batches only: where padding positions write (the arena's last segment)
-        if prefix_cache_segments:
+        if prefix_reuse:
             last = geometry.num_segments - 1
             self.trash_slot = last * geometry.segment_size
             first = geometry.striped_segments
@@ -94,7 +75,7 @@ class Scheduler:
         return self.config.refill and self.prefix_cache is None
 
     def _reset(self, stats: GenerateStats) -> None:
-        self.stats, self.account = stats, BatchAccount(stats, self.config.segment_bytes)
+        self.stats, self.account = stats, KVAccount(stats, self.config.segment_bytes)
         self.queue: deque[Row] = deque()
         self.longest_from: dict[int, int] = {}
         self.batch: StripeLayout | ExtentLayout | PagedLayout | None = None

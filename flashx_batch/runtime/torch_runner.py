@@ -5,7 +5,8 @@ It never decides which rows run or when they stop (the scheduler does); it carri
 `StepPlan` at a time and keeps the device-side state of the live rows in the scheduler's batch order:
 each row's last sampled token (the next step's input), its step count and sampling knobs, and for
 paged batches the slot tables. Segment-sparse compression runs here because it needs the attention
-scores of the prefill: the scheduler asks for rows in stripes, the runner reports the slots each kept.
+scores of the prefill (`compressed_prefill`): the scheduler asks for rows in stripes, the runner reports
+the slots each kept.
 """
 
 from __future__ import annotations
@@ -15,20 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from flashx_batch.backends import Backend
-from flashx_batch.errors import ConfigError
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.forward import Decode, Extend, Packed, Paged, TeacherForced
-from flashx_batch.models.layers import RotaryTable
+from flashx_batch.runtime.compressed_prefill import CompressedPrefill
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
-from flashx_batch.runtime.kv_merge import (
-    MergeSettings,
-    apply_plan,
-    apply_plans,
-    choose_compression,
-    plan_groups,
-    plan_oldest,
-)
+from flashx_batch.runtime.kv_merge import MergeSettings
 from flashx_batch.runtime.plan import (
     ExtentDecode,
     ExtentPrefill,
@@ -91,6 +84,7 @@ class TorchRunner(ModelRunner):
         self._starts: dict[int, torch.Tensor] = {}  # stripe capacity -> flat slot where each stripe begins
         self.graphs: DecodeGraphs | None = None  # striped decode steps from CUDA graphs (the engine sets it)
         self.live = _LiveRows(self.device)
+        self.compress = CompressedPrefill(self)
 
     # ---- the ModelRunner interface ----------------------------------------------------------
     @property
@@ -190,15 +184,15 @@ class TorchRunner(ModelRunner):
         row, token positions computed).
 
         Plain rows: one prefill, packed end to end without padding. Segment-sparse rows: packed
-        prefills into free space, each row then merged down into its stripe (`_fill_merged`). A row
+        prefills into free space, each row then merged down into its stripe (`CompressedPrefill`). A row
         longer than max_input_len (rolling merge) is prefilled alone, between the runs of rows that
-        fit (`rolling_prefill`)."""
+        fit (`CompressedPrefill.rolling_prefill`)."""
         prompts, cap, limit = [r.prompt for r in p.rows], p.capacity, self.policy.max_input_len
         last_logits, slots, computed, i = [], [], 0, 0
         while i < len(prompts):  # runs of rows that fit, packed; an over-long row alone (rolling merge)
             if len(prompts[i]) > limit:
                 computed += len(prompts[i])
-                logits, used = self.rolling_prefill(prompts[i], (p.first + i) * cap, self.policy.prompt_slots)
+                logits, used = self.compress.rolling_prefill(prompts[i], (p.first + i) * cap, self.policy.prompt_slots)
                 last_logits.append(logits[-1][None])
                 slots.append(used)
                 i += 1
@@ -209,73 +203,13 @@ class TorchRunner(ModelRunner):
             rows = prompts[i : i + run]
             computed += sum(map(len, rows))
             if self.policy.sparse:
-                logits, used_slots = self._fill_merged(p.first + i, cap, rows)
+                logits, used_slots = self.compress.fill_merged(p.first + i, cap, rows)
             else:
                 logits, used_slots = self.prefill_packed(rows, p.first + i, cap), [len(r) for r in rows]
             last_logits.append(logits)
             slots += used_slots
             i += run
         return torch.cat(last_logits), slots, computed
-
-    def _fill_merged(self, first: int, cap: int, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """Segment-sparse rows into stripes first, first + 1, ...: as many rows as fit are prefilled
-        in one packed pass, their full KV staged at the end of the free space (every stripe from
-        `first` on, plus the spare segments), then merged down one by one, in stripe order, into
-        their stripes. Staging at the end keeps each merge's destination clear of the rows still
-        waiting: see `staged_rows`."""
-        last_logits, slots, done = [], [], 0
-        num_slots = self.arena.num_slots
-        while done < len(prompts):
-            row = first + done
-            lengths = [len(p) for p in prompts[done:]]
-            count = staged_rows(row * cap, num_slots, cap, lengths)
-            starts = (num_slots - torch.tensor(lengths[:count]).flip(0).cumsum(0).flip(0)).tolist()
-            logits, scores = self.prefill_packed_at(prompts[done : done + count], starts, observe=self.merge.window)
-            jobs = []
-            for j, (n, src, row_scores) in enumerate(zip(lengths, starts, scores)):
-                merge, evict = choose_compression(row_scores, n, self.merge)
-                plan = plan_groups(n, merge, evict=evict)
-                jobs.append((src, n, (row + j) * cap, plan))
-            slots += apply_plans(self.arena, jobs, rotary=self.merge_rotary)  # reads every row before writing
-            last_logits.append(logits)
-            done += count
-        return torch.cat(last_logits), slots
-
-    @property
-    def merge_rotary(self) -> RotaryTable | None:
-        """The RoPE table merges re-rotate keys with (None: average rotated keys as they are)."""
-        return self.model.rotary if self.merge.rerotate else None
-
-    def rolling_prefill(self, prompt: list[int], start: int, budget: int) -> tuple[torch.Tensor, int]:
-        """long_input=rolling_merge: prefill segment by segment; before a segment would overflow
-        `budget` slots, fold the oldest slots 4:1 (again and again for the oldest history).
-
-        Returns the last position's logits and the slots the row now holds at flat slot `start`
-        (also the quality harness's entry point)."""
-        chunk = min(self.policy.segment_size, budget - self.merge.sinks - self.merge.window)
-        if chunk < 1:
-            raise ConfigError(f"max_input_len={self.policy.max_input_len} leaves no room to roll a long prompt "
-                              f"past {self.merge.sinks} sink and {self.merge.window} window tokens; raise it.")
-        # positions run on past the slots: the RoPE table must cover the true token count
-        self.model.build_rotary(len(prompt) + self.policy.max_output_len)
-        counts: list[int] = []
-        positions: list[float] = []
-        logits = None
-        for begin in range(0, len(prompt), chunk):
-            piece = prompt[begin : begin + chunk]
-            overflow = len(counts) + len(piece) - budget
-            if overflow > 0:
-                plan = plan_oldest(counts, positions, overflow, self.merge)
-                if plan.num_slots + len(piece) > budget:
-                    raise ConfigError(f"rolling merge cannot fit a {len(prompt)}-token prompt into {budget} slots; "
-                                      "raise max_input_len or shorten the prompt.")
-                apply_plan(self.arena, start, len(counts), start, plan, rotary=self.merge_rotary,
-                           src_positions=positions)
-                counts, positions = plan.counts, plan.positions
-            logits, _ = self.extend(piece, start, len(counts), begin)
-            counts += [1] * len(piece)
-            positions += [float(p) for p in range(begin, begin + len(piece))]
-        return logits, len(counts)
 
     @torch.inference_mode()
     def extend(self, tokens: list[int], start: int, cached: int, first_position: int, observe: int = 0,
@@ -454,21 +388,3 @@ class TorchRunner(ModelRunner):
         if n > len(self._slot_range):
             self._slot_range = torch.arange(n, device=self.device)
         return self._slot_range[:n]
-
-
-def staged_rows(free_start: int, free_end: int, cap: int, lengths: list[int]) -> int:
-    """How many of `lengths` (the next rows, stripe after stripe from `free_start`) one packed
-    prefill can stage at the end of [free_start, free_end) and still merge safely in order: row j's
-    merged slots, at most its stripe [free_start + j*cap, + cap), must end before the staged prompts
-    of rows j+1.. begin (its own may overlap: a merge reads its source before writing). At least 1:
-    the arena keeps the last stripe plus spare segments as long as the longest prompt."""
-    count = 1
-    while count < len(lengths):
-        staged = lengths[: count + 1]
-        if sum(staged) > free_end - free_start:
-            break
-        # row j's stripe end vs the first staged slot of row j + 1 (rows after j sit behind it)
-        if any(free_start + (j + 1) * cap > free_end - sum(staged[j + 1 :]) for j in range(count + 1)):
-            break
-        count += 1
-    return count

@@ -250,7 +250,7 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
     merged down in stripe order; outputs must equal prefilling and merging each row alone. (Exact
     tokens rely on CPU float32 sgemm giving the same window scores for a packed and a lone row, as it
     does here; another BLAS could flip a near-tie between two groups.)"""
-    from flashx_batch.runtime.torch_runner import TorchRunner, staged_rows
+    from flashx_batch.runtime.compressed_prefill import CompressedPrefill, staged_rows
 
     engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8)
     prompts = _prompts((96, 20, 71, 96, 33, 90, 12, 64, 96, 50, 81))
@@ -265,19 +265,19 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
         logits, used = [], []
         for i, prompt in enumerate(rows):
             start = (first + i) * capacity
-            last, scores = self.extend(prompt, start, 0, 0, observe=self.merge.window)
+            last, scores = self.runner.extend(prompt, start, 0, 0, observe=self.merge.window)
             merge, evict = choose_compression(scores, len(prompt), self.merge)
             plan = plan_groups(len(prompt), merge, evict=evict)
-            used.append(apply_plan(self.arena, start, len(prompt), start, plan, rotary=self.merge_rotary))
+            used.append(apply_plan(self.runner.arena, start, len(prompt), start, plan, rotary=self.rotary))
             logits.append(last[-1])
         return torch.stack(logits), used
 
-    monkeypatch.setattr(TorchRunner, "_fill_merged", one_by_one)
+    monkeypatch.setattr(CompressedPrefill, "fill_merged", one_by_one)
     assert packed == [o.token_ids for o in engine.generate(prompts, params)]
 
 
 def test_staged_rows_keep_each_merge_clear_of_the_rows_still_staged():
-    from flashx_batch.runtime.torch_runner import staged_rows
+    from flashx_batch.runtime.compressed_prefill import staged_rows
 
     # 2 stripes of 100 slots + 50 spare; prompts staged at the end, row 0 merges into [0, 100)
     assert staged_rows(0, 250, 100, [60, 150]) == 2  # row 1 staged from slot 100: clear of row 0's stripe

@@ -9,9 +9,8 @@ from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.runtime.layouts.stripes import StripeLayout, restripe_ops
 from flashx_batch.runtime.params import SamplingParams
 from flashx_batch.runtime.plan import ClearBias, SlotMove
-from flashx_batch.runtime.results import GenerateStats
+from flashx_batch.runtime.results import GenerateStats, KVAccount
 from flashx_batch.runtime.rows import Row
-from flashx_batch.runtime.scheduler import BatchAccount
 
 
 def test_allocator_refcounts_and_wholeness():
@@ -115,7 +114,7 @@ def test_finished_rows_leave_stripes_dense_and_the_allocator_whole():
     geometry = ArenaGeometry(segment_size=4, base_rows=4, base_capacity=8)
     allocator = SegmentAllocator(geometry.num_segments, geometry.segment_size)
     stats = GenerateStats()
-    layout = StripeLayout(geometry, allocator, BatchAccount(stats, 64), 1, None, 16, None)
+    layout = StripeLayout(geometry, allocator, KVAccount(stats, 64), 1, None, 16, None)
     rows = [Row(i, [1] * n, SamplingParams(max_new_tokens=2), n + 2) for i, n in enumerate((5, 3, 6, 2))]
     ops, prefill = layout.admit(rows)
     assert ops == [ClearBias(0, geometry.num_slots)] and prefill.first == 0 and prefill.capacity == 8

@@ -17,6 +17,7 @@ from collections import deque
 from flashx_batch.kvcache.allocator import ArenaFullError, SegmentAllocator
 from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.runtime.plan import ExtentDecode, ExtentPrefill, KVOp, NewRow, SlotMove
+from flashx_batch.runtime.results import KVAccount
 from flashx_batch.runtime.rows import Row
 
 
@@ -39,7 +40,7 @@ def extent_runs(starts: list[int], sizes: list[int], lengths: list[int]
 
 
 class ExtentLayout:
-    def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account, growth: int) -> None:
+    def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account: KVAccount, growth: int) -> None:
         if geometry.num_segments != geometry.striped_segments:  # `joinable` counts every free segment
             raise ValueError("extent batches need an arena of stripes only (no prefix cache, no spare segments)")
         self.geometry, self.allocator, self.account = geometry, allocator, account

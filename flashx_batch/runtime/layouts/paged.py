@@ -14,6 +14,7 @@ from flashx_batch.kvcache.allocator import SegmentAllocator
 from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.kvcache.prefix_cache import PrefixCache, block_keys
 from flashx_batch.runtime.plan import KVOp, NewRow, PagedDecode, PagedPrefill, PrefixBlock
+from flashx_batch.runtime.results import KVAccount
 from flashx_batch.runtime.rows import Row
 
 
@@ -76,7 +77,7 @@ def share_prefixes(cache: PrefixCache, allocator: SegmentAllocator, segment_size
 
 
 class PagedLayout:
-    def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account, cache: PrefixCache,
+    def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account: KVAccount, cache: PrefixCache,
                  trash_slot: int, found: SharedPrefixes) -> None:
         self.geometry, self.allocator, self.account, self.cache = geometry, allocator, account, cache
         self.trash_slot, self.found = trash_slot, found

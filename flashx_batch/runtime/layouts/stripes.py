@@ -13,6 +13,7 @@ from collections import deque
 from flashx_batch.kvcache.allocator import ArenaFullError, SegmentAllocator
 from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.runtime.plan import ClearBias, KVOp, NewRow, SlotMove, StripeDecode, StripePrefill
+from flashx_batch.runtime.results import KVAccount
 from flashx_batch.runtime.rows import Row
 
 # a mid-batch re-cut of the stripes must add at least this share of rows (each re-cut copies the live KV)
@@ -63,7 +64,7 @@ def restripe_ops(lengths: list[int], old: int, new: int, striped_slots: int) -> 
 
 
 class StripeLayout:
-    def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account, growth: int,
+    def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account: KVAccount, growth: int,
                  longest_from: dict[int, int] | None, layer_slot_bytes: int, split_min_bytes: int | None) -> None:
         # longest_from: growing batches only, row index -> the most KV slots any row from it to the end
         # of the queue will hold (`before_refill` re-cuts no shorter, so no queued row ever waits for room)
