@@ -38,6 +38,7 @@ SETTINGS = {
     "rolling_merge": {"cache_policy": "segment_sparse", "long_input": "rolling_merge", "max_input_len": 96},
     "truncate": {"long_input": "truncate"},
     "prefix_reuse": {"prefix_cache_tokens": 256},
+    "prefix_reuse_mixed": {"prefix_cache_tokens": 256, "mixed": True},  # paged, then striped batches
 }
 
 
@@ -63,6 +64,8 @@ def snapshot(model_dir: Path, vocab: int) -> dict:
 
     out = {}
     for name, extra in SETTINGS.items():
+        extra = dict(extra)
+        mixed = extra.pop("mixed", False)
         opts = {"backend": "cpu", "dtype": "float32", "max_batch_size": 4, "max_input_len": 64,
                 "max_output_len": 48, "segment_size": 16, "num_threads": 1, **extra}
         engine = Engine.from_pretrained(model_dir, **opts)
@@ -72,6 +75,8 @@ def snapshot(model_dir: Path, vocab: int) -> dict:
         prompts = _prompts(11, lengths, vocab, prefix=37 if "prefix_cache_tokens" in extra else 0)
         if "prefix_cache_tokens" in extra:
             prompts = [p[: 37 + max(1, n // 3)] for p, n in zip(prompts, lengths)]
+        if mixed:  # half the rows share the prefix, half share nothing
+            prompts = [p if i % 2 else _prompts(100 + i, [len(p)], vocab)[0] for i, p in enumerate(prompts)]
         runs = []
         for _ in range(2):  # a second call: prefix cache hits, arena reuse
             outs = engine.generate(prompts, _params())

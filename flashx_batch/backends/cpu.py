@@ -1,4 +1,4 @@
-"""CPU backend: always available; float32 by default, thread count set by the engine."""
+"""CPU backend: always available; float32 by default; sets the intra-op thread count (`setup_threads`)."""
 
 from __future__ import annotations
 

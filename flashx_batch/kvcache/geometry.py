@@ -29,7 +29,8 @@ class ArenaGeometry:
 
     def set_layout(self, row_capacity: int, max_rows: int | None = None) -> None:
         """Cut the stripe region into stripes of `row_capacity` slots: `max_rows` of them (default: as
-        many as fit). Moves no data: the caller moves the rows' slots first (`stripe_moves`)."""
+        many as fit). Moves no data: with rows in the stripes, the caller plans the copies that move
+        them to their new stripes (`runtime.layouts.stripes.restripe_ops`)."""
         fits = self.striped_slots // row_capacity if row_capacity > 0 else 0
         rows = fits if max_rows is None else max_rows
         if row_capacity % self.segment_size or not 1 <= rows <= fits:

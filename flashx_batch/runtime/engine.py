@@ -70,7 +70,7 @@ class Engine:
             self.runner = OnnxRunner(self.model_dir, options, self.config, self.backend, onnx_cache_dir)
         self.scheduler = Scheduler(self._scheduler_config(), self.geometry, self.eos_token_ids,
                                    self.tokenizer.decode if self.tokenizer is not None else (lambda ids: ""),
-                                   prefix_reuse=options.prefix_cache_tokens > 0)
+                                   prefix_reuse=options.prefix_cache_tokens > 0 and self.runner.traits.kv_arena)
         self.last_stats = GenerateStats()
         log.info("engine ready: %s %s on %s (%s), arena %.1f MiB, %.2fs", self.config.architecture,
                  self.model_dir.name, self.device, self.dtype, self.runner.kv_bytes / 2**20,

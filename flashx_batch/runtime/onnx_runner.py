@@ -37,8 +37,8 @@ class OnnxRunner(ModelRunner):
                  cache_dir: Path | None = None) -> None:
         self.config = config
         self.device = torch.device("cpu")  # sampling and bookkeeping run on the host
-        # bytes one token's keys and values take in the graphs' cache (float32, every layer)
-        self.kv_bytes_per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+        # the graphs' own cache is not accounted in the stats (kv_bytes_* stay 0, as the arena's would)
+        self.kv_bytes_per_slot = 0
         self.export_dir = ensure_export(model_dir, options.row_capacity, cache_dir)
         threads = options.num_threads or len(os.sched_getaffinity(0))
         self.sessions = OnnxSessions(self.export_dir, backend.providers(), threads)

@@ -23,7 +23,3 @@ class Row:
     slots: int = 0  # KV slots it holds now
     position: int = 0  # RoPE position of its next token (its true token count)
     static_segments: int = 0  # segments a static cache would hold for it (kv_bytes_static_peak)
-
-    @property
-    def done(self) -> bool:
-        return self.state is not None and self.state.finish_reason is not None

@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from flashx_batch.errors import ConfigError
 from flashx_batch.runtime.plan import StepOutput, StepPlan
 
 
@@ -45,4 +46,5 @@ class ModelRunner(ABC):
 
     def score(self, prompts: list[list[int]]) -> list:
         """Teacher-forced float32 logits [T_i, V] for each whole sequence."""
-        raise NotImplementedError(f"{type(self).__name__} does not score sequences")
+        raise ConfigError(f"Engine.score needs every position's logits, which {type(self).__name__} does not "
+                          "compute (its prefill returns the last position's); score on a torch backend.")

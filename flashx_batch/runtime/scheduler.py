@@ -143,7 +143,7 @@ class Scheduler:
         elif plan.decode is not None:
             batch.stepped()
             stats.decode_steps += 1
-            stats.computed_slots += len(batch.rows)
+            stats.computed_slots += out.computed
             finished = [j for j, (row, token) in enumerate(zip(batch.rows, out.tokens))
                         if row.state.append(token, self.decode_text)]
         else:
@@ -201,12 +201,16 @@ class Scheduler:
                 found = share_prefixes(self.prefix_cache, self.allocator, geometry.segment_size,
                                        [r.prompt for r in candidates])
                 if found is not None:
-                    fit = self._paged_fit(candidates, found.shared, size)
-                    for segments in found.shared[fit:]:  # rows left for the next batch drop their references
+                    try:
+                        fit = self._paged_fit(candidates, found.shared, size)
+                    except BaseException:  # nothing owns `found` yet
+                        found.discard(self.allocator, self.prefix_cache)
+                        raise
+                    rest, found.shared = found.shared[fit:], found.shared[:fit]
+                    for segments in rest:  # rows left for the next batch drop their references
                         self.allocator.release(segments)
-                    found.shared = found.shared[:fit]
                     layout = PagedLayout(geometry, self.allocator, self.account, self.prefix_cache,
-                                         self.trash_slot, found)
+                                         self.trash_slot, found)  # owns `found`: `release` gives it back
                     return layout, [queue.popleft() for _ in range(fit)]
         if config.uses_extents:
             layout = ExtentLayout(geometry, self.allocator, self.account, config.batch_growth)

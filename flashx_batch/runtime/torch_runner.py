@@ -66,6 +66,9 @@ class _LiveRows:
         self.sampling = sampling if self.sampling is None else self.sampling.extend(sampling)
 
     def keep(self, positions: tuple[int, ...]) -> None:
+        if not positions:  # the batch is over: nothing of it (a paged batch's slot tables) outlives it
+            self.tokens, self.steps, self.sampling, self.table = self.tokens[:0], self.steps[:0], None, None
+            return
         index = torch.tensor(positions, dtype=torch.long, device=self.tokens.device)
         self.tokens, self.steps = self.tokens[index], self.steps[index]
         self.sampling = self.sampling.select(index) if self.sampling is not None else None
@@ -157,7 +160,7 @@ class TorchRunner(ModelRunner):
     def prefill_packed(self, prompts: list[list[int]], first_row: int = 0, capacity: int | None = None
                        ) -> torch.Tensor:
         """Prompts packed end to end, no padding, into stripes first_row, first_row + 1, ... of
-        `capacity` slots (default: the longest row) -> last-token logits [B, V]."""
+        `capacity` slots (default: a full-length row's, whole segments) -> last-token logits [B, V]."""
         cap = capacity or self.policy.row_capacity
         starts = [(first_row + r) * cap for r in range(len(prompts))]
         return self.prefill_packed_at(prompts, starts)[0]

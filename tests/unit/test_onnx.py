@@ -81,3 +81,20 @@ def test_bundled_model_greedy_tokens_equal_torch_runtime(tmp_path):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ours, ref = onnx_engine.generate(prompts, params), torch_engine.generate(prompts, params)
     assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+
+
+def test_knobs_an_onnx_runner_cannot_use_leave_its_tokens_alone(llama):
+    """The ONNX runner has no KV arena: prefix reuse and refill are not planned for it (static striped
+    batches, as the exported graphs need), and its tokens stay the torch runner's."""
+    model_dir, cache, _ = llama
+    knobs = dict(prefix_cache_tokens=256, refill=True, batch_growth=4)
+    onnx_engine = Engine.from_pretrained(model_dir, onnx_cache_dir=cache, **OPTS, **knobs)
+    torch_engine = Engine.from_pretrained(model_dir, **{**OPTS, "backend": "cpu"})
+    shared = _prompts(5, (20,))[0]
+    prompts = [shared + p for p in _prompts(6, (3, 9, 14, 5, 11))]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 12, 5, 9, 1)]
+    ours, ref = onnx_engine.generate(prompts, params), torch_engine.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+    assert onnx_engine.last_stats.batches == 2 and onnx_engine.last_stats.cached_prompt_tokens == 0
+    with pytest.raises(ConfigError, match="score on a torch backend"):
+        onnx_engine.score(prompts[:1])

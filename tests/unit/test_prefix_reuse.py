@@ -130,3 +130,21 @@ def test_rows_after_an_unshared_batch_still_share(tiny_models):
     outs = reuse.generate(unique + shared, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in _engine(model_dir).generate(unique + shared, params)]
     assert reuse.last_stats.cached_prompt_tokens >= 6 * 40 - 8 * 6  # the six shared rows read cached blocks
+
+
+def test_striped_batches_after_a_paged_batch_start_clean(tiny_models):
+    """Rows that share a prefix sort first and run paged; the unshared rows after them run in stripes,
+    within one call and in the next call: no state of the paged batch (its slot tables) may leak into
+    them. Tokens equal the engine without prefix reuse, with rows stopping early in every batch."""
+    model_dir = tiny_models["llama"][0]
+    g = torch.Generator().manual_seed(6)
+    shared = [[3] + r[1:] for r in _few_shot(seed=7, groups=1, per_group=6, prefix_len=40)]  # sort first
+    unique = [[250, i + 4] + torch.randint(3, 256, (int(torch.randint(5, 60, (1,), generator=g)),),
+                                           generator=g).tolist() for i in range(10)]
+    news = ((1, 9, 3, 16, 2, 7) * 3)[: len(shared + unique)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news]
+    plain = _engine(model_dir)
+    reuse = _engine(model_dir, prefix_cache_tokens=256)
+    for prompts, p in ((shared + unique, params), (unique, params[: len(unique)]), (shared, params[: len(shared)])):
+        assert [o.token_ids for o in reuse.generate(prompts, p)] == [o.token_ids for o in plain.generate(prompts, p)]
+    _only_cache_holds_segments(reuse)

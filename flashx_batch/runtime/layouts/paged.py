@@ -29,6 +29,14 @@ class SharedPrefixes:
         self.inserted: list[bytes] = []
         self.tokens_computed = 0
 
+    def discard(self, allocator: SegmentAllocator, cache: PrefixCache) -> None:
+        """Give back the rows' references not handed on yet and forget the blocks never computed."""
+        for segments in self.shared:
+            allocator.release(segments)
+        for key in self.inserted:
+            cache.forget(key)
+        self.shared, self.inserted = [], []
+
 
 def share_prefixes(cache: PrefixCache, allocator: SegmentAllocator, segment_size: int,
                    prompts: list[list[int]]) -> SharedPrefixes | None:
@@ -66,10 +74,7 @@ def share_prefixes(cache: PrefixCache, allocator: SegmentAllocator, segment_size
                 allocator.share(segment)
             segments.extend(new)
     except BaseException:
-        for segments in found.shared:
-            allocator.release(segments)
-        for key in found.inserted:
-            cache.forget(key)
+        found.discard(allocator, cache)
         raise
     if not any(found.shared):
         return None
@@ -95,7 +100,7 @@ class PagedLayout:
         stripes = range(g.striped_segments)
         for row, shared in zip(rows, self.found.shared):
             row.shared = shared
-        self.joining = rows  # from here on `release` frees their references and own segments
+        self.joining, self.found.shared = rows, []  # from here on the rows hold their references
         cached = [len(r.shared) * seg for r in rows]
         for row, c in zip(rows, cached):
             row.segments = allocator.allocate(g.segments_for(len(row.prompt) - c + row.params.max_new_tokens),
@@ -138,6 +143,5 @@ class PagedLayout:
         for row in self.rows + self.joining:
             self.allocator.release(row.segments + row.shared)
             row.segments, row.shared = [], []
-        for key in self.found.inserted:  # planned but never computed: their KV is not there
-            self.cache.forget(key)
-        self.rows, self.joining, self.found.inserted = [], [], []
+        self.found.discard(self.allocator, self.cache)  # blocks planned but never computed: forgotten
+        self.rows, self.joining = [], []
