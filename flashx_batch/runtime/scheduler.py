@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from flashx_batch.kvcache.allocator import SegmentAllocator
 from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.kvcache.prefix_cache import PrefixCache
+from flashx_batch.runtime.layouts.base import Layout
 from flashx_batch.runtime.layouts.extents import ExtentLayout
 from flashx_batch.runtime.layouts.paged import PagedLayout, share_prefixes
 from flashx_batch.runtime.layouts.stripes import StripeLayout
@@ -78,7 +79,7 @@ class Scheduler:
         self.stats, self.account = stats, KVAccount(stats, self.config.segment_bytes)
         self.queue: deque[Row] = deque()
         self.longest_from: dict[int, int] = {}
-        self.batch: StripeLayout | ExtentLayout | PagedLayout | None = None
+        self.batch: Layout | None = None
         self.batch_rows: list[Row] = []  # every row the current batch admitted
         self.batch_start = 0
         self.joining: list[Row] = []  # rows of the plan in flight's prefill
@@ -186,7 +187,7 @@ class Scheduler:
         self.batch.release()
         self.batch = None
 
-    def _next_batch(self) -> tuple[StripeLayout | ExtentLayout | PagedLayout, list[Row]]:
+    def _next_batch(self) -> tuple[Layout, list[Row]]:
         """The next batch's layout and first rows, off the front of the queue.
 
         Paged (rows share cached prefix segments): a row only needs segments for its own suffix and new

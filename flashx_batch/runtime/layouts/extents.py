@@ -16,6 +16,7 @@ from collections import deque
 
 from flashx_batch.kvcache.allocator import ArenaFullError, SegmentAllocator
 from flashx_batch.kvcache.geometry import ArenaGeometry
+from flashx_batch.runtime.layouts.base import Layout
 from flashx_batch.runtime.plan import ExtentDecode, ExtentPrefill, KVOp, NewRow, SlotMove
 from flashx_batch.runtime.results import KVAccount
 from flashx_batch.runtime.rows import Row
@@ -39,14 +40,14 @@ def extent_runs(starts: list[int], sizes: list[int], lengths: list[int]
     return tuple(runs)
 
 
-class ExtentLayout:
+class ExtentLayout(Layout):
     def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account: KVAccount, growth: int) -> None:
         if geometry.num_segments != geometry.striped_segments:  # `joinable` counts every free segment
             raise ValueError("extent batches need an arena of stripes only (no prefix cache, no spare segments)")
         self.geometry, self.allocator, self.account = geometry, allocator, account
         self.region = range(geometry.striped_segments)
         self.max_rows = geometry.base_rows * growth
-        self.rows: list[Row] = []
+        super().__init__()
         self.joining: list[Row] = []  # placed by `admit`, live from `admitted` on
 
     def joinable(self, queue: deque[Row]) -> int:
@@ -124,19 +125,11 @@ class ExtentLayout:
         runs = extent_runs(starts, [len(r.segments) * seg for r in self.rows], [r.slots + 1 for r in self.rows])
         return ExtentDecode(tuple(r.slots for r in self.rows), tuple(starts), runs)
 
-    def stepped(self) -> None:
-        for row in self.rows:
-            row.slots += 1
-            row.position += 1
-
     def drop(self, finished: list[int]) -> tuple[list[int], list[KVOp]]:
-        gone = set(finished)
         for j in finished:
             self.allocator.release(self.rows[j].segments)
             self.rows[j].segments = []
-        keep = [j for j in range(len(self.rows)) if j not in gone]
-        self.rows = [self.rows[j] for j in keep]
-        return keep, []
+        return self._leave_in_place(finished), []
 
     def release(self) -> None:
         for row in self.rows + self.joining:

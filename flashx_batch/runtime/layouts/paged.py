@@ -13,6 +13,7 @@ from collections import deque
 from flashx_batch.kvcache.allocator import SegmentAllocator
 from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.kvcache.prefix_cache import PrefixCache, block_keys
+from flashx_batch.runtime.layouts.base import Layout
 from flashx_batch.runtime.plan import KVOp, NewRow, PagedDecode, PagedPrefill, PrefixBlock
 from flashx_batch.runtime.results import KVAccount
 from flashx_batch.runtime.rows import Row
@@ -81,12 +82,12 @@ def share_prefixes(cache: PrefixCache, allocator: SegmentAllocator, segment_size
     return found
 
 
-class PagedLayout:
+class PagedLayout(Layout):
     def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account: KVAccount, cache: PrefixCache,
                  trash_slot: int, found: SharedPrefixes) -> None:
         self.geometry, self.allocator, self.account, self.cache = geometry, allocator, account, cache
         self.trash_slot, self.found = trash_slot, found
-        self.rows: list[Row] = []
+        super().__init__()
         self.joining: list[Row] = []
 
     def joinable(self, queue: deque[Row]) -> int:
@@ -124,20 +125,12 @@ class PagedLayout:
     def decode(self) -> PagedDecode:
         return PagedDecode(tuple(r.position for r in self.rows))
 
-    def stepped(self) -> None:
-        for row in self.rows:
-            row.slots += 1
-            row.position += 1
-
     def drop(self, finished: list[int]) -> tuple[list[int], list[KVOp]]:
-        gone = set(finished)
         for j in finished:  # a finished row gives its memory back at once
             row = self.rows[j]
             self.allocator.release(row.segments + row.shared)
             row.segments, row.shared = [], []
-        keep = [j for j in range(len(self.rows)) if j not in gone]
-        self.rows = [self.rows[j] for j in keep]
-        return keep, []
+        return self._leave_in_place(finished), []
 
     def release(self) -> None:
         for row in self.rows + self.joining:

@@ -12,6 +12,7 @@ from collections import deque
 
 from flashx_batch.kvcache.allocator import ArenaFullError, SegmentAllocator
 from flashx_batch.kvcache.geometry import ArenaGeometry
+from flashx_batch.runtime.layouts.base import Layout
 from flashx_batch.runtime.plan import ClearBias, KVOp, NewRow, SlotMove, StripeDecode, StripePrefill
 from flashx_batch.runtime.results import KVAccount
 from flashx_batch.runtime.rows import Row
@@ -63,7 +64,7 @@ def restripe_ops(lengths: list[int], old: int, new: int, striped_slots: int) -> 
     return ops
 
 
-class StripeLayout:
+class StripeLayout(Layout):
     def __init__(self, geometry: ArenaGeometry, allocator: SegmentAllocator, account: KVAccount, growth: int,
                  longest_from: dict[int, int] | None, layer_slot_bytes: int, split_min_bytes: int | None) -> None:
         # longest_from: growing batches only, row index -> the most KV slots any row from it to the end
@@ -71,7 +72,7 @@ class StripeLayout:
         self.geometry, self.allocator, self.account, self.growth = geometry, allocator, account, growth
         self.longest_from = longest_from
         self.layer_slot_bytes, self.split_min_bytes = layer_slot_bytes, split_min_bytes
-        self.rows: list[Row] = []
+        super().__init__()
         self.merged = False  # some row's slots and positions parted ways: every step reads the merge bias
 
     def joinable(self, queue: deque[Row]) -> int:
@@ -128,11 +129,6 @@ class StripeLayout:
         return StripeDecode(tuple(r.position for r in self.rows), tuple(slots) if self.merged else None,
                             longest + 1, min(slots) == longest, groups, self.geometry.row_capacity,
                             self.geometry.max_rows)
-
-    def stepped(self) -> None:
-        for row in self.rows:
-            row.slots += 1
-            row.position += 1
 
     def drop(self, finished: list[int]) -> tuple[list[int], list[KVOp]]:
         """Free finished positions; the last active rows move into the holes (their KV copied, the
