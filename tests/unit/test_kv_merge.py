@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from merge_support import assert_dense_path_equals_scatter
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.kvcache.arena import KVArena
@@ -220,7 +221,6 @@ def test_dense_group_path_equals_the_scatter_path(rerotate):
     """`apply_plan` reduces 4:1 groups densely; the general scatter-add path must give the same cache."""
     from flashx_batch.models.config import RopeConfig
     from flashx_batch.models.layers import RotaryTable
-    from flashx_batch.runtime.kv_merge import _apply_any
 
     torch.manual_seed(3)
     rotary = RotaryTable(RopeConfig(theta=100.0), 16, 256, torch.float32, torch.device("cpu")) if rerotate else None
@@ -230,19 +230,7 @@ def test_dense_group_path_equals_the_scatter_path(rerotate):
     plans = [plan_groups(length, merge, evict=evict), plan_groups(length, [2, 5, 6]),
              plan_groups(length, [], evict=[3, 4]),
              plan_oldest([1] * length, [float(i) for i in range(length)], 30, settings)]
-    for plan in plans:
-        caches = []
-        for dense in (True, False):
-            arena = KVArena(2, 2, 16, num_slots=length, dtype=torch.float32,
-                            device=torch.device("cpu"))
-            arena.storage.copy_(torch.randn(arena.storage.shape, generator=torch.Generator().manual_seed(5)))
-            if dense:
-                apply_plan(arena, 0, length, 0, plan, rotary=rotary)
-            else:
-                kept = (plan.target >= 0).nonzero().squeeze(1)
-                _apply_any(arena, 0, length, 0, plan, kept, rotary, None)
-            caches.append(arena.storage[:, :, : plan.num_slots].clone())
-        assert torch.allclose(caches[0], caches[1], atol=1e-6), plan.counts[:12]
+    assert_dense_path_equals_scatter(plans, length, rotary)
 
 
 def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from merge_support import assert_dense_path_equals_scatter
 
 from flashx_batch import Engine
 from flashx_batch.quality.ablations import (
@@ -101,7 +102,6 @@ def test_dense_group_path_equals_the_scatter_path_for_ablation_plans(rerotate):
     it must give the same cache as the general scatter-add path."""
     from flashx_batch.models.config import RopeConfig
     from flashx_batch.models.layers import RotaryTable
-    from flashx_batch.runtime.kv_merge import _apply_any
 
     torch.manual_seed(3)
     rotary = RotaryTable(RopeConfig(theta=100.0), 16, 256, torch.float32, torch.device("cpu")) if rerotate else None
@@ -111,18 +111,7 @@ def test_dense_group_path_equals_the_scatter_path_for_ablation_plans(rerotate):
     plans = [plan_score_weighted(length, choose_groups(scores, length, settings, "merge"), scores),
              plan_score_weighted(length, merge, scores, evict=evict),
              plan_groups(length, [], evict=merge + evict), plan_streaming(length, 40, 4)]
-    for plan in plans:
-        caches = []
-        for dense in (True, False):
-            arena = _Arena(2, length, 2, 16)
-            arena.storage.copy_(torch.randn(arena.storage.shape, generator=torch.Generator().manual_seed(5)))
-            if dense:
-                apply_plan(arena, 0, length, 0, plan, rotary=rotary)
-            else:
-                kept = (plan.target >= 0).nonzero().squeeze(1)
-                _apply_any(arena, 0, length, 0, plan, kept, rotary, None)
-            caches.append(arena.storage[:, :, : plan.num_slots].clone())
-        assert torch.allclose(caches[0], caches[1], atol=1e-6), plan.counts[:12]
+    assert_dense_path_equals_scatter(plans, length, rotary)
 
 
 def test_quality_harness_scores_an_uncompressed_cache_as_the_reference(tiny_models):
