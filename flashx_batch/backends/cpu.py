@@ -14,8 +14,9 @@ class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
     default_dtype = torch.float32
-    # a second attention call plus the cat: ~8 us more (measured); reading 256 KiB of cache ~40 us at the
-    # ~6.6 GB/s decode attention reaches, so a cut this size pays for itself several times over
+    # a cut must save more cache reading than a second attention call and the cat cost; at the rate
+    # decode attention reads the cache on CPU, 256 KiB pays for them several times over (the
+    # measurements: docs/architecture.md, "How the runtime works")
     attention_split_min_bytes = 256 << 10
     prefers_row_extents = True
 

@@ -109,7 +109,7 @@ class Attention(nn.Module):
 
         The G query heads sharing a KV head go in as G query rows of that head, so the kernel
         reads each key and value once per KV head instead of once per query head (decode attention
-        is bound by reading the cache: ~1.3x faster on CPU with 2 query heads per KV head)."""
+        is bound by reading the cache; the gain: docs/architecture.md, "CPU decode path")."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
         folded = q.reshape(batch, self.num_kv_heads, group, self.head_dim)  # head h -> KV head h // group
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)

@@ -23,8 +23,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' order of operations (so float32 results are bitwise equal to it), with the
-        # temporaries updated in place: on CPU a fresh multi-MB temporary costs page faults, and
-        # this form is ~10x faster than the out-of-place one (and than F.rms_norm) on a prefill.
+        # temporaries updated in place: on CPU a fresh multi-MB temporary costs page faults, which made
+        # the out-of-place form (and F.rms_norm) several times slower on a prefill (docs/architecture.md,
+        # "CPU decode path").
         x32 = x.float()
         scale = torch.mean(x32 * x32, -1, keepdim=True).add_(self.eps).rsqrt_()
         if x.dtype == torch.float32:
@@ -143,14 +144,13 @@ class Linear(nn.Module):
         """Keep MKL-packed copies of the weight for matmuls of `sizes` input rows (decode batches).
 
         A decode step multiplies a few rows by every weight; MKL's generic sgemm is poorly blocked
-        for so few rows, its packed-B path is not (measured ~1.2-1.4x on the 27 M model's decode
-        matmuls). A batch between two packed sizes is padded with zero rows up to the next one: on a
-        weight-bound step the padding is nearly free (27 M model, whole decode steps: 10-14 rows
-        padded to 16 ran 1.26-1.40x faster than plain sgemm; the bundled model, compute-bound,
-        0.97-1.08x). Fewer rows than the smallest size (padding 1 row to 8 cost 1.3x) and more
-        than the largest (a prefill) use plain sgemm. The paths round differently in the last bits
-        (~3e-5 absolute on outputs of ~20, as plain sgemm already differs between 1 row and 8);
-        greedy outputs stay batch-independent in the tests. Costs one more copy of the weight per size.
+        for so few rows, its packed-B path is not. A batch between two packed sizes is padded with
+        zero rows up to the next one: on a weight-bound step the padding is nearly free, since the
+        weights are read once either way. Fewer rows than the smallest size (padding a single row up
+        costs more than it saves) and more than the largest (a prefill) use plain sgemm. The figures
+        are in docs/architecture.md. The paths round differently in the last bits, as plain sgemm
+        already does between 1 row and 8; greedy outputs stay batch-independent in the tests. Costs
+        one more copy of the weight per size.
         """
         sizes = sorted(set(sizes))
         self.packed = {n: torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), n) for n in sizes}
@@ -183,5 +183,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up.forward(x).split(self.intermediate, dim=-1)
         # in place on the projection's own output: the same values as silu(gate) * up without two
-        # fresh [tokens, intermediate] temporaries (~4x faster on a CPU prefill, page faults)
+        # fresh [tokens, intermediate] temporaries (page faults on CPU; docs/architecture.md, "CPU decode path")
         return self.down.forward(F.silu(gate, inplace=True).mul_(up))
