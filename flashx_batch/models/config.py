@@ -73,7 +73,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rope: RopeConfig
-    sliding_window: int | None
+    sliding_window: int | None  # keys a query sees in a sliding layer (itself included); None: no sliding layer
+    window_layers: tuple[bool, ...]  # per layer: sliding-window attention (else full causal attention)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int | None
@@ -123,6 +124,8 @@ class ModelConfig:
         heads = int(raw["num_attention_heads"])
         head_dim = raw.get("head_dim") or hidden // heads
         bias = raw.get("attention_bias")
+        window_layers = _read_window_layers(raw, arch, int(raw["num_hidden_layers"]))
+        window = _read_sliding_window(raw, arch) if any(window_layers) else None
         return cls(
             architecture=arch,
             flags=flags,
@@ -139,7 +142,8 @@ class ModelConfig:
             # Qwen2's modeling code hard-wires q/k/v bias; its config.json does not say so.
             attention_bias=flags.qkv_bias_default if arch == "Qwen2ForCausalLM" or bias is None else bool(bias),
             rope=_read_rope(raw, flags, source),
-            sliding_window=_read_sliding_window(raw, arch),
+            sliding_window=window,
+            window_layers=window_layers,
             eos_token_ids=_as_ids(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
@@ -176,6 +180,23 @@ def _read_rope(raw: dict[str, Any], flags: FamilyFlags, source: str) -> RopeConf
         partial_rotary_factor=float(flags.default_partial_rotary if partial is None else partial),
         interleaved=flags.interleaved_rope,
     )
+
+
+def _read_window_layers(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[bool, ...]:
+    """Which layers attend through the sliding window: `layer_types` where the config lists them;
+    otherwise Qwen2 / Qwen3's layers from `max_window_layers` on (with `use_sliding_window`), and every
+    layer of a model with a `sliding_window` (Mistral)."""
+    if _read_sliding_window(raw, arch) is None:
+        return (False,) * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ModelLoadError(f"config.json lists {len(layer_types)} layer_types for {num_layers} layers")
+        return tuple(t == "sliding_attention" for t in layer_types)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(raw.get("max_window_layers") or 0)
+        return tuple(i >= first for i in range(num_layers))
+    return (True,) * num_layers
 
 
 def _read_sliding_window(raw: dict[str, Any], arch: str) -> int | None:

@@ -29,6 +29,13 @@ def _by_rows(lengths: tuple[int, ...], *packed: torch.Tensor) -> list[tuple[torc
     return [tuple(t[:, a:b] for t in packed) for a, b in zip(bounds, bounds[1:])]
 
 
+def window_band(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """[n, n] boolean: query i sees key j when j <= i and j > i - window (a sliding layer's causal band)."""
+    i = torch.arange(n, device=device)
+    offset = i[:, None] - i[None, :]
+    return (offset >= 0) & (offset < window)
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -45,6 +52,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.hidden_size, cfg.q_size, False, dtype, device)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.flags.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.flags.qk_norm else None
+        # a sliding layer's queries see their last `window` keys (themselves included); None: every earlier key
+        self.window = cfg.sliding_window if cfg.window_layers[layer] else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,8 +87,7 @@ class Attention(nn.Module):
             case _ if last_only:
                 raise ValueError(f"last_only serves packed and extend forwards, not {type(meta).__name__}")
             case TeacherForced():
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     is_causal=True, scale=self.scale, enable_gqa=True)
+                out = self._causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             case Decode():
                 out = self._decode(q, k, v, meta, cache)
             case Packed():
@@ -100,8 +108,21 @@ class Attention(nn.Module):
         outs, mask = [], ctx.attn_mask
         for a, b, kv, masked in ctx.runs:
             keys, values = kv[self.layer]
-            outs.append(self._attend_one(q[a:b], keys, values, None if masked is None else mask[a:b, ..., :masked]))
+            if self.window is not None:  # the band every row of the run sees, whatever its length
+                run_mask = ctx.window_mask[a:b, ..., : keys.shape[-2]]
+            else:
+                run_mask = None if masked is None else mask[a:b, ..., :masked]
+            outs.append(self._attend_one(q[a:b], keys, values, run_mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rows attending causally to their own keys, q [B, H, n, D], k / v [B, Hkv, n, D] (a sliding layer:
+        within its window)."""
+        n = q.shape[2]
+        if self.window is None or n <= self.window:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_band(n, self.window, q.device),
+                                              scale=self.scale, enable_gqa=True)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor | None) -> torch.Tensor:
@@ -120,7 +141,8 @@ class Attention(nn.Module):
         k_flat, v_flat = cache
         k_flat.index_copy_(0, ctx.write_flat, k[0])
         v_flat.index_copy_(0, ctx.write_flat, v[0])
-        if ctx.observe:  # ctx.scores: [N], each row's keys scored by its own last queries
+        if ctx.observe:  # ctx.scores: [N], each row's keys scored by its own last queries (segment-sparse,
+            # which sliding-window models refuse: the scores here are causal, not banded)
             scores = [self._window_scores(q_r.transpose(1, 2), k_r.transpose(1, 2), ctx.observe, None).reshape(-1)
                       for q_r, k_r in _by_rows(ctx.row_lengths, q, k)]
             ctx.scores += torch.cat(scores)
@@ -129,8 +151,7 @@ class Attention(nn.Module):
         """Packed rows: each attends causally to its own tokens -> [B, H, n, D] for rows of one
         length, else [1, H, N, D] (both read back as the packed sequence)."""
         self._packed_write(q, k, v, ctx, cache)
-        outs = [F.scaled_dot_product_attention(q_r.transpose(1, 2), k_r.transpose(1, 2), v_r.transpose(1, 2),
-                                               is_causal=True, scale=self.scale, enable_gqa=True)
+        outs = [self._causal(q_r.transpose(1, 2), k_r.transpose(1, 2), v_r.transpose(1, 2))
                 for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # one batch: no copy
 
@@ -138,8 +159,9 @@ class Attention(nn.Module):
         """Packed rows, final layer: every token's K and V into the arena, but only each row's last
         query attends (to its whole row, so no causal mask) -> [1, H, rows, D]."""
         self._packed_write(q, k, v, ctx, cache)
-        outs = [self._attend_one(q_r[:, -1:], k_r.transpose(1, 2), v_r.transpose(1, 2), None)  # [rows, H, 1, D]
-                for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]
+        first = 0 if self.window is None else -self.window  # a sliding layer's last query: its last keys only
+        outs = [self._attend_one(q_r[:, -1:], k_r[:, first:].transpose(1, 2), v_r[:, first:].transpose(1, 2), None)
+                for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]  # [rows, H, 1, D] each
         return torch.cat(outs, dim=0).transpose(0, 2)
 
     def _paged(self, q, k, v, ctx: Paged, cache: KVView) -> torch.Tensor:
@@ -150,10 +172,11 @@ class Attention(nn.Module):
         v_flat[slots] = v.reshape(batch * seq, self.num_kv_heads, self.head_dim)
         keys = k_flat[ctx.slot_table].transpose(1, 2)  # gather: [B, Hkv, L, D]
         values = v_flat[ctx.slot_table].transpose(1, 2)
+        mask = ctx.attn_mask if self.window is None else ctx.window_mask
         if seq == 1:  # a decode step
-            return self._attend_one(q, keys, values, ctx.attn_mask)
-        return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=ctx.attn_mask,
-                                              scale=self.scale, enable_gqa=True)
+            return self._attend_one(q, keys, values, mask)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=True)
 
     def _extend(self, q, k, v, ctx: Extend, cache: KVView, last_only: bool = False) -> torch.Tensor:
         seq = q.shape[1]
@@ -164,16 +187,17 @@ class Attention(nn.Module):
         keys = k_flat[ctx.start : end][None].transpose(1, 2)  # [1, Hkv, cached + C, D]
         values = v_flat[ctx.start : end][None].transpose(1, 2)
         queries = q.transpose(1, 2)  # [1, H, C, D]
+        mask = ctx.mask if self.window is None else ctx.window_mask
         if ctx.observe:
-            ctx.scores += self._window_scores(queries, keys, ctx.observe, ctx.mask)[0]
+            ctx.scores += self._window_scores(queries, keys, ctx.observe, mask)[0]
         if last_only:  # the chunk's last query sees every slot: its row of the mask is the bias alone
-            mask = None if ctx.mask is None else ctx.mask[:, :, -1:]
+            mask = None if mask is None else mask[:, :, -1:]
             return F.scaled_dot_product_attention(queries[:, :, -1:], keys, values, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=True)
-        if ctx.mask is None and ctx.cached == 0:
+        if mask is None and ctx.cached == 0:
             return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
                                                   enable_gqa=True)
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.mask, scale=self.scale,
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale,
                                               enable_gqa=True)
 
     def _window_scores(self, queries: torch.Tensor, keys: torch.Tensor, observe: int,

@@ -60,6 +60,7 @@ class Decode:
     # per run of rows: (first row, end row, keys and values of every layer [layers, 2, rows, Hkv, slots, D],
     # slots the mask covers or None: every row of the run that long, no mask)
     runs: tuple[tuple[int, int, torch.Tensor, int | None], ...]
+    window_mask: torch.Tensor | None = None  # sliding layers: [B, 1, 1, L], each row's last `window` slots
     last_only: bool = False
 
 
@@ -74,6 +75,7 @@ class Extend:
     start: int
     cached: int
     mask: torch.Tensor | None = None
+    window_mask: torch.Tensor | None = None  # sliding layers: [1, 1, C, cached + C], the band of each query
     last_only: bool = False
     observe: int = 0
     scores: torch.Tensor | None = None
@@ -93,6 +95,7 @@ class Paged:
     write_slots: torch.Tensor  # [B, T]
     slot_table: torch.Tensor  # [B, L]
     attn_mask: torch.Tensor
+    window_mask: torch.Tensor | None = None  # sliding layers: attn_mask within each query's window
     last_only: bool = False
 
 

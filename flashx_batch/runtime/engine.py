@@ -95,7 +95,7 @@ class Engine:
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
         runner = TorchRunner(model, arena, self.backend, policy, self.merge, pad_id=cfg.pad_token_id or 0)
-        if o.cuda_graphs != "off" and self.backend.supports_graphs:
+        if o.cuda_graphs != "off" and self.backend.supports_graphs and cfg.sliding_window is None:
             runner.graphs = DecodeGraphs(runner, backend=self.backend)
         return runner
 

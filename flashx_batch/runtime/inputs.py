@@ -42,11 +42,8 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
         if needed > cfg.max_position_embeddings:
             log.warning("max_input_len + max_output_len = %d exceeds the model's max_position_embeddings=%d",
                         needed, cfg.max_position_embeddings)
-        if cfg.sliding_window is not None and needed > cfg.sliding_window:
-            raise ConfigError(
-                f"max_input_len + max_output_len = {needed} exceeds the model's sliding_window="
-                f"{cfg.sliding_window}; sliding-window attention is not implemented, keep rows within it."
-            )
+        if cfg.sliding_window is not None:
+            check_sliding_window(options, cfg.sliding_window)
     if backend is None:
         return None
     if options.cuda_graphs == "on" and not backend.supports_graphs:
@@ -57,6 +54,24 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
     if dtype not in backend.supported_dtypes:
         raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
     return dtype
+
+
+def check_sliding_window(options: EngineOptions, window: int) -> None:
+    """A sliding-window model (Mistral, Qwen2 with use_sliding_window) keeps every token's KV and masks
+    each sliding layer to its last `window` positions. That needs a slot per position: merged slots
+    stand for several positions at once, so segment-sparse KV and rolling merges are refused, as are the
+    ONNX graphs and CUDA graphs, which carry no window mask."""
+    where = f"the model attends through a sliding window of {window} tokens"
+    if options.cache_policy == "segment_sparse" or options.long_input == "rolling_merge":
+        raise ConfigError(f"runtime.cache_policy=segment_sparse and long_input=rolling_merge merge several positions "
+                          f"into one KV slot, and {where}, which needs one slot per position; use "
+                          "cache_policy=static with long_input=error or truncate.")
+    if options.backend == "onnx":
+        raise ConfigError(f"runtime.backend=onnx: the exported graphs have no sliding-window mask, and {where}; "
+                          "use a torch backend.")
+    if options.cuda_graphs == "on":
+        raise ConfigError(f"runtime.cuda_graphs=on: decode graphs carry no sliding-window mask, and {where}; "
+                          "use cuda_graphs=auto (eager steps for this model) or off.")
 
 
 def check_prompt_ids(index: int, ids: list[int], vocab_size: int) -> None:

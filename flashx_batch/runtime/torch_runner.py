@@ -83,6 +83,7 @@ class TorchRunner(ModelRunner):
         self.device = model.embed.device
         self.pad_id = pad_id
         self.caches = arena.layer_views()
+        self.window = model.config.sliding_window  # sliding layers' window (None: every layer attends in full)
         self._slot_range = torch.arange(policy.row_capacity, device=self.device)
         self._starts: dict[int, torch.Tensor] = {}  # stripe capacity -> flat slot where each stripe begins
         self.graphs: DecodeGraphs | None = None  # striped decode steps from CUDA graphs (the engine sets it)
@@ -234,7 +235,15 @@ class TorchRunner(ModelRunner):
             bias = self.arena.bias[start : start + cached][None, :].expand(count, cached)
             mask = torch.cat((bias, causal), dim=1)[None, None].to(dtype)  # [1, 1, C, cached + C]
         scores = torch.zeros(cached + count, device=self.device) if observe else None
-        meta = Extend(cos, sin, start=start, cached=cached, mask=mask, observe=observe, scores=scores,
+        window = None
+        if self.window:  # sliding layers: query t (position cached + t) sees slots (cached + t - window, cached + t]
+            keys, queries = self._range(cached + count), self._range(count) + cached
+            outside = (keys[None, :] > queries[:, None]) | (keys[None, :] <= queries[:, None] - self.window)
+            base = mask if mask is not None else torch.zeros(1, 1, count, cached + count, device=self.device,
+                                                               dtype=self.arena.storage.dtype)
+            window = base.masked_fill(outside[None, None], float("-inf"))
+        meta = Extend(cos, sin, start=start, cached=cached, mask=mask, window_mask=window, observe=observe,
+                      scores=scores,
                       last_only=not all_logits)
         hidden = self.model.hidden_states(ids, meta, self.caches)[0]  # [C, hidden], or [1, hidden] for the last
         self.arena.clear_bias(start + cached, start + cached + count)
@@ -357,7 +366,8 @@ class TorchRunner(ModelRunner):
         for a, b, first, stride, slots, aligned in runs:
             kv = storage[:, :, first : first + (b - a) * stride].view(layers, 2, b - a, stride, heads, dim)
             views.append((a, b, kv[:, :, :, :slots].transpose(3, 4), None if aligned else slots))
-        meta = Decode(cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views))
+        window = self._window_mask(max(run[4] for run in runs), positions) if self.window else None
+        meta = Decode(cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views), window_mask=window)
         return self.model.hidden_states(tokens[:, None], meta, self.caches)[:, 0]
 
     def _paged_step(self, d: PagedDecode) -> torch.Tensor:
@@ -376,9 +386,20 @@ class TorchRunner(ModelRunner):
         cos, sin = self.model.rotary.lookup(positions)
         kv_len = slot_table.shape[1]
         mask = (self._range(kv_len)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
-        meta = Paged(cos, sin, write_slots=write_slots, slot_table=slot_table, attn_mask=mask)
+        window = None
+        if self.window:  # sliding layers: only each query's last `window` positions
+            window = mask & (self._range(kv_len)[None, None, :] > positions[:, :, None] - self.window)[:, None]
+        meta = Paged(cos, sin, write_slots=write_slots, slot_table=slot_table, attn_mask=mask, window_mask=window)
         hidden = self.model.hidden_states(tokens, meta, self.caches)
         return self.model.logits(hidden[torch.arange(len(tokens), device=self.device), last])
+
+    def _window_mask(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
+        """Additive mask [B, 1, 1, kv_len] for sliding layers: 0 on each row's last `window` slots up to
+        its `last` one, -inf elsewhere (slots are positions: sliding-window models keep every token)."""
+        slots = self._range(kv_len)[None, :]
+        hidden = (slots > last[:, None]) | (slots <= last[:, None] - self.window)
+        zeros = torch.zeros(hidden.shape, dtype=self.arena.storage.dtype, device=self.device)
+        return zeros.masked_fill_(hidden, float("-inf"))[:, None, None, :]
 
     def _visible(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
         """Additive mask [B, 1, 1, kv_len]: 0 up to each row's `last` slot, -inf after (built once
