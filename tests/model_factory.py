@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "glm", "glm4"]
+MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]  # 8 experts, top-2
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -30,6 +31,12 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=32)),
         "glm": (tf.GlmConfig, tf.GlmForCausalLM, dict(head_dim=16)),
         "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, dict(head_dim=16)),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+            head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
+            num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
     }
     config_cls, model_cls, extra = classes[arch]
     config = config_cls(**{**_COMMON, **extra, **overrides})
@@ -39,7 +46,7 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
     # weights give varied continuations, so a parity test compares real sequences, not a constant.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # stacked expert weights too
                 p.mul_(3.0)
     model.save_pretrained(out_dir)
     return model

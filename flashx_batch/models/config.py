@@ -40,7 +40,42 @@ ARCHITECTURES: dict[str, FamilyFlags] = {
         qkv_bias_default=True, interleaved_rope=True, default_partial_rotary=0.5,
         fused_gate_up_in_checkpoint=True, sandwich_norm=True,
     ),
+    # mixture-of-experts variants: the same attention, MLPs per `MoESpec`
+    "MixtralForCausalLM": FamilyFlags(),
+    "Qwen2MoeForCausalLM": FamilyFlags(qkv_bias_default=True),
+    "Qwen3MoeForCausalLM": FamilyFlags(qk_norm=True),
 }
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP: `top_k` of `num_experts` SwiGLU experts per token, chosen by a softmax
+    router (weights renormalised over the chosen ones with `norm_topk_prob`), plus an optional shared
+    expert, gated by a sigmoid of one more projection where the model has one (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int  # of each routed expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]  # per layer: experts (else the dense MLP of `intermediate_size`)
+    shared_intermediate: int = 0  # 0: no shared expert
+    shared_gate: bool = False
+
+
+def _read_moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoESpec | None:
+    if arch == "MixtralForCausalLM":  # every layer sparse; the chosen weights always renormalised
+        return MoESpec(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
+                       True, (True,) * num_layers)
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    # hub checkpoints say num_experts; transformers 5 writes num_local_experts
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoESpec(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                   bool(raw.get("norm_topk_prob", False)), sparse, shared, shared_gate=shared > 0)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -75,6 +110,7 @@ class ModelConfig:
     rope: RopeConfig
     sliding_window: int | None  # keys a query sees in a sliding layer (itself included); None: no sliding layer
     window_layers: tuple[bool, ...]  # per layer: sliding-window attention (else full causal attention)
+    moe: MoESpec | None  # mixture-of-experts MLPs (None: dense)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int | None
@@ -144,6 +180,7 @@ class ModelConfig:
             rope=_read_rope(raw, flags, source),
             sliding_window=window,
             window_layers=window_layers,
+            moe=_read_moe(raw, arch, int(raw["num_hidden_layers"])),
             eos_token_ids=_as_ids(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=raw.get("pad_token_id"),

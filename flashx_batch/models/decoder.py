@@ -16,6 +16,7 @@ from torch import nn
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.forward import Decode, Extend, ForwardMeta, Packed, Paged, TeacherForced
 from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_
+from flashx_batch.models.moe import SparseMoE
 
 KVView = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [slots, kv_heads, head_dim] each
 
@@ -229,7 +230,10 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, eps, dtype, device)
         self.attn = Attention(cfg, layer, dtype, device)
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps, dtype, device)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        if cfg.moe is not None and cfg.moe.sparse_layers[layer]:
+            self.mlp: GatedMLP | SparseMoE = SparseMoE(cfg.moe, cfg.hidden_size, dtype, device)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         sandwich = cfg.flags.sandwich_norm
         self.post_attn_norm = RMSNorm(cfg.hidden_size, eps, dtype, device) if sandwich else None
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps, dtype, device) if sandwich else None

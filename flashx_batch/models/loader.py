@@ -32,6 +32,11 @@ RENAMES = {
     "self_attn.k_norm.weight": "attn.k_norm.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
     "mlp.gate_up_proj.weight": "mlp.gate_up.weight",
+    # mixture of experts: the router, and Qwen2-MoE's shared expert and its gate
+    "mlp.gate.weight": "mlp.router",
+    "block_sparse_moe.gate.weight": "mlp.router",
+    "mlp.shared_expert.down_proj.weight": "mlp.shared.down.weight",
+    "mlp.shared_expert_gate.weight": "mlp.shared_gate.weight",
 }
 # HF suffix -> (our fused parameter, position among its parts)
 PACKED = {
@@ -43,7 +48,16 @@ PACKED = {
     "self_attn.v_proj.bias": ("attn.qkv.bias", 2),
     "mlp.gate_proj.weight": ("mlp.gate_up.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up.weight", 1),
+    "mlp.shared_expert.gate_proj.weight": ("mlp.shared.gate_up.weight", 0),
+    "mlp.shared_expert.up_proj.weight": ("mlp.shared.gate_up.weight", 1),
 }
+# mixture-of-experts: per-expert checkpoint tensors stacked into one parameter per layer. (pattern, our
+# parameter, part of expert e: stacked in part order, gate and up of one expert next to each other)
+EXPERTS = (
+    (re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(?:gate_proj|w1)\.weight$"), "mlp.experts_gate_up", 2, 0),
+    (re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(?:up_proj|w3)\.weight$"), "mlp.experts_gate_up", 2, 1),
+    (re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(?:down_proj|w2)\.weight$"), "mlp.experts_down", 1, 0),
+)
 TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm.weight",
              "lm_head.weight": "lm_head.weight"}
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}  # safetensors dtype names we convert exactly
@@ -86,6 +100,10 @@ def _our_name(hf_name: str) -> tuple[str, int | None] | None:
         return f"layers.{layer}.{target}", part
     if suffix in RENAMES:
         return f"layers.{layer}.{RENAMES[suffix]}", None
+    for pattern, target, per_expert, offset in EXPERTS:
+        expert = pattern.match(suffix)
+        if expert:
+            return f"layers.{layer}.{target}", int(expert.group(1)) * per_expert + offset
     return None
 
 
@@ -108,7 +126,8 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
                 read[name][i] = f.get_tensor(hf_name)
     with torch.no_grad():
         for name, tensors in read.items():
-            params[name].copy_((tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)).to(params[name].dtype))
+            whole = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+            params[name].copy_(whole.reshape(params[name].shape).to(params[name].dtype))  # experts: stacked
 
 
 def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
@@ -143,7 +162,7 @@ def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[
                                      "not concatenate; is config.json from the same model as the weights?")
             shape = (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
             where = f"{ordered[0][0].name}:{name} (fused from {len(ordered)} parts)"
-        if shapes[name] != shape:
+        if _as_rows(shapes[name]) != shape:
             raise ModelLoadError(f"{where}: shape {shape} does not match {shapes[name]} expected for {name} from "
                                  "config.json.")
         routes[name] = [(p, h) for p, h, _ in ordered]
@@ -156,6 +175,11 @@ def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[
     if unexpected:
         log.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
     return routes
+
+
+def _as_rows(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A stacked expert parameter [experts, rows, cols] as its checkpoint parts concatenate: [experts x rows, cols]."""
+    return (shape[0] * shape[1], *shape[2:]) if len(shape) == 3 else shape
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:

@@ -1,0 +1,101 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral; 8 experts,
+top-2): greedy tokens and prefill logits equal `transformers`', rows independent of their batch, in
+every batch layout; tokens grouped by expert, expert weights loaded stacked."""
+
+import pytest
+import torch
+from model_factory import MOE_ARCHS, build
+
+from flashx_batch import Engine, SamplingParams
+from flashx_batch.models.moe import SparseMoE
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: (root / arch, build(arch, root / arch)) for arch in MOE_ARCHS}
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(model_dir, **kw):
+    opts = dict(backend="cpu", dtype="float32", max_batch_size=4, max_input_len=64, max_output_len=48, segment_size=16)
+    return Engine.from_pretrained(model_dir, **{**opts, **kw})
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_greedy_tokens_and_prefill_logits_match_transformers(arch, moe_models):
+    model_dir, hf = moe_models[arch]
+    engine = _engine(model_dir)
+    moe = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert len(moe) == 2 and moe[0].experts_gate_up.shape[0] == 8  # every layer sparse, experts stacked
+    assert (moe[0].shared is not None) == (arch == "qwen2_moe")
+    prompts = _prompts(1, (5, 17, 9, 30, 12))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert len(set(out.token_ids)) >= 8
+        assert out.token_ids == _hf_greedy(hf, prompt, NEW_TOKENS)
+    for prompt, logits in zip(prompts, engine.score(prompts)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        assert (logits - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("layout", [{"kv_layout": "stripes"}, {"refill": False}, {"sort_by_length": False},
+                                    {"prefix_cache_tokens": 256}, {"cache_policy": "segment_sparse"}])
+def test_layouts_keep_the_tokens(layout, moe_models):
+    """The experts are the MLP only: every batch layout gives the default layout's tokens (segment-sparse
+    is lossy, so it is checked to run and stop, not for equality)."""
+    model_dir, _ = moe_models["qwen3_moe"]
+    prompts = _prompts(2, (40, 7, 22, 61, 15, 33))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 3, 12, 30, 1, 9)]
+    reference = [o.token_ids for o in _engine(model_dir).generate(prompts, params)]
+    engine = _engine(model_dir, **layout)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    if layout.get("cache_policy") == "segment_sparse":
+        assert [len(t) for t in got] == [len(t) for t in reference]
+    else:
+        assert got == reference
+
+
+def test_a_row_is_independent_of_its_batch_and_position(moe_models):
+    model_dir, _ = moe_models["mixtral"]
+    engine = _engine(model_dir, sort_by_length=False)
+    target = _prompts(7, (11,))[0]
+    others = _prompts(8, (3, 25, 40, 8, 19))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    alone = engine.generate([target], params)[0].token_ids
+    for pos in range(4):
+        batch = others[:pos] + [target] + others[pos : pos + 3 - pos]
+        assert engine.generate(batch, params)[pos].token_ids == alone
+
+
+def test_routing_groups_tokens_by_expert_and_weights_them():
+    """Against a per-token loop: each token's output is the weighted sum of its chosen experts."""
+    from flashx_batch.models.config import MoESpec
+
+    torch.manual_seed(0)
+    spec = MoESpec(num_experts=4, top_k=2, intermediate=8, norm_topk_prob=True, sparse_layers=(True,))
+    moe = SparseMoE(spec, 16, torch.float32, torch.device("cpu"))
+    for p in moe.parameters():
+        p.data.normal_()
+    x = torch.randn(2, 5, 16)
+    out = moe.forward(x)
+    chosen, weights = moe.route(x.reshape(-1, 16))
+    for t, token in enumerate(x.reshape(-1, 16)):
+        expected = torch.zeros(16)
+        for e, w in zip(chosen[t].tolist(), weights[t]):
+            gate, up = (moe.experts_gate_up[e] @ token).split(8)
+            expected += w * (moe.experts_down[e] @ (torch.nn.functional.silu(gate) * up))
+        assert torch.allclose(out.reshape(-1, 16)[t], expected, atol=1e-5)
+    assert torch.allclose(weights.sum(-1), torch.ones(10))  # norm_topk_prob
