@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "glm", "glm4"]
-MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]  # 8 experts, top-2
+MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]  # 8 experts, top-2
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -37,6 +37,11 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
             num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+        # one dense layer first; sigmoid routing within the best of 4 groups; a shared expert; q/k norms
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, dict(
+            head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, first_k_dense_replace=1,
+            n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1, use_qk_norm=True,
+            attention_bias=True, num_hidden_layers=3)),
     }
     config_cls, model_cls, extra = classes[arch]
     config = config_cls(**{**_COMMON, **extra, **overrides})
@@ -48,5 +53,8 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
         for p in model.parameters():
             if p.dim() >= 2:  # stacked expert weights too
                 p.mul_(3.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init: make the correction matter
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
     model.save_pretrained(out_dir)
     return model

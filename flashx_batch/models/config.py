@@ -7,6 +7,7 @@ arena sizing) reads this frozen dataclass, never the raw dict, so a new family i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ ARCHITECTURES: dict[str, FamilyFlags] = {
     "MixtralForCausalLM": FamilyFlags(),
     "Qwen2MoeForCausalLM": FamilyFlags(qkv_bias_default=True),
     "Qwen3MoeForCausalLM": FamilyFlags(qk_norm=True),
+    # GLM-4.5 / 4.6: half of each head rotated (as halves, not pairs); q/k norms where `use_qk_norm`
+    "Glm4MoeForCausalLM": FamilyFlags(default_partial_rotary=0.5),
 }
 
 
@@ -60,12 +63,29 @@ class MoESpec:
     sparse_layers: tuple[bool, ...]  # per layer: experts (else the dense MLP of `intermediate_size`)
     shared_intermediate: int = 0  # 0: no shared expert
     shared_gate: bool = False
-
+    # sigmoid routing (GLM-4.5, DeepSeek-V3): experts chosen by sigmoid score + a per-expert correction
+    # bias, only within the `topk_groups` best of `groups` expert groups (a group scored by its best two);
+    # the chosen experts weighted by their sigmoid scores (renormalised) x `scaling`
+    sigmoid: bool = False
+    # Qwen2 / Qwen3-MoE cast the routing weights to the model's dtype before weighting the experts
+    weights_in_model_dtype: bool = False
+    groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
 
 def _read_moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoESpec | None:
     if arch == "MixtralForCausalLM":  # every layer sparse; the chosen weights always renormalised
         return MoESpec(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
                        True, (True,) * num_layers)
+    if arch == "Glm4MoeForCausalLM":
+        experts = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 0)
+        first_sparse = int(raw.get("first_k_dense_replace", 1))  # transformers' defaults here and below
+        inter = int(raw["moe_intermediate_size"])
+        return MoESpec(experts, int(raw["num_experts_per_tok"]), inter, bool(raw.get("norm_topk_prob", True)),
+                       tuple(i >= first_sparse and experts > 0 for i in range(num_layers)),
+                       shared_intermediate=inter * int(raw.get("n_shared_experts", 1)), sigmoid=True,
+                       groups=int(raw.get("n_group") or 1), topk_groups=int(raw.get("topk_group") or 1),
+                       scaling=float(raw.get("routed_scaling_factor") or 1.0))
     if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return None
     # hub checkpoints say num_experts; transformers 5 writes num_local_experts
@@ -75,7 +95,8 @@ def _read_moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoESpec | None
     sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
     shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
     return MoESpec(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
-                   bool(raw.get("norm_topk_prob", False)), sparse, shared, shared_gate=shared > 0)
+                   bool(raw.get("norm_topk_prob", False)), sparse, shared, shared_gate=shared > 0,
+                   weights_in_model_dtype=True)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -156,6 +177,8 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(ARCHITECTURES))}."
             )
         flags = ARCHITECTURES[arch]
+        if arch == "Glm4MoeForCausalLM" and raw.get("use_qk_norm"):
+            flags = dataclasses.replace(flags, qk_norm=True)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         head_dim = raw.get("head_dim") or hidden // heads
@@ -230,17 +253,17 @@ def _read_window_layers(raw: dict[str, Any], arch: str, num_layers: int) -> tupl
         if len(layer_types) != num_layers:
             raise ModelLoadError(f"config.json lists {len(layer_types)} layer_types for {num_layers} layers")
         return tuple(t == "sliding_attention" for t in layer_types)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        first = int(raw.get("max_window_layers") or 0)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        first = int(raw.get("max_window_layers", 28))  # transformers' default
         return tuple(i >= first for i in range(num_layers))
     return (True,) * num_layers
 
 
 def _read_sliding_window(raw: dict[str, Any], arch: str) -> int | None:
     window = raw.get("sliding_window")
-    if window is None:
+    if window is None or int(window) <= 0:  # transformers 5 writes 0 when sliding is off
         return None
-    if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         layer_types = raw.get("layer_types") or []
         if not raw.get("use_sliding_window") and "sliding_attention" not in layer_types:
             return None

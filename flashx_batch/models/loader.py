@@ -37,6 +37,8 @@ RENAMES = {
     "block_sparse_moe.gate.weight": "mlp.router",
     "mlp.shared_expert.down_proj.weight": "mlp.shared.down.weight",
     "mlp.shared_expert_gate.weight": "mlp.shared_gate.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.router_bias",  # sigmoid routing (GLM-4.5, DeepSeek-V3)
+    "mlp.shared_experts.down_proj.weight": "mlp.shared.down.weight",
 }
 # HF suffix -> (our fused parameter, position among its parts)
 PACKED = {
@@ -50,6 +52,8 @@ PACKED = {
     "mlp.up_proj.weight": ("mlp.gate_up.weight", 1),
     "mlp.shared_expert.gate_proj.weight": ("mlp.shared.gate_up.weight", 0),
     "mlp.shared_expert.up_proj.weight": ("mlp.shared.gate_up.weight", 1),
+    "mlp.shared_experts.gate_proj.weight": ("mlp.shared.gate_up.weight", 0),
+    "mlp.shared_experts.up_proj.weight": ("mlp.shared.gate_up.weight", 1),
 }
 # mixture-of-experts: per-expert checkpoint tensors stacked into one parameter per layer. (pattern, our
 # parameter, part of expert e: stacked in part order, gate and up of one expert next to each other)
@@ -156,6 +160,11 @@ def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[
             path, hf_name, shape = ordered[0]
             where = f"{path.name}:{hf_name}"
         else:
+            gaps = sorted(set(range(max(pieces) + 1)) - set(pieces))
+            if gaps:  # experts: part 2e / 2e + 1 is expert e's gate / up (down: part e)
+                raise ModelLoadError(f"{model_dir}: {name} is fused from parts {sorted(pieces)[:8]}…, missing part(s) "
+                                     f"{gaps[:8]} (for stacked experts: part k is expert k // 2 of gate_up, expert k "
+                                     "of down); is every expert in the checkpoint?")
             part_shapes = [p[2] for p in ordered]
             if any(s[1:] != part_shapes[0][1:] for s in part_shapes):
                 raise ModelLoadError(f"{model_dir}: the parts fused into {name} have shapes {part_shapes} that do "
@@ -229,9 +238,10 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> DecoderModel:
-    """Build the decoder for `model_dir` on `device`, weights fused, contiguous and resident."""
-    cfg = ModelConfig.from_dir(model_dir)
+               max_positions: int, config: ModelConfig | None = None) -> DecoderModel:
+    """Build the decoder for `model_dir` on `device`, weights fused, contiguous and resident (`config`:
+    the directory's, as the engine runs it; default: read from config.json)."""
+    cfg = config or ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = DecoderModel(cfg, dtype, torch.device("meta"))
     model = model.to_empty(device=device)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from flashx_batch.errors import ConfigError
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.layers import Linear
 from flashx_batch.quant import formats as fm
@@ -57,6 +58,9 @@ class Unit:
 def model_units(model: DecoderModel) -> list[Unit]:
     """Every unit of `model`, in forward order (layer 0 q, k, v, o, gate, up, down, ..., lm_head)."""
     cfg = model.config
+    if cfg.moe is not None:
+        raise ConfigError(f"{cfg.architecture}: precision maps cover dense MLPs; a mixture-of-experts model's stacked "
+                          "experts have no per-tensor formats yet. Run it unquantized.")
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     units: list[Unit] = []
     for i in range(cfg.num_layers):

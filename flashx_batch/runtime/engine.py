@@ -8,6 +8,7 @@ them in `generate`. Input checks live in `runtime.inputs`, arena sizing in `runt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
-from flashx_batch.runtime.inputs import check_options, fit_prompts, generation_eos, per_row_params
+from flashx_batch.runtime.inputs import check_options, fit_prompts, generation_eos, per_row_params, window_binds
 from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
@@ -48,6 +49,10 @@ class Engine:
         self.model_dir, self.options = Path(model_dir), options
         self.backend: Backend = get_backend(options.backend)
         self.config = ModelConfig.from_dir(self.model_dir)
+        if self.config.sliding_window is not None and not window_binds(options, self.config.sliding_window):
+            # every row fits the window: full attention for this engine, with all it allows
+            self.config = dataclasses.replace(self.config, sliding_window=None,
+                                              window_layers=(False,) * self.config.num_layers)
         self.dtype = check_options(options, self.config, self.backend)
         self.backend.setup_threads(options.num_threads)
         index = self.backend.assigned_device_index(ray_accelerator_ids())
@@ -78,7 +83,7 @@ class Engine:
 
     def _torch_runner(self) -> TorchRunner:
         o, cfg = self.options, self.config
-        model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity)
+        model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg)
         if o.precision_map:
             from flashx_batch.quant import apply_precision_map, load_precision_map
 
@@ -95,7 +100,7 @@ class Engine:
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
         runner = TorchRunner(model, arena, self.backend, policy, self.merge, pad_id=cfg.pad_token_id or 0)
-        if o.cuda_graphs != "off" and self.backend.supports_graphs and cfg.sliding_window is None:
+        if o.cuda_graphs != "off" and self.backend.supports_graphs and cfg.sliding_window is None and cfg.moe is None:
             runner.graphs = DecodeGraphs(runner, backend=self.backend)
         return runner
 

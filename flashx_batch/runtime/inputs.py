@@ -42,8 +42,10 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
         if needed > cfg.max_position_embeddings:
             log.warning("max_input_len + max_output_len = %d exceeds the model's max_position_embeddings=%d",
                         needed, cfg.max_position_embeddings)
-        if cfg.sliding_window is not None:
+        if cfg.sliding_window is not None and window_binds(options, cfg.sliding_window):
             check_sliding_window(options, cfg.sliding_window)
+        if cfg.moe is not None:
+            check_experts(options)
     if backend is None:
         return None
     if options.cuda_graphs == "on" and not backend.supports_graphs:
@@ -54,6 +56,21 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
     if dtype not in backend.supported_dtypes:
         raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
     return dtype
+
+
+def window_binds(options: EngineOptions, window: int) -> bool:
+    """Whether a sliding window can ever hide a key from these rows: not when every row (prompt + new
+    tokens) fits the window, which leaves such a model full attention for this engine."""
+    return options.long_input == "rolling_merge" or options.max_input_len + options.max_output_len > window
+
+
+def check_experts(options: EngineOptions) -> None:
+    """Mixture-of-experts models: the expert loop reads each expert's token count back to the host,
+    which neither an ONNX graph nor a CUDA graph can hold, and precision maps know dense MLPs only."""
+    if options.backend == "onnx" or options.cuda_graphs == "on" or options.precision_map:
+        raise ConfigError("a mixture-of-experts model runs on a torch backend, with cuda_graphs=auto or off and "
+                          "no runtime.precision_map (its expert loop is data-dependent and precision maps cover "
+                          "dense MLPs only); drop runtime.backend=onnx, cuda_graphs=on or precision_map.")
 
 
 def check_sliding_window(options: EngineOptions, window: int) -> None:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral; 8 experts,
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral, GLM-4.5 with
+sigmoid routing in expert groups, a correction bias, a shared expert and a first dense layer; 8 experts,
 top-2): greedy tokens and prefill logits equal `transformers`', rows independent of their batch, in
 every batch layout; tokens grouped by expert, expert weights loaded stacked."""
 
@@ -38,8 +39,9 @@ def test_greedy_tokens_and_prefill_logits_match_transformers(arch, moe_models):
     model_dir, hf = moe_models[arch]
     engine = _engine(model_dir)
     moe = [layer.mlp for layer in engine.runner.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(moe) == 2 and moe[0].experts_gate_up.shape[0] == 8  # every layer sparse, experts stacked
-    assert (moe[0].shared is not None) == (arch == "qwen2_moe")
+    assert len(moe) == 2 and moe[0].experts_gate_up.shape[0] == 8  # sparse layers, experts stacked
+    assert (moe[0].shared is not None) == (arch in ("qwen2_moe", "glm4_moe"))
+    assert (moe[0].shared_gate is not None) == (arch == "qwen2_moe")
     prompts = _prompts(1, (5, 17, 9, 30, 12))
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
@@ -99,3 +101,72 @@ def test_routing_groups_tokens_by_expert_and_weights_them():
             expected += w * (moe.experts_down[e] @ (torch.nn.functional.silu(gate) * up))
         assert torch.allclose(out.reshape(-1, 16)[t], expected, atol=1e-5)
     assert torch.allclose(weights.sum(-1), torch.ones(10))  # norm_topk_prob
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_bfloat16_experts_sum_as_the_reference_block_does(arch, moe_models):
+    """In bfloat16 the routing weights' dtype and where the expert outputs are summed and rounded decide
+    the last bit: our block must give the reference block's outputs exactly."""
+    import transformers as tf
+
+    _, hf = moe_models[arch]
+    reference = hf.model.layers[1].mlp.to(torch.bfloat16)
+    spec = _engine(moe_models[arch][0]).config.moe
+    ours = SparseMoE(spec, hf.config.hidden_size, torch.bfloat16, torch.device("cpu"))
+    ours.router.copy_(reference.gate.weight)
+    ours.experts_gate_up.copy_(reference.experts.gate_up_proj)
+    ours.experts_down.copy_(reference.experts.down_proj)
+    x = torch.randn(3, 7, hf.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(x)
+    assert isinstance(reference, (tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock,
+                                  tf.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock))
+    assert torch.equal(ours.forward(x), expected[0] if isinstance(expected, tuple) else expected)
+
+
+def test_what_the_expert_loop_cannot_run_is_refused(moe_models):
+    from flashx_batch.backends import get_backend
+    from flashx_batch.errors import ConfigError
+    from flashx_batch.models.config import ModelConfig
+    from flashx_batch.runtime.inputs import check_options
+    from flashx_batch.runtime.options import EngineOptions
+
+    cfg = ModelConfig.from_dir(moe_models["qwen3_moe"][0])
+    for knobs in ({"backend": "onnx"}, {"cuda_graphs": "on"}, {"precision_map": "map.json"}):
+        options = EngineOptions(**{"backend": "cpu", **knobs})
+        with pytest.raises(ConfigError, match="mixture-of-experts"):
+            check_options(options, cfg, None if knobs.get("backend") == "onnx" else get_backend("cpu"))
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_it(moe_models, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from flashx_batch.errors import ModelLoadError
+    from flashx_batch.models.loader import check_checkpoint
+
+    model_dir = tmp_path / "gap"
+    shutil.copytree(moe_models["qwen3_moe"][0], model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    prefix = "model.layers.1.mlp.experts"
+    tensors[f"{prefix}.9.gate_proj.weight"] = tensors.pop(f"{prefix}.3.gate_proj.weight")  # expert 3's gate gone
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"experts_gate_up .* missing part\(s\) \[6, "):
+        check_checkpoint(model_dir)
+
+
+def test_qwen_moe_configs_slide_only_when_asked(tmp_path):
+    import json
+
+    from flashx_batch.models.config import ModelConfig
+
+    base = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32}
+    for extra, window in (({"sliding_window": 32768, "use_sliding_window": False}, None),
+                          ({"sliding_window": 0}, None),
+                          ({"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1}, 8)):
+        (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
+        cfg = ModelConfig.from_dir(tmp_path)
+        assert cfg.sliding_window == window and cfg.moe.shared_gate

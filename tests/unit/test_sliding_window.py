@@ -99,3 +99,13 @@ def test_what_would_merge_positions_is_refused_with_the_reason(knobs, windowed):
     options = EngineOptions(**{"backend": "cpu", "max_input_len": 64, "max_output_len": 48, **knobs})
     with pytest.raises(ConfigError, match="sliding window of 16 tokens"):
         check_options(options, cfg, None if knobs.get("backend") == "onnx" else get_backend("cpu"))
+
+
+def test_a_window_no_row_can_outgrow_is_full_attention(windowed):
+    """Rows of at most 16 tokens under a 16-token window: nothing is ever masked, so the engine runs the
+    model as full attention and allows what a window refuses (segment-sparse here)."""
+    model_dir, hf = windowed["mistral"]
+    engine = _engine(model_dir, max_input_len=8, max_output_len=8, cache_policy="segment_sparse")
+    assert engine.config.sliding_window is None and engine.runner.window is None
+    prompt = _prompts(9, (8,))[0]
+    assert engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].num_generated_tokens == 8
