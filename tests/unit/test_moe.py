@@ -6,8 +6,9 @@ every batch layout; tokens grouped by expert, expert weights loaded stacked."""
 import pytest
 import torch
 from model_factory import MOE_ARCHS, build
+from parity_support import assert_batch_and_position_independent, cpu_engine, hf_greedy, prompts
 
-from flashx_batch import Engine, SamplingParams
+from flashx_batch import SamplingParams
 from flashx_batch.models.moe import SparseMoE
 
 NEW_TOKENS = 32
@@ -19,19 +20,7 @@ def moe_models(tmp_path_factory):
     return {arch: (root / arch, build(arch, root / arch)) for arch in MOE_ARCHS}
 
 
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
-
-
-def _engine(model_dir, **kw):
-    opts = dict(backend="cpu", dtype="float32", max_batch_size=4, max_input_len=64, max_output_len=48, segment_size=16)
-    return Engine.from_pretrained(model_dir, **{**opts, **kw})
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+_prompts, _engine, _hf_greedy = prompts, cpu_engine, hf_greedy
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -73,13 +62,7 @@ def test_layouts_keep_the_tokens(layout, moe_models):
 def test_a_row_is_independent_of_its_batch_and_position(moe_models):
     model_dir, _ = moe_models["mixtral"]
     engine = _engine(model_dir, sort_by_length=False)
-    target = _prompts(7, (11,))[0]
-    others = _prompts(8, (3, 25, 40, 8, 19))
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    alone = engine.generate([target], params)[0].token_ids
-    for pos in range(4):
-        batch = others[:pos] + [target] + others[pos : pos + 3 - pos]
-        assert engine.generate(batch, params)[pos].token_ids == alone
+    assert_batch_and_position_independent(engine, _prompts(7, (11,))[0], _prompts(8, (3, 25, 40, 8, 19)))
 
 
 def test_routing_groups_tokens_by_expert_and_weights_them():

@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 import torch
 from model_factory import ARCHS
+from parity_support import assert_batch_and_position_independent, cpu_engine, hf_greedy, prompts
 
-from flashx_batch import Engine, SamplingParams
+from flashx_batch import SamplingParams
 from flashx_batch.errors import ConfigError
 from flashx_batch.runtime.layouts.extents import extent_runs
 from flashx_batch.runtime.layouts.stripes import attention_groups
@@ -15,21 +16,7 @@ from flashx_batch.runtime.torch_runner import TorchRunner
 NEW_TOKENS = 32
 
 
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
-
-
-def _engine(model_dir, **kw):
-    opts = dict(backend="cpu", dtype="float32", max_batch_size=4, max_input_len=64, max_output_len=48,
-                segment_size=16)
-    opts.update(kw)
-    return Engine.from_pretrained(model_dir, **opts)
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+_prompts, _engine, _hf_greedy = prompts, cpu_engine, hf_greedy
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -55,11 +42,7 @@ def test_row_output_is_independent_of_batch_and_position(arch, tiny_models):
     engine = _engine(model_dir, sort_by_length=False)
     target = _prompts(7, (11,))[0]
     others = _prompts(8, (3, 25, 40, 8, 19))
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    alone = engine.generate([target], params)[0].token_ids
-    for pos in range(4):
-        batch = others[:pos] + [target] + others[pos : pos + 3 - pos]
-        assert engine.generate(batch, params)[pos].token_ids == alone
+    alone = assert_batch_and_position_independent(engine, target, others)
     # rows that finish earlier leave the batch (their stripes are compacted): the survivor is unchanged
     mixed = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 24, 1, 9)]
     outs = engine.generate([others[0], target, others[1], others[2]], mixed)

@@ -5,8 +5,9 @@ combinations that would merge positions are refused with the reason."""
 import pytest
 import torch
 from model_factory import build
+from parity_support import assert_batch_and_position_independent, cpu_engine, hf_greedy, prompts
 
-from flashx_batch import Engine, SamplingParams
+from flashx_batch import SamplingParams
 from flashx_batch.errors import ConfigError
 from flashx_batch.models.config import ModelConfig
 
@@ -24,19 +25,7 @@ def windowed(tmp_path_factory):
     return {arch: (root / arch, build(arch, root / arch, **overrides)) for arch, overrides in WINDOWED.items()}
 
 
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
-
-
-def _engine(model_dir, **kw):
-    opts = dict(backend="cpu", dtype="float32", max_batch_size=4, max_input_len=64, max_output_len=48, segment_size=16)
-    return Engine.from_pretrained(model_dir, **{**opts, **kw})
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+_prompts, _engine, _hf_greedy = prompts, cpu_engine, hf_greedy
 
 
 def test_config_reads_which_layers_slide(windowed):
@@ -78,13 +67,7 @@ def test_prefill_logits_and_last_token_prefills_match(arch, windowed):
 def test_a_row_is_independent_of_its_batch_and_position(windowed):
     model_dir, _ = windowed["mistral"]
     engine = _engine(model_dir, sort_by_length=False)
-    target = _prompts(7, (37,))[0]
-    others = _prompts(8, (3, 25, 60, 8, 19))
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    alone = engine.generate([target], params)[0].token_ids
-    for pos in range(4):
-        batch = others[:pos] + [target] + others[pos : pos + 3 - pos]
-        assert engine.generate(batch, params)[pos].token_ids == alone
+    assert_batch_and_position_independent(engine, _prompts(7, (37,))[0], _prompts(8, (3, 25, 60, 8, 19)))
 
 
 @pytest.mark.parametrize("knobs", [{"cache_policy": "segment_sparse"}, {"long_input": "rolling_merge"},
