@@ -98,9 +98,9 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for queued device work, so wall-clock timings are honest."""
 
-    def setup_threads(self, num_threads: int | None) -> None:
-        """Host threads for this process's kernels (CPU: intra-op threads; None = every core this
-        process may run on). Accelerator backends leave torch's default alone."""
+    def setup_threads(self, num_threads: int) -> None:
+        """Host threads for this process's kernels (CPU: intra-op threads, `EngineOptions.cpu_threads`).
+        Accelerator backends leave torch's default alone."""
 
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the current device; host memory for CPU-like backends."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 
 import torch
@@ -27,8 +26,8 @@ class CpuBackend(Backend):
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
 
-    def setup_threads(self, num_threads: int | None) -> None:
-        torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+    def setup_threads(self, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
 
     def device_name(self, index: int = 0) -> str:
         return platform.processor() or platform.machine()

@@ -8,7 +8,6 @@ them in `generate`. Input checks live in `runtime.inputs`, arena sizing in `runt
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
-from flashx_batch.runtime.inputs import check_options, fit_prompts, generation_eos, per_row_params, window_binds
+from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
 from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
@@ -48,27 +47,23 @@ class Engine:
         started = time.perf_counter()
         self.model_dir, self.options = Path(model_dir), options
         self.backend: Backend = get_backend(options.backend)
-        self.config = ModelConfig.from_dir(self.model_dir)
-        if self.config.sliding_window is not None and not window_binds(options, self.config.sliding_window):
-            # every row fits the window: full attention for this engine, with all it allows
-            self.config = dataclasses.replace(self.config, sliding_window=None,
-                                              window_layers=(False,) * self.config.num_layers)
+        self.config = effective_config(ModelConfig.from_dir(self.model_dir), options)
         self.dtype = check_options(options, self.config, self.backend)
-        self.backend.setup_threads(options.num_threads)
+        self.backend.setup_threads(options.cpu_threads())
         index = self.backend.assigned_device_index(ray_accelerator_ids())
         self.backend.set_device(index)
         self.device = self.backend.device(index)
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = tuple(dict.fromkeys(self.config.eos_token_ids + generation_eos(self.model_dir)))
-        self.merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window,
-                                   evict_share=options.kv_evict_share)
+        merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window,
+                              evict_share=options.kv_evict_share)
         # the most slots a prompt holds once in the cache (what a rolling merge folds a long one into)
         limit, sparse = options.max_input_len, options.cache_policy == "segment_sparse"
-        self.prompt_slots = max_compressed_length(limit, self.merge) if sparse else limit
+        self.prompt_slots = max_compressed_length(limit, merge) if sparse else limit
         self.geometry: ArenaGeometry = kv_sizing.arena_geometry(options, self.prompt_slots)
         if self.backend.torch_runtime:
-            self.runner: ModelRunner = self._torch_runner()
+            self.runner: ModelRunner = self._torch_runner(merge)
         else:
             from flashx_batch.runtime.onnx_runner import OnnxRunner
 
@@ -81,7 +76,7 @@ class Engine:
                  self.model_dir.name, self.device, self.dtype, self.runner.kv_bytes / 2**20,
                  time.perf_counter() - started)
 
-    def _torch_runner(self) -> TorchRunner:
+    def _torch_runner(self, merge: MergeSettings) -> TorchRunner:
         o, cfg = self.options, self.config
         model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg)
         if o.precision_map:
@@ -99,7 +94,7 @@ class Engine:
             self.backend.prepare_model(model, sizes)
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
-        runner = TorchRunner(model, arena, self.backend, policy, self.merge, pad_id=cfg.pad_token_id or 0)
+        runner = TorchRunner(model, arena, self.backend, policy, merge, pad_id=cfg.pad_token_id or 0)
         if o.cuda_graphs != "off" and self.backend.supports_graphs and cfg.sliding_window is None and cfg.moe is None:
             runner.graphs = DecodeGraphs(runner, backend=self.backend)
         return runner
@@ -120,6 +115,11 @@ class Engine:
         `backend="onnx"` runs the same engine over ONNX Runtime sessions (`OnnxRunner`)."""
         model_dir = Path(path) if path is not None else bundled_model_dir()
         return cls(model_dir, EngineOptions(**options), onnx_cache_dir)
+
+    @property
+    def merge(self) -> MergeSettings | None:
+        """The segment-sparse merge settings (the torch runner's; None for a runner that merges nothing)."""
+        return getattr(self.runner, "merge", None)
 
     # ---- layout policy (see runtime.kv_sizing) ----------------------------------------------
     @property

@@ -7,6 +7,7 @@ touched for exactly what the engine would refuse.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -20,7 +21,7 @@ from flashx_batch.runtime.options import EngineOptions
 from flashx_batch.runtime.params import SamplingParams
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
@@ -38,11 +39,12 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
             raise ConfigError(f"runtime.backend=onnx supports cache_policy=static and long_input=error|truncate, "
                               f"not cache_policy={options.cache_policy} long_input={options.long_input}.")
     if cfg is not None:
+        cfg = effective_config(cfg, options)
         needed = options.max_input_len + options.max_output_len
         if needed > cfg.max_position_embeddings:
             log.warning("max_input_len + max_output_len = %d exceeds the model's max_position_embeddings=%d",
                         needed, cfg.max_position_embeddings)
-        if cfg.sliding_window is not None and window_binds(options, cfg.sliding_window):
+        if cfg.sliding_window is not None:
             check_sliding_window(options, cfg.sliding_window)
         if cfg.moe is not None:
             check_experts(options)
@@ -52,16 +54,19 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
         raise ConfigError(f"runtime.cuda_graphs=on needs a backend that captures CUDA graphs (cuda); this "
                           f"engine runs on {backend.name}. Use cuda_graphs=auto (graphs where the "
                           "backend has them) or off.")
-    dtype = backend.default_dtype if options.dtype == "auto" else DTYPES[options.dtype]
+    dtype = backend.default_dtype if options.dtype == "auto" else TORCH_DTYPES[options.dtype]
     if dtype not in backend.supported_dtypes:
         raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
     return dtype
 
 
-def window_binds(options: EngineOptions, window: int) -> bool:
-    """Whether a sliding window can ever hide a key from these rows: not when every row (prompt + new
-    tokens) fits the window, which leaves such a model full attention for this engine."""
-    return options.long_input == "rolling_merge" or options.max_input_len + options.max_output_len > window
+def effective_config(cfg: ModelConfig, options: EngineOptions) -> ModelConfig:
+    """`cfg` as an engine with `options` runs it: a sliding window that no row (prompt + new tokens,
+    no rolling merge) can outgrow never hides a key, so such a model is full attention there."""
+    window, needed = cfg.sliding_window, options.max_input_len + options.max_output_len
+    if window is None or options.long_input == "rolling_merge" or needed > window:
+        return cfg
+    return dataclasses.replace(cfg, sliding_window=None, window_layers=(False,) * cfg.num_layers)
 
 
 def check_experts(options: EngineOptions) -> None:

@@ -12,7 +12,6 @@ tensors), so only the forward passes differ.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +39,7 @@ class OnnxRunner(ModelRunner):
         # the graphs' own cache is not accounted in the stats (kv_bytes_* stay 0, as the arena's would)
         self.kv_bytes_per_slot = 0
         self.export_dir = ensure_export(model_dir, options.row_capacity, cache_dir)
-        threads = options.num_threads or len(os.sched_getaffinity(0))
-        self.sessions = OnnxSessions(self.export_dir, backend.providers(), threads)
+        self.sessions = OnnxSessions(self.export_dir, backend.providers(), options.cpu_threads())
         log.info("onnx runner ready: %s on %s", model_dir.name, self.sessions.providers)
         self.reset()
 

@@ -366,7 +366,8 @@ class TorchRunner(ModelRunner):
         for a, b, first, stride, slots, aligned in runs:
             kv = storage[:, :, first : first + (b - a) * stride].view(layers, 2, b - a, stride, heads, dim)
             views.append((a, b, kv[:, :, :, :slots].transpose(3, 4), None if aligned else slots))
-        window = self._window_mask(max(run[4] for run in runs), positions) if self.window else None
+        # sliding layers: each row's last `window` slots (slots are positions: such models keep every token)
+        window = self._visible(max(run[4] for run in runs), positions, self.window) if self.window else None
         meta = Decode(cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views), window_mask=window)
         return self.model.hidden_states(tokens[:, None], meta, self.caches)[:, 0]
 
@@ -393,18 +394,14 @@ class TorchRunner(ModelRunner):
         hidden = self.model.hidden_states(tokens, meta, self.caches)
         return self.model.logits(hidden[torch.arange(len(tokens), device=self.device), last])
 
-    def _window_mask(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
-        """Additive mask [B, 1, 1, kv_len] for sliding layers: 0 on each row's last `window` slots up to
-        its `last` one, -inf elsewhere (slots are positions: sliding-window models keep every token)."""
+    def _visible(self, kv_len: int, last: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """Additive mask [B, 1, 1, kv_len]: 0 up to each row's `last` slot (and, with `window`, from
+        `last - window + 1` on), -inf elsewhere (built once per step, so no layer converts a boolean
+        mask again)."""
         slots = self._range(kv_len)[None, :]
-        hidden = (slots > last[:, None]) | (slots <= last[:, None] - self.window)
-        zeros = torch.zeros(hidden.shape, dtype=self.arena.storage.dtype, device=self.device)
-        return zeros.masked_fill_(hidden, float("-inf"))[:, None, None, :]
-
-    def _visible(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
-        """Additive mask [B, 1, 1, kv_len]: 0 up to each row's `last` slot, -inf after (built once
-        per step, so no layer converts a boolean mask again)."""
-        hidden = self._range(kv_len)[None, :] > last[:, None]
+        hidden = slots > last[:, None]
+        if window is not None:
+            hidden |= slots <= last[:, None] - window
         zeros = torch.zeros(hidden.shape, dtype=self.arena.storage.dtype, device=self.device)
         return zeros.masked_fill_(hidden, float("-inf"))[:, None, None, :]
 
