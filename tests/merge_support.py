@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashx_batch.kvcache.arena import KVArena
+from flashx_batch.kvcache.spec import LayerCache
 from flashx_batch.runtime.kv_merge import _apply_any, apply_plan
 
 
@@ -14,7 +15,8 @@ def assert_dense_path_equals_scatter(plans, length: int, rotary) -> None:
     for plan in plans:
         caches = []
         for dense in (True, False):
-            arena = KVArena(2, 2, 16, num_slots=length, dtype=torch.float32, device=torch.device("cpu"))
+            arena = KVArena((LayerCache("kv", 2, 2, 16),) * 2, num_slots=length, dtype=torch.float32,
+                            device=torch.device("cpu"))
             arena.storage.copy_(torch.randn(arena.storage.shape, generator=torch.Generator().manual_seed(5)))
             if dense:
                 apply_plan(arena, 0, length, 0, plan, rotary=rotary)

@@ -11,10 +11,15 @@ import torch
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "glm", "glm4"]
 MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]  # 8 experts, top-2
+MLA_ARCHS = ["deepseek_v3", "glm_moe_dsa"]  # latent attention + sigmoid-routed experts (GLM-5: + DSA indexer)
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+            v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, n_shared_experts=1, num_hidden_layers=3)
 
 
 def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
@@ -42,6 +47,11 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
             head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, first_k_dense_replace=1,
             n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1, use_qk_norm=True,
             attention_bias=True, num_hidden_layers=3)),
+        # latent attention: rank-32 latent + 16 rotary values per token, 16 + 16 query/key dims, 24 value dims
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(_MLA, n_group=4, topk_group=2)),
+        # GLM-5: the indexer keeps each query to its index_topk best keys (8 heads of 32)
+        "glm_moe_dsa": (tf.GlmMoeDsaConfig, tf.GlmMoeDsaForCausalLM, dict(
+            _MLA, index_topk=8, index_head_dim=32, index_n_heads=8)),
     }
     config_cls, model_cls, extra = classes[arch]
     config = config_cls(**{**_COMMON, **extra, **overrides})

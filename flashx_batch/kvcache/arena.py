@@ -1,28 +1,34 @@
 """`KVArena`: device storage for the keys and values of every layer, allocated once.
 
-One tensor `[layers, 2, slots, kv_heads, head_dim]` (slot = segment * segment_size + offset, see
-`geometry`) and a per-slot merge bias: log(tokens a slot stands for), 0 for an ordinary slot, log 4
+One tensor `[layers, parts, slots, heads, dim]` shaped by the layers' `spec.LayerCache`s — keys and
+values `[layers, 2, slots, kv_heads, head_dim]`, or one latent entry per token for latent attention
+`[layers, 1, slots, 1, entry]` — (slot = segment * segment_size + offset, see `geometry`) and a per-slot
+merge bias: log(tokens a slot stands for), 0 for an ordinary slot, log 4
 for a 4:1 merged one. Nothing here allocates per decode step and nothing here decides where a row
 goes: the scheduler does, on `SegmentAllocator` and `ArenaGeometry`, and hands the runner slot
 numbers and slot copies.
 
 Model layers never see the arena: they get `layer_views()`, each layer's keys and values as flat
-`[slots, kv_heads, head_dim]` views, and the runner builds the strided read views per step.
+`[slots, heads, dim]` views (one per part), and the runner builds the strided read views per step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from flashx_batch.kvcache.spec import LayerCache, arena_shape
+
 
 class KVArena:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_slots = num_slots
-        self.storage = torch.zeros(num_layers, 2, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+    def __init__(self, spec: tuple[LayerCache, ...], num_slots: int, dtype: torch.dtype, device: torch.device
+                 ) -> None:
+        self.spec, self.num_slots = spec, num_slots
+        self.kind = spec[0].kind
+        parts, heads, dim = arena_shape(spec)
+        self.storage = torch.zeros(len(spec), parts, num_slots, heads, dim, dtype=dtype, device=device)
         self.bias = torch.zeros(num_slots, dtype=torch.float32, device=device)
         # per-layer views, built once: slicing the storage anew costs every layer of every step
-        self._flat = [(self.storage[layer, 0], self.storage[layer, 1]) for layer in range(num_layers)]
+        self._flat = [tuple(self.storage[layer].unbind(0)) for layer in range(len(spec))]
 
     @property
     def nbytes(self) -> int:
@@ -35,11 +41,11 @@ class KVArena:
         """Bytes of one slot's keys and values in one layer (what attention reads per slot and layer)."""
         return self.bytes_per_token() // self.storage.shape[0]
 
-    def layer_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, [slots, kv_heads, head_dim] views of its keys and values (what layers write)."""
+    def layer_views(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, [slots, heads, dim] views of its parts: keys and values, or its latents (what layers write)."""
         return self._flat
 
-    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def flat(self, layer: int) -> tuple[torch.Tensor, ...]:
         return self._flat[layer]
 
     def stripe_bias(self, rows: int, capacity: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from flashx_batch.errors import ModelLoadError
+from flashx_batch.kvcache.spec import LayerCache
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,11 @@ ARCHITECTURES: dict[str, FamilyFlags] = {
     "Qwen3MoeForCausalLM": FamilyFlags(qk_norm=True),
     # GLM-4.5 / 4.6: half of each head rotated (as halves, not pairs); q/k norms where `use_qk_norm`
     "Glm4MoeForCausalLM": FamilyFlags(default_partial_rotary=0.5),
+    # latent attention (`MLASpec`) + sigmoid-routed experts; GLM-5 adds the sparse-attention indexer (`DSASpec`)
+    "DeepseekV3ForCausalLM": FamilyFlags(),
+    "GlmMoeDsaForCausalLM": FamilyFlags(),
 }
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -73,16 +78,80 @@ class MoESpec:
     topk_groups: int = 1
     scaling: float = 1.0
 
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V3, GLM-5): each token's keys and values are kept as one
+    normalised latent of `kv_lora_rank` values plus a rotary key of `qk_rope_head_dim` values shared by
+    every head; `kv_b` expands the latent into per-head key and value parts (`qk_nope_head_dim`,
+    `v_head_dim`). Queries come through a low-rank `q_lora_rank` bottleneck."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary channels stored as (x0, x1), (x2, x3)… pairs in the projections' output
+    scale: float  # softmax scale: (nope + rope)^-0.5
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token keeps per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class DSASpec:
+    """DeepSeek sparse attention's indexer (GLM-5): a light multi-head scorer picks, per query, the
+    `index_topk` keys that query attends to. Layers marked full run their own indexer (and cache its
+    `head_dim`-wide key per token); the others reuse the last full layer's choice."""
+
+    index_topk: int
+    heads: int
+    head_dim: int
+    full_layers: tuple[bool, ...]
+
+
+def _read_mla(raw: dict[str, Any], arch: str, source: str) -> MLASpec | None:
+    if arch not in MLA_ARCHITECTURES:
+        return None
+    if raw.get("q_lora_rank") is None:
+        raise ModelLoadError(f"{source}: latent attention without a query bottleneck (q_lora_rank null, "
+                             "DeepSeek-V2-Lite style) is not supported; supported: DeepSeek-V3 and GLM-5 shapes.")
+    nope, rope = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    return MLASpec(int(raw["q_lora_rank"]), int(raw["kv_lora_rank"]), nope, rope, int(raw["v_head_dim"]),
+                   # GLM-5 always pairs its rotary channels; DeepSeek-V3 says so in its config
+                   arch == "GlmMoeDsaForCausalLM" or bool(raw.get("rope_interleave", True)),
+                   (nope + rope) ** -0.5)
+
+
+def _read_dsa(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> DSASpec | None:
+    if arch != "GlmMoeDsaForCausalLM":
+        return None
+    kinds = raw.get("indexer_types") or ["full"] * num_layers  # transformers writes the resolved list
+    if len(kinds) != num_layers or kinds[0] != "full" or set(kinds) - {"full", "shared"}:
+        raise ModelLoadError(f"{source}: indexer_types {kinds} must list 'full' or 'shared' for each of the "
+                             f"{num_layers} layers, the first one 'full' (a shared layer reuses an earlier choice).")
+    return DSASpec(int(raw.get("index_topk", 2048)), int(raw.get("index_n_heads", 32)),
+                   int(raw.get("index_head_dim", 128)), tuple(k == "full" for k in kinds))
+
+
 def _read_moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoESpec | None:
     if arch == "MixtralForCausalLM":  # every layer sparse; the chosen weights always renormalised
         return MoESpec(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
                        True, (True,) * num_layers)
-    if arch == "Glm4MoeForCausalLM":
+    if arch in ("Glm4MoeForCausalLM", *MLA_ARCHITECTURES):
         experts = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 0)
-        first_sparse = int(raw.get("first_k_dense_replace", 1))  # transformers' defaults here and below
+        # transformers' defaults here and below; GLM-5 may list each layer's MLP kind instead
+        first_sparse = int(raw.get("first_k_dense_replace", 1 if arch == "Glm4MoeForCausalLM" else 3))
+        kinds = raw.get("mlp_layer_types")
+        if kinds and len(kinds) != num_layers:
+            raise ModelLoadError(f"config.json lists {len(kinds)} mlp_layer_types for {num_layers} layers")
+        sparse = (tuple(k == "sparse" and experts > 0 for k in kinds) if kinds else
+                  tuple(i >= first_sparse and experts > 0 for i in range(num_layers)))
         inter = int(raw["moe_intermediate_size"])
         return MoESpec(experts, int(raw["num_experts_per_tok"]), inter, bool(raw.get("norm_topk_prob", True)),
-                       tuple(i >= first_sparse and experts > 0 for i in range(num_layers)),
+                       sparse,
                        shared_intermediate=inter * int(raw.get("n_shared_experts", 1)), sigmoid=True,
                        groups=int(raw.get("n_group") or 1), topk_groups=int(raw.get("topk_group") or 1),
                        scaling=float(raw.get("routed_scaling_factor") or 1.0))
@@ -132,6 +201,8 @@ class ModelConfig:
     sliding_window: int | None  # keys a query sees in a sliding layer (itself included); None: no sliding layer
     window_layers: tuple[bool, ...]  # per layer: sliding-window attention (else full causal attention)
     moe: MoESpec | None  # mixture-of-experts MLPs (None: dense)
+    mla: MLASpec | None  # latent attention (None: every layer keeps full keys and values)
+    dsa: DSASpec | None  # the sparse-attention indexer of an MLA model (None: queries see every earlier key)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int | None
@@ -147,6 +218,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def cache_spec(self) -> tuple[LayerCache, ...]:
+        """What each layer keeps per token (the KV arena's sizing)."""
+        if self.mla is not None:
+            index = self.dsa.head_dim if self.dsa is not None else 0
+            return tuple(LayerCache("latent", 1, 1, self.mla.latent_dim + (index if self.dsa and self.dsa.full_layers[i]
+                                                                              else 0))
+                         for i in range(self.num_layers))
+        return tuple(LayerCache("kv", 2, self.num_kv_heads, self.head_dim,
+                                self.sliding_window if self.window_layers[i] else None)
+                     for i in range(self.num_layers))
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -182,6 +264,9 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         head_dim = raw.get("head_dim") or hidden // heads
+        mla = _read_mla(raw, arch, source)
+        if mla is not None:  # the rotary tables serve the rotary slice, rotated as halves (see models.mla)
+            head_dim = mla.qk_rope_head_dim
         bias = raw.get("attention_bias")
         window_layers = _read_window_layers(raw, arch, int(raw["num_hidden_layers"]))
         window = _read_sliding_window(raw, arch) if any(window_layers) else None
@@ -200,10 +285,12 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2's modeling code hard-wires q/k/v bias; its config.json does not say so.
             attention_bias=flags.qkv_bias_default if arch == "Qwen2ForCausalLM" or bias is None else bool(bias),
-            rope=_read_rope(raw, flags, source),
+            rope=_read_rope(raw, flags, source, mla is not None),
             sliding_window=window,
             window_layers=window_layers,
             moe=_read_moe(raw, arch, int(raw["num_hidden_layers"])),
+            mla=mla,
+            dsa=_read_dsa(raw, arch, int(raw["num_hidden_layers"]), source),
             eos_token_ids=_as_ids(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
@@ -218,7 +305,7 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _read_rope(raw: dict[str, Any], flags: FamilyFlags, source: str) -> RopeConfig:
+def _read_rope(raw: dict[str, Any], flags: FamilyFlags, source: str, mla: bool = False) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`.
     params = dict(raw.get("rope_scaling") or {})
     params.update(raw.get("rope_parameters") or {})
@@ -237,7 +324,7 @@ def _read_rope(raw: dict[str, Any], flags: FamilyFlags, source: str) -> RopeConf
         original_max_position_embeddings=int(
             params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
         ),
-        partial_rotary_factor=float(flags.default_partial_rotary if partial is None else partial),
+        partial_rotary_factor=float(flags.default_partial_rotary if partial is None or mla else partial),
         interleaved=flags.interleaved_rope,
     )
 

@@ -14,20 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashx_batch.models.config import ModelConfig
-from flashx_batch.models.forward import Decode, Extend, ForwardMeta, Packed, Paged, TeacherForced
+from flashx_batch.models.forward import Decode, Extend, ForwardMeta, Packed, Paged, TeacherForced, split_rows
 from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_
+from flashx_batch.models.mla import IndexerChoice, MLAttention
 from flashx_batch.models.moe import SparseMoE
 
-KVView = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [slots, kv_heads, head_dim] each
-
-
-def _by_rows(lengths: tuple[int, ...], *packed: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """Packed [1, N, heads, D] tensors cut into their rows, in order: one batch [B, n, heads, D] when
-    every row has n tokens (one kernel call for all), else one [1, n_r, heads, D] slice per row."""
-    if len(set(lengths)) == 1:
-        return [tuple(t[0].view(len(lengths), lengths[0], *t.shape[2:]) for t in packed)]
-    bounds = torch.tensor((0, *lengths)).cumsum(0).tolist()
-    return [tuple(t[:, a:b] for t in packed) for a, b in zip(bounds, bounds[1:])]
+# one layer's cache: keys and values, [slots, kv_heads, head_dim] each; for latent attention (`models.mla`)
+# one [slots, 1, entry] view of its latents
+KVView = tuple[torch.Tensor, ...]
 
 
 def window_band(n: int, window: int, device: torch.device) -> torch.Tensor:
@@ -145,7 +139,7 @@ class Attention(nn.Module):
         if ctx.observe:  # ctx.scores: [N], each row's keys scored by its own last queries (segment-sparse,
             # which sliding-window models refuse: the scores here are causal, not banded)
             scores = [self._window_scores(q_r.transpose(1, 2), k_r.transpose(1, 2), ctx.observe, None).reshape(-1)
-                      for q_r, k_r in _by_rows(ctx.row_lengths, q, k)]
+                      for q_r, k_r in split_rows(ctx.row_lengths, q, k)]
             ctx.scores += torch.cat(scores)
 
     def _packed(self, q, k, v, ctx: Packed, cache: KVView) -> torch.Tensor:
@@ -153,7 +147,7 @@ class Attention(nn.Module):
         length, else [1, H, N, D] (both read back as the packed sequence)."""
         self._packed_write(q, k, v, ctx, cache)
         outs = [self._causal(q_r.transpose(1, 2), k_r.transpose(1, 2), v_r.transpose(1, 2))
-                for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]
+                for q_r, k_r, v_r in split_rows(ctx.row_lengths, q, k, v)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # one batch: no copy
 
     def _packed_last(self, q, k, v, ctx: Packed, cache: KVView) -> torch.Tensor:
@@ -162,7 +156,7 @@ class Attention(nn.Module):
         self._packed_write(q, k, v, ctx, cache)
         first = 0 if self.window is None else -self.window  # a sliding layer's last query: its last keys only
         outs = [self._attend_one(q_r[:, -1:], k_r[:, first:].transpose(1, 2), v_r[:, first:].transpose(1, 2), None)
-                for q_r, k_r, v_r in _by_rows(ctx.row_lengths, q, k, v)]  # [rows, H, 1, D] each
+                for q_r, k_r, v_r in split_rows(ctx.row_lengths, q, k, v)]  # [rows, H, 1, D] each
         return torch.cat(outs, dim=0).transpose(0, 2)
 
     def _paged(self, q, k, v, ctx: Paged, cache: KVView) -> torch.Tensor:
@@ -224,11 +218,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 choice: IndexerChoice | None = None) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(cfg.hidden_size, eps, dtype, device)
-        self.attn = Attention(cfg, layer, dtype, device)
+        self.attn: Attention | MLAttention = (Attention(cfg, layer, dtype, device) if cfg.mla is None else
+                                              MLAttention(cfg, layer, dtype, device, choice or IndexerChoice()))
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps, dtype, device)
         if cfg.moe is not None and cfg.moe.sparse_layers[layer]:
             self.mlp: GatedMLP | SparseMoE = SparseMoE(cfg.moe, cfg.hidden_size, dtype, device)
@@ -265,7 +261,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        choice = IndexerChoice()  # sparse attention: shared layers follow the last full indexer layer's choice
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, choice) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
         if cfg.tie_word_embeddings:

@@ -14,6 +14,15 @@ from dataclasses import dataclass
 import torch
 
 
+def split_rows(lengths: tuple[int, ...], *packed: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Packed [1, N, ...] tensors cut into their rows, in order: one batch [B, n, ...] when every row
+    has n tokens (one kernel call for all), else one [1, n_r, ...] slice per row."""
+    if len(set(lengths)) == 1:
+        return [tuple(t[0].view(len(lengths), lengths[0], *t.shape[2:]) for t in packed)]
+    bounds = torch.tensor((0, *lengths)).cumsum(0).tolist()
+    return [tuple(t[:, a:b] for t in packed) for a, b in zip(bounds, bounds[1:])]
+
+
 @dataclass
 class TeacherForced:
     """Teacher-forced rows right-padded to T, causal attention over the rows' own keys; writes no

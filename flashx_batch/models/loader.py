@@ -39,6 +39,21 @@ RENAMES = {
     "mlp.shared_expert_gate.weight": "mlp.shared_gate.weight",
     "mlp.gate.e_score_correction_bias": "mlp.router_bias",  # sigmoid routing (GLM-4.5, DeepSeek-V3)
     "mlp.shared_experts.down_proj.weight": "mlp.shared.down.weight",
+    # latent attention (DeepSeek-V3, GLM-5) and GLM-5's sparse-attention indexer
+    "self_attn.q_a_proj.weight": "attn.q_a.weight",
+    "self_attn.q_a_proj.bias": "attn.q_a.bias",
+    "self_attn.q_a_layernorm.weight": "attn.q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.kv_a.weight",
+    "self_attn.kv_a_proj_with_mqa.bias": "attn.kv_a.bias",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn.kv_b.weight",
+    "self_attn.o_proj.bias": "attn.o_proj.bias",
+    "self_attn.indexer.wq_b.weight": "attn.indexer.wq_b.weight",
+    "self_attn.indexer.wk.weight": "attn.indexer.wk.weight",
+    "self_attn.indexer.k_norm.weight": "attn.indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias": "attn.indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "attn.indexer.weights_proj.weight",
 }
 # HF suffix -> (our fused parameter, position among its parts)
 PACKED = {

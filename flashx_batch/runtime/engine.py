@@ -83,8 +83,7 @@ class Engine:
             from flashx_batch.quant import apply_precision_map, load_precision_map
 
             apply_precision_map(model, load_precision_map(o.precision_map), self.model_dir)
-        arena = KVArena(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.geometry.num_slots, self.dtype,
-                        self.device)
+        arena = KVArena(cfg.cache_spec(), self.geometry.num_slots, self.dtype, self.device)
         if o.prepack_weights:
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             sizes = kv_sizing.decode_pack_sizes(o, self.geometry.base_rows, weight_bytes, PACK_ALL_SIZES_BYTES)
@@ -95,7 +94,8 @@ class Engine:
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
         runner = TorchRunner(model, arena, self.backend, policy, merge, pad_id=cfg.pad_token_id or 0)
-        if o.cuda_graphs != "off" and self.backend.supports_graphs and cfg.sliding_window is None and cfg.moe is None:
+        eager_only = cfg.sliding_window is not None or cfg.moe is not None or cfg.mla is not None
+        if o.cuda_graphs != "off" and self.backend.supports_graphs and not eager_only:
             runner.graphs = DecodeGraphs(runner, backend=self.backend)
         return runner
 

@@ -48,6 +48,8 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
             check_sliding_window(options, cfg.sliding_window)
         if cfg.moe is not None:
             check_experts(options)
+        if cfg.mla is not None:
+            check_latent_attention(options, cfg)
     if backend is None:
         return None
     if options.cuda_graphs == "on" and not backend.supports_graphs:
@@ -76,6 +78,21 @@ def check_experts(options: EngineOptions) -> None:
         raise ConfigError("a mixture-of-experts model runs on a torch backend, with cuda_graphs=auto or off and "
                           "no runtime.precision_map (its expert loop is data-dependent and precision maps cover "
                           "dense MLPs only); drop runtime.backend=onnx, cuda_graphs=on or precision_map.")
+
+
+def check_latent_attention(options: EngineOptions, cfg: ModelConfig) -> None:
+    """Latent attention (DeepSeek-V3, GLM-5) caches one compressed entry per token, read by our own
+    latent attention: segment-sparse KV and rolling merges, which average keys and values slot by slot
+    with rotary re-alignment, are written for full keys and values (and DSA already keeps each query to
+    its top keys); the ONNX export and CUDA decode graphs carry the full-K/V attention only."""
+    name = "GLM-5 sparse (DSA) latent attention" if cfg.dsa is not None else "latent attention (MLA)"
+    if options.cache_policy == "segment_sparse" or options.long_input == "rolling_merge":
+        raise ConfigError(f"runtime.cache_policy=segment_sparse and long_input=rolling_merge merge full keys and "
+                          f"values, and this model ({cfg.architecture}) caches {name} entries instead; use "
+                          "cache_policy=static (prefix reuse works) with long_input=error or truncate.")
+    if options.backend == "onnx" or options.cuda_graphs == "on" or options.precision_map:
+        raise ConfigError(f"{cfg.architecture} ({name}) runs on a torch backend, with cuda_graphs=auto or off and "
+                          "no runtime.precision_map; drop runtime.backend=onnx, cuda_graphs=on or precision_map.")
 
 
 def check_sliding_window(options: EngineOptions, window: int) -> None:

@@ -358,13 +358,14 @@ class TorchRunner(ModelRunner):
         end row, first flat slot, stride, slots read, aligned) attends through one strided view of the
         cache; `mask` [B, 1, 1, L] hides the slots past each row of a run that is not aligned."""
         cos, sin = self.model.rotary.lookup(positions[:, None])
-        # each run's keys and values of every layer as one view [layers, 2, rows, Hkv, slots, D], built
-        # once per step (not per layer: a few microseconds per view, rows x layers of them)
+        # each run's cache of every layer as one view [layers, parts, rows, heads, slots, D] (parts: keys
+        # and values, or one latent), built once per step (not per layer: a few microseconds per view,
+        # rows x layers of them)
         storage = self.arena.storage
-        layers, _, _, heads, dim = storage.shape
+        layers, parts, _, heads, dim = storage.shape
         views = []
         for a, b, first, stride, slots, aligned in runs:
-            kv = storage[:, :, first : first + (b - a) * stride].view(layers, 2, b - a, stride, heads, dim)
+            kv = storage[:, :, first : first + (b - a) * stride].view(layers, parts, b - a, stride, heads, dim)
             views.append((a, b, kv[:, :, :, :slots].transpose(3, 4), None if aligned else slots))
         # sliding layers: each row's last `window` slots (slots are positions: such models keep every token)
         window = self._visible(max(run[4] for run in runs), positions, self.window) if self.window else None

@@ -9,6 +9,7 @@ from merge_support import assert_dense_path_equals_scatter
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.kvcache.arena import KVArena
+from flashx_batch.kvcache.spec import LayerCache
 from flashx_batch.runtime.kv_merge import (
     GROUP,
     MergeSettings,
@@ -36,7 +37,7 @@ def test_duplicate_oracle():
     bias is what makes it exact."""
     torch.manual_seed(0)
     length, heads, dim = 64, 2, 16
-    arena = KVArena(1, heads, dim, num_slots=64, dtype=torch.float32,
+    arena = KVArena((LayerCache("kv", 2, heads, dim),), num_slots=64, dtype=torch.float32,
                     device=torch.device("cpu"))
     groups = torch.randn(2, length // GROUP, heads, dim)
     arena.storage[0, :, :length] = groups.repeat_interleave(GROUP, dim=1)  # every group: 4 identical K/V
@@ -184,7 +185,7 @@ def test_merged_keys_are_averaged_before_rope_and_rotated_to_the_mean_position()
 
     torch.manual_seed(1)
     rotary = RotaryTable(RopeConfig(theta=100.0), 16, 64, torch.float32, torch.device("cpu"))
-    arena = KVArena(1, 2, 16, num_slots=16, dtype=torch.float32,
+    arena = KVArena((LayerCache("kv", 2, 2, 16),), num_slots=16, dtype=torch.float32,
                     device=torch.device("cpu"))
     raw = torch.randn(1, 2, 16)  # one pre-RoPE key, seen at positions 0..15
     arena.storage[0, 0, :16] = rotary.rotate(raw.expand(16, 2, 16).clone(), torch.arange(16.0))

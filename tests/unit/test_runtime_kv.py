@@ -6,6 +6,7 @@ import torch
 from flashx_batch.kvcache.allocator import ArenaFullError, SegmentAllocator
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.kvcache.geometry import ArenaGeometry
+from flashx_batch.kvcache.spec import LayerCache
 from flashx_batch.runtime.layouts.stripes import StripeLayout, restripe_ops
 from flashx_batch.runtime.params import SamplingParams
 from flashx_batch.runtime.plan import ClearBias, SlotMove
@@ -44,7 +45,7 @@ def test_allocate_run_takes_the_first_long_enough_run_of_free_segments():
 
 
 def _arena(num_slots: int, layers: int = 2, heads: int = 1, dim: int = 2) -> KVArena:
-    return KVArena(num_layers=layers, num_kv_heads=heads, head_dim=dim, num_slots=num_slots, dtype=torch.float32,
+    return KVArena((LayerCache("kv", 2, heads, dim),) * layers, num_slots=num_slots, dtype=torch.float32,
                    device=torch.device("cpu"))
 
 

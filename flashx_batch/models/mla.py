@@ -1,0 +1,245 @@
+"""Multi-head latent attention (DeepSeek-V3, GLM-5) and the DSA indexer (GLM-5).
+
+The cache keeps, per token and layer, one vector: the normalised latent (`kv_lora_rank` values), the
+rotated key part shared by every head (`qk_rope_head_dim`), and for an indexer layer the indexer's key
+(`DSASpec.head_dim`) — the arena's `latent_cache_spec`. Two ways to attend over it:
+
+- expanded (prefill, several queries per row): `kv_b` turns the latents into per-head keys and values
+  and ordinary attention runs on them, as `transformers` does;
+- absorbed (decode, one query per row): `kv_b`'s key half is folded into the query and its value half
+  applied after attention, so attention reads the latents themselves, one "key head" shared by every
+  query head: a step reads `latent_dim` values per slot instead of heads x (key + value) values.
+
+DSA: a full layer's indexer scores every visible key per query (ReLU'd multi-head dot products, weighted
+per head) and each query attends only to its `index_topk` best; shared layers reuse the last full
+layer's choice within the same forward pass (`IndexerChoice`). A query that sees at most `index_topk`
+keys attends to all of them — that is dense attention, and nothing is scored.
+
+RoPE: the checkpoints store rotary channels as interleaved pairs; `transformers` de-interleaves them to
+halves before rotating, and so do we (a gather of the rotary slice), so cached keys match its layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashx_batch.models.config import ModelConfig
+from flashx_batch.models.forward import Decode, Extend, ForwardMeta, Packed, Paged, TeacherForced, split_rows
+from flashx_batch.models.layers import Linear, RMSNorm, apply_rotary_
+
+NORM_EPS = 1e-6  # the latent and query norms' epsilon in the reference (not config.json's rms_norm_eps)
+
+
+class IndexerChoice:
+    """The keys each query keeps, from the last full indexer layer of the current forward pass: one
+    entry per attention call of that pass (a row, a run of decode rows), in call order. None where
+    every query keeps every visible key."""
+
+    def __init__(self) -> None:
+        self.keep: list[torch.Tensor | None] = []
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        dsa, mla = cfg.dsa, cfg.mla
+        self.heads, self.head_dim, self.topk, self.rope = dsa.heads, dsa.head_dim, dsa.index_topk, mla.qk_rope_head_dim
+        self.wq_b = Linear(dsa.heads * dsa.head_dim, mla.q_lora_rank, False, dtype, device)
+        self.wk = Linear(dsa.head_dim, cfg.hidden_size, False, dtype, device)
+        self.k_norm = nn.LayerNorm(dsa.head_dim, eps=1e-6, dtype=dtype, device=device)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = Linear(dsa.heads, cfg.hidden_size, False, dtype, device)
+
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> index queries [B, T, Hi, Di], keys [B, T, Di] (what the cache keeps), head weights [B, T, Hi]."""
+        q = self.wq_b.forward(q_resid).unflatten(-1, (self.heads, self.head_dim))
+        k = self.k_norm(self.wk.forward(x))[:, :, None]
+        q = torch.cat((_rotate(q[..., : self.rope], cos, sin), q[..., self.rope :]), dim=-1)
+        k = torch.cat((_rotate(k[..., : self.rope], cos, sin), k[..., self.rope :]), dim=-1)[:, :, 0]
+        weights = self.weights_proj.forward(x).float() * self.heads**-0.5
+        return q, k, weights
+
+    def choose(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
+               ) -> torch.Tensor | None:
+        """q [B, T, Hi, Di], weights [B, T, Hi], keys [B, L, Di], visible bool [B, T, L] -> the keys each
+        query keeps, bool [B, T, L] (within `visible`); None when L <= index_topk (all of them)."""
+        if keys.shape[1] <= self.topk:
+            return None
+        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5
+        index = torch.matmul(weights.unsqueeze(-2), F.relu(scores)).squeeze(-2)  # [B, T, L]
+        index = index.masked_fill(~visible, float("-inf"))
+        best = index.topk(self.topk, dim=-1).indices
+        return torch.zeros_like(visible).scatter_(-1, best, True) & visible
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 choice: IndexerChoice) -> None:
+        super().__init__()
+        mla = cfg.mla
+        self.layer, self.num_heads, self.spec = layer, cfg.num_heads, mla
+        self.rank, self.nope, self.rope, self.v_dim = (mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
+                                                       mla.v_head_dim)
+        bias = cfg.attention_bias
+        self.q_a = Linear(mla.q_lora_rank, cfg.hidden_size, bias, dtype, device)
+        self.q_a_norm = RMSNorm(mla.q_lora_rank, NORM_EPS, dtype, device)
+        self.q_b = Linear(cfg.num_heads * (self.nope + self.rope), mla.q_lora_rank, False, dtype, device)
+        self.kv_a = Linear(mla.latent_dim, cfg.hidden_size, bias, dtype, device)
+        self.kv_a_norm = RMSNorm(self.rank, NORM_EPS, dtype, device)
+        self.kv_b = Linear(cfg.num_heads * (self.nope + self.v_dim), self.rank, False, dtype, device)
+        self.o_proj = Linear(cfg.hidden_size, cfg.num_heads * self.v_dim, bias, dtype, device)
+        dsa = cfg.dsa
+        self.indexer = Indexer(cfg, dtype, device) if dsa is not None and dsa.full_layers[layer] else None
+        self.sparse = dsa is not None  # a shared layer (no indexer of its own) follows `choice`
+        self.choice = choice
+        self._calls = 0  # attention calls so far in this forward pass (indexes `choice.keep`)
+
+    # ---- projections ------------------------------------------------------------------------
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, hidden] -> q_nope [B, T, H, nope], rotated q_rope [B, T, H, rope], the cache entry
+        [B, T, latent (+ indexer key)], and the index queries and head weights (None without an indexer)."""
+        q_resid = self.q_a_norm.forward(self.q_a.forward(x))
+        q = self.q_b.forward(q_resid).unflatten(-1, (self.num_heads, self.nope + self.rope))
+        q_nope, q_rot = q[..., : self.nope], _rotate(q[..., self.nope :], cos, sin, self.spec.rope_interleave)
+        kv = self.kv_a.forward(x)
+        latent = self.kv_a_norm.forward(kv[..., : self.rank])
+        k_rot = _rotate(kv[..., None, self.rank :], cos, sin, self.spec.rope_interleave)[:, :, 0]
+        entry, index = torch.cat((latent, k_rot), dim=-1), None
+        if self.indexer is not None:
+            iq, ik, weights = self.indexer.project(x, q_resid, cos, sin)
+            entry, index = torch.cat((entry, ik.to(entry.dtype)), dim=-1), (iq, weights)
+        return q_nope, q_rot, entry, index
+
+    # ---- the forward pass -------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache, last_only: bool = False) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        q_nope, q_rot, entry, index = self.project(x, meta.cos, meta.sin)
+        if self.indexer is not None:
+            self.choice.keep = []
+        self._calls = 0
+        width = entry.shape[-1]
+        match meta:
+            case TeacherForced():
+                row_index = None if index is None else (index, entry[..., self.spec.latent_dim :])
+                out = self._attend(q_nope, q_rot, entry, _causal(seq, x.device)[None], row_index)
+            case Packed():
+                flat = cache[0]
+                flat[meta.write_flat, 0, :width] = entry[0]
+                outs = []
+                for qn, qr, e, *idx in split_rows(meta.row_lengths, q_nope, q_rot, entry, *(index or ())):
+                    n = qn.shape[1]
+                    row_index = (tuple(idx), e[..., self.spec.latent_dim :]) if index is not None else None
+                    if last_only:  # the row's last query sees its whole row
+                        visible = torch.ones(qn.shape[0], 1, n, dtype=torch.bool, device=x.device)
+                        outs.append(self._attend(qn[:, -1:], qr[:, -1:], e, visible,
+                                                 _last(row_index)))
+                    else:
+                        outs.append(self._attend(qn, qr, e, _causal(n, x.device)[None], row_index))
+                out = torch.cat([o.reshape(-1, *o.shape[2:]) for o in outs])[None]  # [1, N or rows, H, v]
+            case Decode():
+                flat = cache[0]
+                flat[meta.write_flat, 0, :width] = entry[:, 0]
+                outs = []
+                for a, b, kv, masked in meta.runs:
+                    keys = kv[self.layer][0][:, 0]  # [rows, slots, entry]
+                    mask = meta.attn_mask[a:b, :, :, : keys.shape[1]] if masked is not None else None
+                    visible = (torch.ones(b - a, 1, keys.shape[1], dtype=torch.bool, device=x.device) if mask is None
+                               else mask[:, 0] > float("-inf"))
+                    row_index = (None if index is None else
+                                 ((index[0][a:b], index[1][a:b]), keys[..., self.spec.latent_dim :]))
+                    outs.append(self._attend(q_nope[a:b], q_rot[a:b], keys, visible, row_index, mask))
+                out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            case Paged():
+                flat = cache[0]
+                flat[meta.write_slots.reshape(-1), 0, :width] = entry.reshape(batch * seq, width)
+                keys = flat[meta.slot_table][:, :, 0]  # [B, L, entry]
+                visible = meta.attn_mask[:, 0]  # [B, T, L]
+                row_index = None if index is None else (index, keys[..., self.spec.latent_dim :])
+                out = self._attend(q_nope, q_rot, keys, visible, row_index)
+            case Extend():
+                flat = cache[0]
+                begin = meta.start + meta.cached
+                flat[begin : begin + seq, 0, :width] = entry[0]
+                keys = flat[meta.start : begin + seq, 0][None]  # [1, cached + C, entry]
+                n = keys.shape[1]
+                if meta.mask is None:
+                    visible, bias = _causal(seq, x.device, n - seq)[None], None
+                else:
+                    visible, bias = meta.mask[:, 0] > float("-inf"), meta.mask
+                row_index = None if index is None else (index, keys[..., self.spec.latent_dim :])
+                if last_only:
+                    q_nope, q_rot, visible = q_nope[:, -1:], q_rot[:, -1:], visible[:, -1:]
+                    bias = None if bias is None else bias[:, :, -1:]
+                    row_index = _last(row_index)
+                out = self._attend(q_nope, q_rot, keys, visible, row_index, bias)
+        return self.o_proj.forward(out.flatten(-2))
+
+    # ---- attention over latents -------------------------------------------------------------
+    def _attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                index=None, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Queries [B, T, H, *] over cache entries `keys` [B, L, entry] -> [B, T, H, v]. `visible` bool
+        [B or 1, T, L]; `bias` an additive [B, 1, T or 1, L] mask (merge bias) used instead of it where
+        given; `index` ((queries, weights), index keys [B, L, Di]) for a full indexer layer."""
+        keep = self._select(index, visible, q_nope.shape[1])
+        mask = bias if bias is not None else visible[:, None]
+        if keep is not None:
+            mask = keep[:, None] if bias is None else bias.masked_fill(~keep[:, None], float("-inf"))
+        if q_nope.shape[1] == 1:
+            return self._absorbed(q_nope, q_rot, keys, mask)
+        return self._expanded(q_nope, q_rot, keys, mask)
+
+    def _select(self, index, visible: torch.Tensor, queries: int) -> torch.Tensor | None:
+        if not self.sparse:
+            return None
+        if self.indexer is not None:
+            (q, weights), keys = index
+            keep = self.indexer.choose(q, weights, keys, visible.expand(q.shape[0], -1, -1))
+            self.choice.keep.append(keep)
+            return keep
+        keep = self.choice.keep[self._calls]
+        self._calls += 1
+        # a final layer computing only each row's last query (`last_only`) keeps that query's choice
+        return None if keep is None else keep[:, -queries:]
+
+    def _expanded(self, q_nope, q_rot, keys, mask) -> torch.Tensor:
+        latent, k_rot = keys[..., : self.rank], keys[..., self.rank : self.spec.latent_dim]
+        kv = self.kv_b.forward(latent).unflatten(-1, (self.num_heads, self.nope + self.v_dim))  # [B, L, H, nope+v]
+        k = torch.cat((kv[..., : self.nope], k_rot[:, :, None].expand(-1, -1, self.num_heads, -1)), dim=-1)
+        v = kv[..., self.nope :]
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             scale=self.spec.scale)
+        return out.transpose(1, 2)
+
+    def _absorbed(self, q_nope, q_rot, keys, mask) -> torch.Tensor:
+        """One query per row: the query heads as rows of one head over the latents themselves."""
+        w = self.kv_b.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope[:, 0], w[:, : self.nope])  # [B, H, rank]
+        q = torch.cat((q_lat, q_rot[:, 0].to(q_lat.dtype)), dim=-1)[:, None]  # [B, 1, H, latent]
+        k = keys[:, None, :, : self.spec.latent_dim]  # [B, 1, L, latent]
+        out = F.scaled_dot_product_attention(q, k, k[..., : self.rank], attn_mask=mask, scale=self.spec.scale)
+        return torch.einsum("bhr,hvr->bhv", out[:, 0], w[:, self.nope :])[:, None]  # [B, 1, H, v]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """RoPE on x [B, T, H, rope] (a view of a projection) into a new tensor, halves layout; interleaved
+    pairs are first de-interleaved (x0, x2, … then x1, x3, …) as the reference does."""
+    x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if interleaved else x.clone()
+    return apply_rotary_(x, cos, sin, False)
+
+
+def _causal(n: int, device: torch.device, cached: int = 0) -> torch.Tensor:
+    """[n, cached + n] bool: query i (at position cached + i) sees keys 0..cached + i."""
+    keys = torch.arange(cached + n, device=device)
+    return keys[None, :] <= (torch.arange(n, device=device) + cached)[:, None]
+
+
+def _last(row_index):
+    """An indexer's (queries, weights) cut to the last query."""
+    if row_index is None:
+        return None
+    (q, weights), keys = row_index
+    return (q[:, -1:], weights[:, -1:]), keys
