@@ -42,6 +42,9 @@ class DataSection:
     id_column: str = "id"
     prompt_column: str = "prompt"
     messages_column: str | None = None  # chat rows; the model's chat template renders them
+    tools_column: str | None = None  # per-row tool specs (a list of JSON-schema functions, or its JSON text)
+    tools: list[Any] = field(default_factory=list)  # one tool list for every row (instead of tools_column)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
     passthrough_columns: list[str] = field(default_factory=list)
     prompt_prefix: str = ""  # prepended to every prompt (a shared few-shot prefix)
     limit: int | None = None  # first N rows in input order (files sorted by path)
@@ -177,12 +180,34 @@ def validate(job: JobConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message + ".")
+    _validate_chat_settings(job.data)
     job.engine_options()  # EngineOptions checks the runtime.* values
     from flashx_batch.runtime.sampling import SamplingParams  # deferred: keeps torch off the schema import
 
     s = job.sampling
     SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                    seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+
+
+def _validate_chat_settings(data: DataSection) -> None:
+    """data.tools_column / tools / chat_template_kwargs: chat settings, so they need data.messages_column."""
+    from flashx_batch.runtime.chat_template import RESERVED_NAMES
+
+    chat_keys = [k for k in ("tools_column", "tools", "chat_template_kwargs") if getattr(data, k)]
+    if chat_keys and not data.messages_column:
+        raise ConfigError(f"data.{chat_keys[0]} is set but data.messages_column is not; tools and template "
+                          "arguments apply to chat rows only.")
+    if data.tools_column and data.tools:
+        raise ConfigError("data.tools_column and data.tools are both set; give tools per row (tools_column) or "
+                          "one list for the job (tools), not both.")
+    if data.tools_column and data.tools_column in (data.id_column, data.messages_column):
+        raise ConfigError(f"data.tools_column={data.tools_column} is also the id or messages column; name the "
+                          "column that holds the tool specs.")
+    reserved = sorted(set(data.chat_template_kwargs) & set(RESERVED_NAMES))
+    if reserved:
+        raise ConfigError(f"data.chat_template_kwargs sets {reserved[0]!r}, which the job sets itself (from the "
+                          "row and data.tools); remove it.")
+    # data.tools' contents are checked with the row checks, at the job's preflight (runner/job.py).
 
 
 def _float_settings(job: JobConfig) -> list[tuple[str, float]]:

@@ -17,7 +17,7 @@ from typing import Any
 from flashx_batch.config import JobConfig
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import InputFile
-from flashx_batch.data.validate import PROMPT_TOO_LONG, RowProblem, build_prompt
+from flashx_batch.data.validate import PROMPT_TOO_LONG, RowProblem, build_prompt, row_tools
 from flashx_batch.kvcache.prefix_cache import block_keys
 from flashx_batch.runtime.tokenizer import Tokenizer
 
@@ -127,7 +127,7 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
             ids.append(row_id)
             value = fr.columns[text_col][ri]
             text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
-                                tokenizer)
+                                tokenizer, row_tools(data, fr.columns, ri), data.chat_template_kwargs)
             if isinstance(text, RowProblem):
                 errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
             else:

@@ -34,9 +34,10 @@ class LoadedInput:
 
 
 def data_columns(data: DataSection) -> list[str]:
-    """The columns a job reads: id, prompt or messages, then the passthrough columns."""
+    """The columns a job reads: id, prompt or messages (and tools), then the passthrough columns."""
     text_col = data.messages_column or data.prompt_column
-    cols = [data.id_column, text_col, *data.passthrough_columns]
+    tools = [data.tools_column] if data.messages_column and data.tools_column else []
+    cols = [data.id_column, text_col, *tools, *data.passthrough_columns]
     return list(dict.fromkeys(cols))
 
 
@@ -58,6 +59,8 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
     for f, fr in zip(files, frames, strict=True):
         id_kinds.add(_check_ids(f, fr, data.id_column))
         _check_text_type(f, fr, text_col, messages=bool(data.messages_column))
+        if data.messages_column and data.tools_column:
+            _check_tools_type(f, fr, data.tools_column)
     if len(id_kinds) > 1:
         raise InputError(f"column {data.id_column!r} is an integer in some files and a string in others; "
                          "make the id type the same everywhere.")
@@ -132,6 +135,16 @@ def _check_text_type(file: InputFile, fr: Frame, col: str, messages: bool) -> No
     if not ok:
         expected = "a list of {role, content} structs or JSON strings" if messages else "strings"
         raise InputError(f"{file.path}: column {col!r} has type {t}; expected {expected}.")
+
+
+def _check_tools_type(file: InputFile, fr: Frame, col: str) -> None:
+    t = fr.types[col]
+    if t is None:
+        return  # JSONL: checked per row (bad_type error rows)
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+            or ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type))):
+        raise InputError(f"{file.path}: column {col!r} (data.tools_column) has type {t}; expected a list of "
+                         "function-spec structs or JSON strings.")
 
 
 def _check_passthrough(files: list[InputFile], frames: list[Frame], col: str) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from flashx_batch.config import DataSection
 from flashx_batch.runtime.tokenizer import Tokenizer
 
 # Error codes (`error_code` in errors/; docs/batch_jobs.md "Error rows"); prompt_too_long is decided
@@ -69,8 +71,14 @@ def check_text(value: Any, what: str, max_bytes: int) -> str | RowProblem:
     return value
 
 
-def check_messages(value: Any, max_bytes: int) -> list[dict[str, str]] | RowProblem:
-    """A raw messages cell (list of {role, content}, or its JSON text) → the messages, or the problem."""
+def check_messages(value: Any, max_bytes: int) -> list[dict[str, Any]] | RowProblem:
+    """A raw messages cell (list of message objects, or its JSON text) → the messages, or the problem.
+
+    A message is {role, content} plus the optional fields chat templates read: `tool_calls` on an
+    assistant turn (a list of {function: {name, arguments}}, or {name, arguments}; arguments an object
+    or its JSON text), `reasoning_content` / `thinking` / `reasoning`, `name`, `tool_call_id`; other
+    keys pass through untouched. As in transformers, keys whose value is null are dropped; an empty
+    `tool_calls` list counts as none (columnar files write one for every turn)."""
     if value is None:
         return RowProblem(NULL_PROMPT, "messages is null")
     if isinstance(value, str):
@@ -82,51 +90,168 @@ def check_messages(value: Any, max_bytes: int) -> list[dict[str, str]] | RowProb
         return RowProblem(BAD_TYPE, f"messages is a {type(value).__name__}, expected a list of {{role, content}}")
     if not value:
         return RowProblem(EMPTY_PROMPT, "messages is an empty list")
-    out, budget = [], max_bytes
+    out: list[dict[str, Any]] = []
+    budget = max_bytes
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return RowProblem(BAD_TYPE, f"messages[{i}] is not a {{role, content}} object")
-        content = check_text(m.get("content"), f"messages[{i}].content", budget)
-        if isinstance(content, RowProblem):
-            if content.code == EMPTY_PROMPT and m["role"] != "user":
-                content = ""  # an empty system turn is legitimate
-            else:
-                return content
-        budget -= len(content)
-        out.append({"role": m["role"], "content": content})
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("tool_calls") == []:
+            del m["tool_calls"]
+        role = m["role"]
+        if "tool_calls" in m:
+            if role != "assistant":
+                return RowProblem(BAD_TYPE, f"messages[{i}] (role {role!r}) has tool_calls; only assistant turns "
+                                            "call tools")
+            calls = _check_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            if isinstance(calls, RowProblem):
+                return calls
+            budget -= calls
+        if "content" in m or "tool_calls" not in m:  # an assistant turn with tool calls may leave content out
+            content = check_text(m.get("content"), f"messages[{i}].content", budget)
+            if isinstance(content, RowProblem):
+                if content.code == EMPTY_PROMPT and role != "user":
+                    content = m["content"] if isinstance(m["content"], str) else ""  # an empty system /
+                    # assistant / tool turn is legitimate
+                elif content.code == NULL_PROMPT:
+                    return RowProblem(NULL_PROMPT, f"messages[{i}].content is missing or null; give the turn's "
+                                                   "text (an assistant turn may leave it out only with tool_calls)")
+                elif content.code == BAD_TYPE:
+                    return RowProblem(BAD_TYPE, content.message + " (message content is text)")
+                else:
+                    return content
+            m["content"] = content
+            budget -= len(content)
+        for key in _TEXT_FIELDS:
+            if key in m:
+                text = check_text(m[key], f"messages[{i}].{key}", budget)
+                if isinstance(text, RowProblem) and text.code != EMPTY_PROMPT:
+                    return text
+                m[key] = m[key] if isinstance(text, RowProblem) else text
+                budget -= len(m[key])
+        out.append(m)
     return out
 
 
-def unrendered_message(messages: list[dict[str, str]], rendered: str) -> RowProblem | None:
-    """The first message whose content the template left out of the prompt, as a problem; None if all are in.
+# Optional message fields that must be text when present (templates concatenate them).
+_TEXT_FIELDS = ("reasoning_content", "thinking", "reasoning", "name", "tool_call_id")
 
-    Templates render only the roles they know (`usr`, `tool` and typos vanish without a word), and a
-    prompt missing a turn is a different question. Each content is looked for on its own (templates
-    may move a system turn, e.g. next to the last user turn); for an assistant turn only the text
-    after its last `</think>` counts (reasoning templates drop earlier thinking)."""
+
+def _check_tool_calls(calls: Any, what: str) -> int | RowProblem:
+    """An assistant turn's tool calls: their size in characters, or the problem with them."""
+    if not isinstance(calls, list):
+        return RowProblem(BAD_TYPE, f"{what} is a {type(calls).__name__}, expected a list of "
+                                    "{function: {name, arguments}}")
+    size = 0
+    for j, call in enumerate(calls):
+        where = f"{what}[{j}]"
+        if not isinstance(call, dict):
+            return RowProblem(BAD_TYPE, f"{where} is not an object; give {{function: {{name, arguments}}}}")
+        fn = call.get("function", call)  # OpenAI shape, or the bare {name, arguments}
+        if not isinstance(fn, dict):
+            return RowProblem(BAD_TYPE, f"{where}.function is not an object; give {{name, arguments}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            return RowProblem(BAD_TYPE, f"{where} has no function name; give function.name as a string")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except (ValueError, RecursionError):
+                return RowProblem(BAD_TYPE, f"{where} ({fn['name']!r}): arguments is a string that is not JSON; "
+                                            "give an object or its JSON text")
+            if not isinstance(parsed, dict):
+                return RowProblem(BAD_TYPE, f"{where} ({fn['name']!r}): arguments is JSON but not an object")
+            size += len(args)
+        elif isinstance(args, dict):
+            size += len(json.dumps(args, default=str))
+        else:
+            return RowProblem(BAD_TYPE, f"{where} ({fn['name']!r}): arguments is "
+                                        f"{'missing' if args is None else 'a ' + type(args).__name__}; give an "
+                                        "object ({} for none) or its JSON text")
+    return size
+
+
+def check_tools(value: Any, max_bytes: int, what: str = "tools") -> list[dict[str, Any]] | None | RowProblem:
+    """A tools cell (a list of JSON-schema function specs, or its JSON text) → the list (None: no tools,
+    for null or an empty list), or the problem. A spec is {type: function, function: {name, description,
+    parameters}} or the bare {name, description, parameters}; other keys pass through."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if len(value) > max_bytes:
+            return RowProblem(ROW_TOO_LARGE, f"{what} has more than data.max_row_bytes={max_bytes} characters")
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return RowProblem(BAD_TYPE, f"{what} is a string that is not JSON; give a list of function specs")
+    if not isinstance(value, list):
+        return RowProblem(BAD_TYPE, f"{what} is a {type(value).__name__}, expected a list of "
+                                    "{type: function, function: {name, parameters}}")
+    for j, tool in enumerate(value):
+        spec = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"].strip():
+            return RowProblem(BAD_TYPE, f"{what}[{j}] is not a function spec; give "
+                                        "{type: function, function: {name, description, parameters}}")
+        if "parameters" in spec and spec["parameters"] is not None and not isinstance(spec["parameters"], dict):
+            return RowProblem(BAD_TYPE, f"{what}[{j}] ({spec['name']!r}): parameters is not a JSON-schema object")
+    if len(json.dumps(value, default=str)) > max_bytes:
+        return RowProblem(ROW_TOO_LARGE, f"{what} has more than data.max_row_bytes={max_bytes} characters")
+    return value or None
+
+
+def unrendered_message(messages: list[dict[str, Any]], rendered: str) -> RowProblem | None:
+    """The first message whose content (or tool call) the template left out of the prompt, as a problem;
+    None if all are in.
+
+    Templates render only the roles they know (`usr` and typos vanish without a word; some templates
+    have no `tool` role or drop tool calls), and a prompt missing a turn is a different question. Each
+    content is looked for on its own (templates may move a system turn, e.g. next to the last user
+    turn), as written or JSON-quoted (Llama-3.x writes tool results with `tojson`); for an assistant
+    turn only the text after its last `</think>` counts (reasoning templates drop earlier thinking),
+    and each tool call must show its function name."""
     for i, m in enumerate(messages):
-        content = m["content"]
+        content = m.get("content", "")
         if m["role"] == "assistant" and "</think>" in content:
             content = content.rsplit("</think>", 1)[1]
         content = content.strip()
-        if not content:
-            continue
-        if content not in rendered:
+        if content and not any(c in rendered for c in (content, json.dumps(content, ensure_ascii=False)[1:-1],
+                                                        json.dumps(content)[1:-1])):
             return RowProblem(UNRENDERED_MESSAGE, f"messages[{i}] (role {m['role']!r}) does not appear in the prompt "
-                                                  "the model's chat template renders; the template leaves that role "
-                                                  "out. Use the roles the template knows (system, user, assistant).")
+                                                  "the model's chat template renders; the template leaves that turn "
+                                                  "out. Use the roles the template knows (system, user, assistant, "
+                                                  "and tool where it has one).")
+        for j, call in enumerate(m.get("tool_calls", ())):
+            name = call.get("function", call)["name"]
+            if name not in rendered:
+                return RowProblem(UNRENDERED_MESSAGE, f"messages[{i}].tool_calls[{j}] (function {name!r}) does not "
+                                                      "appear in the prompt the model's chat template renders; this "
+                                                      "template does not render tool calls.")
     return None
 
 
+def row_tools(data: DataSection, columns: Mapping[str, list[Any]], row: int) -> Any:
+    """The tools cell of `row`: its data.tools_column value when the job names one, else the job's data.tools."""
+    return columns[data.tools_column][row] if data.tools_column else (list(data.tools) or None)
+
+
 def build_prompt(prompt: Any, messages: Any, use_messages: bool, prefix: str, max_bytes: int,
-                 tokenizer: Tokenizer) -> str | RowProblem:
-    """The prompt text of one row (chat template applied for messages, prefix prepended), or its problem."""
+                 tokenizer: Tokenizer, tools: Any = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> str | RowProblem:
+    """The prompt text of one row (chat template applied for messages, prefix prepended), or its problem.
+
+    `tools`: the row's tools cell (data.tools_column) or the job's data.tools; `template_kwargs`:
+    data.chat_template_kwargs, extra variables for the template."""
     if use_messages:
         checked = check_messages(messages, max_bytes)
         if isinstance(checked, RowProblem):
             return checked
+        tool_list = check_tools(tools, max_bytes)
+        if isinstance(tool_list, RowProblem):
+            return tool_list
         try:
-            text = tokenizer.apply_chat_template(checked)
+            text = tokenizer.apply_chat_template(checked, tools=tool_list, **(template_kwargs or {}))
         except ValueError as exc:  # the template's own raise_exception: e.g. roles out of order
             return RowProblem(BAD_TYPE, f"the chat template rejected the messages: {exc}")
         except Exception as exc:  # a template error on this row's data (jinja2 TemplateError, TypeError)

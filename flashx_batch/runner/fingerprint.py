@@ -94,6 +94,9 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
     for k in ("id_column", "prompt_column", "messages_column", "passthrough_columns", "prompt_prefix", "limit",
               "max_row_bytes"):
         fp[f"data.{k}"] = getattr(d, k)
+    for k in ("tools_column", "tools", "chat_template_kwargs"):  # only when set: older jobs still resume
+        if getattr(d, k):
+            fp[f"data.{k}"] = getattr(d, k)
     return fp
 
 

@@ -36,6 +36,7 @@ from flashx_batch.config import JobConfig, resolve_data_path, resolve_model_dir,
 from flashx_batch.data.plan import Plan, build_plan, format_plan
 from flashx_batch.data.preflight import LoadedInput, load_inputs
 from flashx_batch.data.readers import verify_unchanged
+from flashx_batch.data.validate import RowProblem, check_tools
 from flashx_batch.errors import ConfigError, FlashxError, ModelLoadError
 from flashx_batch.job_errors import FingerprintMismatchError, LockHeldError, ShardFailedError
 from flashx_batch.runner import faults, fingerprint, pieces
@@ -102,6 +103,10 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     problem = reserved_column_problem(list(job.data.passthrough_columns))
     if problem:
         raise ConfigError(problem)
+    if job.data.tools:  # one list for every row: a bad one is a bad job, not a column of error rows
+        tools = check_tools(list(job.data.tools), job.data.max_row_bytes, "data.tools")
+        if isinstance(tools, RowProblem):
+            raise ConfigError(tools.message + ".")
     model_dir = resolve_model_dir(job.model.path)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path={job.model.path}: {model_dir} is not a model directory (no config.json).")

@@ -27,7 +27,7 @@ from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.data.preflight import data_columns
 from flashx_batch.data.readers import Frame, InputFile, read_frame
-from flashx_batch.data.validate import RowProblem, build_prompt
+from flashx_batch.data.validate import RowProblem, build_prompt, row_tools
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner.failures import FATAL, WorkerFailure, kind_of
 from flashx_batch.runner.layout import OutputDir
@@ -184,7 +184,7 @@ class ShardWorker:
             fr = self._frame(fi)
             value = fr.columns[text_col][ri]
             text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
-                                self.engine.tokenizer)
+                                self.engine.tokenizer, row_tools(data, fr.columns, ri), data.chat_template_kwargs)
             if isinstance(text, RowProblem):  # the plan accepted this row: the input changed since
                 raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {text.message}; the input changed "
                                    "after planning")
