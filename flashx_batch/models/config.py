@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,17 +113,19 @@ class DSASpec:
     full_layers: tuple[bool, ...]
 
 
-def _read_mla(raw: dict[str, Any], arch: str, source: str) -> MLASpec | None:
+def _read_mla(raw: dict[str, Any], arch: str, source: str, rotary: RopeConfig) -> MLASpec | None:
     if arch not in MLA_ARCHITECTURES:
         return None
     if raw.get("q_lora_rank") is None:
         raise ModelLoadError(f"{source}: latent attention without a query bottleneck (q_lora_rank null, "
                              "DeepSeek-V2-Lite style) is not supported; supported: DeepSeek-V3 and GLM-5 shapes.")
     nope, rope = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    if rotary.mscale_all_dim:  # yarn-extended DeepSeek checkpoints sharpen the softmax with the context
+        scale *= yarn_mscale(rotary.factor, rotary.mscale_all_dim) ** 2
     return MLASpec(int(raw["q_lora_rank"]), int(raw["kv_lora_rank"]), nope, rope, int(raw["v_head_dim"]),
                    # GLM-5 always pairs its rotary channels; DeepSeek-V3 says so in its config
-                   arch == "GlmMoeDsaForCausalLM" or bool(raw.get("rope_interleave", True)),
-                   (nope + rope) ** -0.5)
+                   arch == "GlmMoeDsaForCausalLM" or bool(raw.get("rope_interleave", True)), scale)
 
 
 def _read_dsa(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> DSASpec | None:
@@ -167,7 +170,7 @@ def _read_moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoESpec | None
                    bool(raw.get("norm_topk_prob", False)), sparse, shared, shared_gate=shared > 0,
                    weights_in_model_dtype=True)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,17 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
     interleaved: bool = False
+    # yarn: frequencies blended between `factor`-interpolated and original by a ramp over the rotary
+    # channels (`beta_fast` / `beta_slow` rotations), cos / sin scaled by `attention_factor`
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+    mscale_all_dim: float = 0.0  # DeepSeek: latent attention's softmax scale grows by yarn_mscale(factor, this)^2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -264,7 +278,9 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         head_dim = raw.get("head_dim") or hidden // heads
-        mla = _read_mla(raw, arch, source)
+        is_mla = arch in MLA_ARCHITECTURES
+        rope = _read_rope(raw, flags, source, is_mla)
+        mla = _read_mla(raw, arch, source, rope)
         if mla is not None:  # the rotary tables serve the rotary slice, rotated as halves (see models.mla)
             head_dim = mla.qk_rope_head_dim
         bias = raw.get("attention_bias")
@@ -285,7 +301,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2's modeling code hard-wires q/k/v bias; its config.json does not say so.
             attention_bias=flags.qkv_bias_default if arch == "Qwen2ForCausalLM" or bias is None else bool(bias),
-            rope=_read_rope(raw, flags, source, mla is not None),
+            rope=rope,
             sliding_window=window,
             window_layers=window_layers,
             moe=_read_moe(raw, arch, int(raw["num_hidden_layers"])),
@@ -315,10 +331,20 @@ def _read_rope(raw: dict[str, Any], flags: FamilyFlags, source: str, mla: bool =
             f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    factor = params.get("factor")
+    original = params.get("original_max_position_embeddings")
+    if factor is None:  # DeepSeek-style yarn: the context extension over the pretrained length
+        factor = (float(raw["max_position_embeddings"]) / float(original)
+                  if rope_type == "yarn" and original and raw.get("max_position_embeddings") else 1.0)
+    attention_factor = params.get("attention_factor")
+    if rope_type == "yarn" and attention_factor is None:  # transformers' default, from the paper
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(float(factor), mscale) / yarn_mscale(float(factor), mscale_all)
+                            if mscale and mscale_all else yarn_mscale(float(factor)))
     return RopeConfig(
         theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
@@ -326,6 +352,11 @@ def _read_rope(raw: dict[str, Any], flags: FamilyFlags, source: str, mla: bool =
         ),
         partial_rotary_factor=float(flags.default_partial_rotary if partial is None or mla else partial),
         interleaved=flags.interleaved_rope,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=float(attention_factor or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if rope_type != "default" else 0.0,
     )
 
 

@@ -49,7 +49,28 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, rotary_dim, inv_freq)
     return inv_freq
+
+
+def _yarn_inv_freq(rope: RopeConfig, rotary_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: channels that turn fewer than `beta_slow` times over the pretrained context are interpolated
+    (frequency / factor), those turning more than `beta_fast` times keep theirs, a linear ramp between."""
+    def channel(rotations: float) -> float:  # the rotary channel pair that turns `rotations` times
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return rotary_dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = channel(rope.beta_fast), channel(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: interpolated
+    pos_freqs = rope.theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 class RotaryTable:
@@ -66,6 +87,9 @@ class RotaryTable:
         self.interleaved = rope.interleaved
         self.max_positions = max_positions
         cos, signed_sin = self.angles(torch.arange(max_positions, dtype=torch.int64).float())
+        # yarn scales the embedding (not `angles`, which must stay a pure rotation for re-rotating keys)
+        if rope.attention_factor != 1.0:
+            cos, signed_sin = cos * rope.attention_factor, signed_sin * rope.attention_factor
         self.cos = cos.to(dtype=dtype, device=device)
         self.signed_sin = signed_sin.to(dtype=dtype, device=device)
 
