@@ -1,13 +1,15 @@
 """Peak host memory of `load_model` on a random sharded bfloat16 checkpoint, as a multiple of the weight bytes.
 
-Builds a Llama-shaped checkpoint of random bfloat16 weights (config.json from transformers' own
-`LlamaConfig`; shards written one at a time with safetensors, so building it holds one shard in memory,
-plus an index), then loads it in a fresh process per target dtype: that process imports torch and
-flashx_batch, reads its resident set, resets the kernel's high-water mark (writes 5 to
+Builds a Llama-shaped checkpoint of random bfloat16 weights in a child process (a Hugging Face Llama
+config.json; shards in Hugging Face naming written one at a time with safetensors, so building holds one
+shard in memory; an index), then loads it in a fresh process per target dtype: that process imports torch
+and flashx_batch, reads its resident set, resets the kernel's high-water mark (writes 5 to
 /proc/self/clear_refs; where that is refused, the peak since start, ru_maxrss, is used and said so),
 runs `load_model` on the CPU and reads the peak again. The figure is (peak - baseline) / bytes of the
 model's parameters in the target dtype. It is the resident set as the kernel counts it: pages of a
 memory-mapped file count while they are mapped; the page cache of files read with plain reads does not.
+The figure includes what torch allocates or imports the first time a model is materialised (~36 MiB:
+the first meta -> CPU tensor imports sympy) and the model's RoPE table: a constant, not per weight.
 
     PYTHONPATH=. python jobs/load_memory.py --out results/load_memory.json            # ~1.16 GB, 4 shards
     PYTHONPATH=. python jobs/load_memory.py --layers 8 --hidden 1024 --intermediate 2816 --out small.json
@@ -27,24 +29,23 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = ("bfloat16", "float32", "float16")  # torch is imported in the children only (the parent stays small)
 
 
 def build_checkpoint(out: Path, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int,
                      vocab: int, shards: int, seed: int = 0) -> dict:
     """A random bfloat16 Llama checkpoint in `out`: config.json, `shards` safetensors files in the
     Hugging Face naming, model.safetensors.index.json. Returns the tensor count and bytes."""
-    import transformers
+    import torch
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                      max_position_embeddings=4096, tie_word_embeddings=False,
-                                      architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
-    config.to_json_file(out / "config.json")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+              "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     head_dim = hidden // heads
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
@@ -71,7 +72,7 @@ def build_checkpoint(out: Path, layers: int, hidden: int, intermediate: int, hea
     weight_map = {}
     for n, names in enumerate(groups, 1):
         file = f"model-{n:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {k: (torch.randn(shapes[k], generator=g) * 0.02).to(torch.bfloat16) for k in names}
+        tensors = {k: torch.empty(shapes[k], dtype=torch.bfloat16).normal_(std=0.02, generator=g) for k in names}
         save_file(tensors, out / file, metadata={"format": "pt"})
         del tensors
         weight_map |= dict.fromkeys(names, file)
@@ -97,6 +98,8 @@ def _status_kib(field: str) -> int:
 def measure(model_dir: Path, dtype: str) -> dict:
     """In this process: load `model_dir` as `dtype` on the CPU and report the peak resident set over the
     baseline taken right before (after the imports)."""
+    import torch
+
     import flashx_batch.models.loader as loader  # imported before the baseline: not part of the figure
 
     baseline = _status_kib("VmRSS")
@@ -107,7 +110,7 @@ def measure(model_dir: Path, dtype: str) -> dict:
         method = "ru_maxrss (peak since process start; no reset allowed)"
     before_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    model = loader.load_model(model_dir, DTYPES[dtype], torch.device("cpu"), 4096)
+    model = loader.load_model(model_dir, getattr(torch, dtype), torch.device("cpu"), 4096)
     seconds = time.perf_counter() - started
     peak = _status_kib("VmHWM")
     after = {f: _status_kib(f) for f in ("VmRSS", "RssAnon", "RssFile")}
@@ -144,7 +147,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32", help="target dtypes, comma-separated")
     parser.add_argument("--model-dir", type=Path, help="reuse (or build into) this directory instead of a temp dir")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: the child process's mode
+    parser.add_argument("--measure", choices=DTYPES, help=argparse.SUPPRESS)  # internal: the child process's mode
     parser.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)  # internal: ditto
     args = parser.parse_args()
     if args.measure:
