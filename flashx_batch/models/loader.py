@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.config import ModelConfig
@@ -127,26 +127,67 @@ def _our_name(hf_name: str) -> tuple[str, int | None] | None:
 
 
 Source = tuple[Path, str]  # (safetensors file, HF tensor name)
+# safetensors dtype name -> torch dtype, for the formats in _FLOAT_DTYPES
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_READ_CHUNK = 16 << 20  # bytes read from a file per call: the only host buffer loading adds to the weights
 
 
 def load_weights(model: DecoderModel, model_dir: Path) -> None:
     """Fill every parameter of `model` from the checkpoint. Everything that can be wrong with it is
-    found by `route_checkpoint` from the headers first; this only reads and copies (each file opened once)."""
+    found by `route_checkpoint` from the headers first; this only reads and copies.
+
+    Host memory stays at the model's own bytes plus one `_READ_CHUNK` buffer: each checkpoint tensor
+    is read straight from its file (file by file, in file order; plain reads, no memory map whose
+    pages would count as resident) in chunks, and each chunk copied into the tensor's place in its
+    parameter (its rows of a fused or stacked one), converting to the parameter's dtype and device
+    on the way. No tensor is materialised whole, no parts are concatenated."""
+    if sys.byteorder != "little":  # safetensors data is little-endian and read here as raw bytes
+        raise ModelLoadError(f"{model_dir}: loading safetensors needs a little-endian host.")
     params = dict(model.named_parameters(remove_duplicate=False))
     routes = route_checkpoint(model_dir, model.config, {n: tuple(p.shape) for n, p in params.items()})
-    by_file: dict[Path, list[tuple[str, int, str]]] = {}
+    headers = {path: safetensors_header(path) for path in {path for sources in routes.values() for path, _ in sources}}
+    # file -> its tensors as (byte offset in the data section, HF name, header entry, where it lands: a view of
+    # the parameter)
+    reads: dict[Path, list[tuple[int, str, dict, torch.Tensor]]] = {}
     for name, sources in routes.items():
-        for i, (path, hf_name) in enumerate(sources):
-            by_file.setdefault(path, []).append((name, i, hf_name))
-    read: dict[str, list[torch.Tensor | None]] = {name: [None] * len(src) for name, src in routes.items()}
-    for path, wanted in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for name, i, hf_name in wanted:
-                read[name][i] = f.get_tensor(hf_name)
+        param = params[name].detach()
+        rows = param.view(_as_rows(tuple(param.shape)))  # fused parts and stacked experts: consecutive rows
+        start = 0
+        for path, hf_name in sources:
+            info = headers[path][hf_name]
+            count = int(info["shape"][0]) if info["shape"] else 1
+            reads.setdefault(path, []).append((int(info["data_offsets"][0]), hf_name, info,
+                                               rows[start : start + count] if rows.dim() else rows))
+            start += count
+    scratch = bytearray(_READ_CHUNK)
     with torch.no_grad():
-        for name, tensors in read.items():
-            whole = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-            params[name].copy_(whole.reshape(params[name].shape).to(params[name].dtype))  # experts: stacked
+        for path in sorted(reads):
+            with open(path, "rb", buffering=0) as fh:
+                data_start = 8 + int.from_bytes(fh.read(8), "little")
+                for offset, hf_name, info, dest in sorted(reads[path], key=lambda r: r[0]):
+                    _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch)
+
+
+def _read_tensor(fh, path: Path, hf_name: str, info: dict, position: int, dest: torch.Tensor,
+                 scratch: bytearray) -> None:
+    """Read one checkpoint tensor at `position` of the open file `fh` into `dest` (contiguous, the same
+    number of elements), `len(scratch)` bytes at a time."""
+    dtype = _TORCH_DTYPES[info["dtype"]]
+    size, numel = dtype.itemsize, dest.numel()  # the header's byte count checked against it (safetensors_header)
+    flat = dest.view(-1)
+    step = len(scratch) // size
+    fh.seek(position)
+    for first in range(0, numel, step):
+        n = min(step, numel - first)
+        view = memoryview(scratch)[: n * size]
+        got = 0
+        while got < n * size:  # a read may return less than asked (network file systems)
+            more = fh.readinto(view[got:])
+            if not more:
+                raise ModelLoadError(f"{path.name}:{hf_name}: the file ended inside this tensor; was it changed "
+                                     "while loading? Copy the checkpoint again.")
+            got += more
+        flat[first : first + n].copy_(torch.frombuffer(scratch, dtype=dtype, count=n))
 
 
 def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
@@ -224,8 +265,15 @@ def safetensors_header(path: Path) -> dict[str, dict]:
     tensors = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
     try:
         end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
-        for v in tensors.values():
-            tuple(int(d) for d in v["shape"])
+        for name, v in tensors.items():
+            begin, stop = (int(o) for o in v["data_offsets"])
+            numel = 1
+            for d in v["shape"]:
+                numel *= int(d)
+            if v.get("dtype") in _TORCH_DTYPES and stop - begin != numel * _TORCH_DTYPES[v["dtype"]].itemsize:
+                raise ModelLoadError(f"{path.name}:{name}: holds {stop - begin} bytes, its shape {v['shape']} in "
+                                     f"{v['dtype']} needs {numel * _TORCH_DTYPES[v['dtype']].itemsize}; the file is "
+                                     "corrupt.")
     except (AttributeError, KeyError, TypeError, ValueError, IndexError):
         raise ModelLoadError(f"{path}: the safetensors header does not describe tensors; the file is corrupt.") \
             from None
