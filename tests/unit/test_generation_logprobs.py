@@ -142,3 +142,76 @@ def test_n_with_greedy_is_refused():
         SamplingParams(n=2)
     with pytest.raises(ConfigError, match="logprobs"):
         SamplingParams(logprobs=-1)
+
+
+# ---- the job side: per-row sampling columns, config keys, fingerprint --------------------------------
+
+def _job(path, out, *extra):
+    from batch_support import tiny_model_dir
+
+    from flashx_batch.config import compose_job
+
+    return compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]",
+                        f"model.path={tiny_model_dir()}", f"output.dir={out}", *extra])
+
+
+def test_bad_per_row_values_become_error_rows_and_null_keeps_the_job_value(tmp_path):
+    from batch_support import sample_rows, write_parquet
+
+    from flashx_batch.runner.job import plan_job
+
+    rows = sample_rows(9, seed=2)
+    cells = [(0.7, 4, 7, ["</s>", "x"]), (None, None, None, None), (-0.5, 4, 1, None), (float("nan"), 4, 1, None),
+             (0.7, 0, 1, None), (0.7, 99, 1, None), (0.7, 4, -3, None), (0.0, 4, 1, None), (0.7, 4, 1, ["ok", ""])]
+    for r, (temp, budget, seed, stop) in zip(rows, cells, strict=True):
+        r.update(temp=temp, budget=budget, seed=seed, stops=stop)
+    path = write_parquet(tmp_path / "in.parquet", rows)
+    columns = "+sampling.from_columns={temperature:temp,max_new_tokens:budget,seed:seed,stop:stops}"
+    _, _, plan = plan_job(_job(path, tmp_path / "out", columns, "sampling.n=2", "sampling.temperature=0.9"))
+    errors = {e.id: (e.code, e.message) for errs in plan.row_errors.values() for e in errs}
+    assert sorted(errors) == [2, 3, 4, 5, 6, 7, 8]
+    assert {code for code, _ in errors.values()} == {"bad_sampling_param"}
+    assert "temperature must be >= 0" in errors[2][1] and "finite" in errors[3][1]
+    assert "max_new_tokens must be >= 1" in errors[4][1] and "max_output_len=16" in errors[5][1]
+    assert "seed" in errors[6][1] and "identical samples" in errors[7][1] and "empty string" in errors[8][1]
+    assert plan.num_valid == 2
+
+    from flashx_batch.data.row_sampling import row_params
+
+    job = _job(path, tmp_path / "out", columns, "sampling.n=2", "sampling.temperature=0.9")
+    cols = {k: [r[k] for r in rows] for k in ("temp", "budget", "seed", "stops")}
+    first, default = (row_params(job.sampling, cols, i, 123, 16) for i in (0, 1))
+    assert (first.temperature, first.max_new_tokens, first.seed, first.stop) == (0.7, 4, 7, ("</s>", "x"))
+    assert (default.temperature, default.max_new_tokens, default.seed, default.n) == (0.9, 8, 123, 2)
+
+
+def test_missing_sampling_column_and_bad_keys_stop_the_job(tmp_path):
+    from batch_support import cli, overrides, sample_rows, tiny_model_dir, write_parquet
+
+    path = write_parquet(tmp_path / "in.parquet", sample_rows(3))
+    out = tmp_path / "out"
+    proc = cli(overrides(tiny_model_dir(), path, out, "+sampling.from_columns={temperature:nope}"), cwd=tmp_path)
+    assert proc.returncode == 2 and "missing column(s) nope" in proc.stderr and not out.exists()
+    with pytest.raises(ConfigError, match="not a per-row sampling key"):
+        _job(path, out, "+sampling.from_columns={n:k}")
+    with pytest.raises(ConfigError, match="identical"):
+        _job(path, out, "sampling.n=2")  # greedy job-wide, no per-row temperature
+    assert _job(path, out, "sampling.n=2", "+sampling.from_columns={temperature:t}").sampling.n == 2
+    with pytest.raises(ConfigError, match="logprobs"):
+        _job(path, out, "sampling.logprobs=-2")
+
+
+def test_fingerprint_holds_the_new_keys_only_when_set(tmp_path):
+    from batch_support import sample_rows, write_parquet
+
+    from flashx_batch.runner import fingerprint
+    from flashx_batch.runner.job import plan_job
+
+    path = write_parquet(tmp_path / "in.parquet", sample_rows(3))
+    job = _job(path, tmp_path / "out")
+    _, _, plan = plan_job(job)
+    plain = fingerprint.compute(job, plan, {})
+    assert not {"sampling.logprobs", "sampling.n", "sampling.from_columns"} & set(plain)  # older jobs still resume
+    asked = fingerprint.compute(_job(path, tmp_path / "out", "sampling.logprobs=3", "sampling.n=2",
+                                     "sampling.temperature=1.0", "+sampling.from_columns={seed:id}"), plan, {})
+    assert (asked["sampling.logprobs"], asked["sampling.n"], asked["sampling.from_columns"]) == (3, 2, {"seed": "id"})
