@@ -137,6 +137,22 @@ def test_n_samples_differ_are_reproducible_and_keep_sample_zero(qwen2):
         assert alone.token_ids == mine[2]
 
 
+@pytest.mark.parametrize("options", [dict(prefix_cache_tokens=64), dict(kv_layout="stripes", refill=False)])
+def test_n_samples_and_logprobs_under_prefix_reuse_and_stripes(tiny_models, qwen2, options):
+    """Prefix reuse computes the samples' shared prompt once; the tokens and logprobs stay the plain path's."""
+    engine, _ = qwen2
+    other = cpu_engine(tiny_models["qwen2"][0], **options)
+    rows = prompts(7, (40, 21))
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=9, ignore_eos=True, n=3, logprobs=2)
+    ours, ref = other.generate(rows, params), engine.generate(rows, params)
+    assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+    for o, r in zip(ours, ref, strict=True):
+        assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+    if "prefix_cache_tokens" in options:
+        stats = other.last_stats  # 3 x (40 + 21) prompt tokens: the shared whole segments are computed once
+        assert stats.prefill_tokens_computed < stats.input_tokens // 2
+
+
 def test_n_with_greedy_is_refused():
     with pytest.raises(ConfigError, match="identical"):
         SamplingParams(n=2)
