@@ -60,6 +60,10 @@ class SamplingSection:
     seed: int = 0  # job seed; each row's seed is derived from it and the row id
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # K: per generated token its logprob and the top-K alternatives; null / 0 = off
+    n: int = 1  # samples per row, each an output row with its sample_index
+    # per-row values: sampling key -> input column (a null cell keeps the job-wide value); data/row_sampling.py
+    from_columns: dict[str, str] = field(default_factory=dict)
 
 
 # `runtime.*` = every EngineOptions knob (declared once, with its meaning, in runtime/options.py) except
@@ -186,7 +190,27 @@ def validate(job: JobConfig) -> None:
 
     s = job.sampling
     SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                   seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+                   seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+                   n=1 if "temperature" in s.from_columns else s.n)  # per-row temperatures: checked per row
+    if s.n < 1:
+        raise ConfigError(f"sampling.n must be >= 1, got {s.n}.")
+    _validate_from_columns(s)
+
+
+# sampling keys a column may set per row (sampling.from_columns), and the kind of value each takes; n and
+# logprobs stay job-wide: they shape the output (rows per id, columns)
+SAMPLING_COLUMN_KEYS = {"max_new_tokens": "int", "temperature": "float", "top_k": "int", "top_p": "float",
+                        "seed": "seed", "stop": "stop", "ignore_eos": "bool"}
+
+
+def _validate_from_columns(sampling: SamplingSection) -> None:
+    """The shape of sampling.from_columns: known keys, each naming a column (its values are checked per row)."""
+    for key, column in sampling.from_columns.items():
+        if key not in SAMPLING_COLUMN_KEYS:
+            raise ConfigError(f"sampling.from_columns.{key}: not a per-row sampling key; one of "
+                              f"{', '.join(SAMPLING_COLUMN_KEYS)}.")
+        if not column:
+            raise ConfigError(f"sampling.from_columns.{key} must name an input column.")
 
 
 def _validate_chat_settings(data: DataSection) -> None:

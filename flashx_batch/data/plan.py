@@ -17,6 +17,7 @@ from typing import Any
 from flashx_batch.config import JobConfig
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import InputFile
+from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.validate import PROMPT_TOO_LONG, RowProblem, build_prompt, row_tools
 from flashx_batch.kvcache.prefix_cache import block_keys
 from flashx_batch.runtime.tokenizer import Tokenizer
@@ -130,6 +131,9 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
                                 tokenizer, row_tools(data, fr.columns, ri), data.chat_template_kwargs)
             if isinstance(text, RowProblem):
                 errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
+            elif job.sampling.from_columns and isinstance(
+                    bad := row_params(job.sampling, fr.columns, ri, 0, job.runtime.max_output_len), RowProblem):
+                errors.append(RowError((fi, ri), row_id, bad.code, bad.message, "validate"))
             else:
                 pending.append(((fi, ri), row_id, text))
     segment = job.runtime.segment_size if job.runtime.prefix_cache_tokens else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,17 @@ class LoadedInput:
     id_kind: str  # "int" | "str": the type of the id column, kept in the outputs
 
 
-def data_columns(data: DataSection) -> list[str]:
-    """The columns a job reads: id, prompt or messages (and tools), then the passthrough columns."""
+def data_columns(data: DataSection, extra: Iterable[str] = ()) -> list[str]:
+    """The columns a job reads: id, prompt or messages (and tools), the passthrough columns, then `extra`
+    (the per-row sampling columns, `sampling.from_columns`)."""
     text_col = data.messages_column or data.prompt_column
     tools = [data.tools_column] if data.messages_column and data.tools_column else []
-    cols = [data.id_column, text_col, *tools, *data.passthrough_columns]
+    cols = [data.id_column, text_col, *tools, *data.passthrough_columns, *extra]
     return list(dict.fromkeys(cols))
 
 
-def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None = None) -> LoadedInput:
+def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None = None,
+                extra_columns: Iterable[str] = ()) -> LoadedInput:
     """Resolve, read and check the input. Raises InputError; returns the frames for planning.
     `refuse_under` (the job's output directory): an input file found under it is refused before it
     is read, since it is one of the job's own outputs."""
@@ -52,7 +55,7 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
             raise InputError(f"data.path={data.path} matches {mine[0]} under output.dir={refuse_under}: every rerun "
                              "would read the job's own outputs as input. Put output.dir outside the input, or "
                              "narrow data.path.")
-    cols = data_columns(data)
+    cols = data_columns(data, extra_columns)  # a missing column: InputError, before the output is touched
     text_col = data.messages_column or data.prompt_column
     frames = [read_frame(f, cols, text_col) for f in files]
     id_kinds = set()

@@ -17,7 +17,7 @@ from flashx_batch.config import DataSection
 from flashx_batch.runtime.tokenizer import Tokenizer
 
 # Error codes (`error_code` in errors/; docs/batch_jobs.md "Error rows"); prompt_too_long is decided
-# after tokenizing, in plan.py.
+# after tokenizing, in plan.py; bad_sampling_param (per-row sampling columns) in data/row_sampling.py.
 NULL_PROMPT = "null_prompt"
 EMPTY_PROMPT = "empty_prompt"
 BAD_TYPE = "bad_type"

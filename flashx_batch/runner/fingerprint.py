@@ -90,7 +90,9 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
     }
     if r.cache_policy == "segment_sparse":  # only here: static jobs written before this key existed still resume
         fp["runtime.kv_evict_share"] = r.kv_evict_share
-    fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items()})
+    # logprobs / n / from_columns only when set: jobs written before these keys existed still resume
+    optional = {"logprobs": (None, 0), "n": (1,), "from_columns": ({},)}
+    fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items() if v not in optional.get(k, ())})
     for k in ("id_column", "prompt_column", "messages_column", "passthrough_columns", "prompt_prefix", "limit",
               "max_row_bytes"):
         fp[f"data.{k}"] = getattr(d, k)

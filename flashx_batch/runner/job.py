@@ -131,7 +131,7 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     if _reads_outputs_of(data_path, out):
         raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}: every rerun would read "
                           "the job's own outputs as input. Put output.dir outside the input.")
-    loaded = load_inputs(job.data, data_path, refuse_under=out)
+    loaded = load_inputs(job.data, data_path, refuse_under=out, extra_columns=job.sampling.from_columns.values())
     return model_dir, loaded, build_plan(job, loaded, tokenizer)
 
 
@@ -335,7 +335,7 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
             + ". Rerun the same command to retry them (committed shards are kept).")
     verify_unchanged(plan.files)  # the last word on the input: every row came from the planned bytes
     fingerprint.check_model_unchanged(model_dir, model_stats)
-    totals = _verify(plan, output)
+    totals = _verify(plan, output, job.sampling.n)
     if stop.requested:  # a signal while finishing: stop before _SUCCESS; a rerun only finishes
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
@@ -383,11 +383,12 @@ def _commit_plan_errors(plan: Plan, output: OutputDir, committed: set[str]) -> N
                                                             "worker": "driver"})
 
 
-def _verify(plan: Plan, output: OutputDir) -> dict[str, Any]:
+def _verify(plan: Plan, output: OutputDir, samples: int = 1) -> dict[str, Any]:
     """Check the invariant shard by shard; remove orphans; returns the job totals for _SUCCESS and the report.
 
     For every planned shard: its committed pieces do not overlap and cover it, and the ids they hold
     (generations + errors) are exactly the shard's ids, once each. Nothing else may be committed.
+    With `samples` (sampling.n) > 1 a generated id holds the rows (id, 0) .. (id, n - 1), each once.
     """
     import pyarrow.parquet as pq
 
@@ -407,8 +408,12 @@ def _verify(plan: Plan, output: OutputDir) -> dict[str, Any]:
             for kind, counter in (("generations", gen), ("errors", err)):
                 if kind in committed[pid]["files"]:
                     cols = ["id", "error_code"] if kind == "errors" else ["id"]
+                    if kind == "generations" and samples > 1:
+                        cols.append("sample_index")
                     table = pq.read_table(output.part(kind, pid), columns=cols)
                     ids = table.column("id").to_pylist()
+                    if "sample_index" in cols:
+                        ids = _sampled_ids(spec.shard_id, ids, table.column("sample_index").to_pylist(), samples)
                     counter.update(ids)
                     seen.update(ids)
                     if kind == "errors":
@@ -433,6 +438,19 @@ def _verify(plan: Plan, output: OutputDir) -> dict[str, Any]:
             "pieces": len(committed), "input_tokens": sums["input_tokens"], "output_tokens": sums["output_tokens"],
             "shard_wall_s": sums["wall_s"], "padding_efficiency_bucketed": plan.padding_bucketed,
             "padding_efficiency_unbucketed": plan.padding_unbucketed, "finished_at": time.time()}
+
+
+def _sampled_ids(shard_id: str, ids: list[Any], sample_index: list[int], samples: int) -> list[Any]:
+    """The ids of a generations piece with n samples per row, once each, after checking that every id
+    holds each sample 0 .. n - 1 exactly once."""
+    pairs = Counter(zip(ids, sample_index))
+    per_id = Counter(ids)
+    bad = [p for p, k in pairs.items() if k > 1 or not 0 <= p[1] < samples] + \
+        [i for i, k in per_id.items() if k != samples]
+    if bad:
+        raise InvariantError(f"shard {shard_id}: (id, sample_index) rows are not each of 0..{samples - 1} once: "
+                             f"{bad[:5]}")
+    return list(per_id)
 
 
 def _passthrough_types(job: JobConfig, loaded: LoadedInput) -> dict[str, Any]:

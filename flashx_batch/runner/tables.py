@@ -11,13 +11,16 @@ from typing import Any
 import pyarrow as pa
 
 GENERATION_COLUMNS = ("id", "generated_text", "finish_reason", "num_input_tokens", "num_generated_tokens", "shard_id")
+# written only when asked for: sample_index (sampling.n > 1, right after id), the token columns (sampling.logprobs)
+SAMPLE_COLUMNS = ("sample_index", "token_ids", "token_logprobs", "top_logprobs")
+TOP_LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
 ERROR_COLUMNS = ("id", "error_code", "error_message", "stage")
 STATS_COLUMNS = ("shard_id", "bucket_min_len", "bucket_max_len", "rows", "rows_failed", "input_tokens",
                  "output_tokens", "padding_efficiency", "prefill_s", "decode_s", "wall_s", "output_tok_per_s",
                  "total_tok_per_s", "kv_bytes_peak", "cache_policy", "batch_size", "device", "attempt")
 # Columns we write into the row tables: no user-supplied column may take one of these names
 # (`data.passthrough_columns` is checked against it before the output directory is touched).
-RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS))
+RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS + SAMPLE_COLUMNS))
 
 
 def reserved_column_problem(passthrough: list[str]) -> str | None:
@@ -40,20 +43,42 @@ def id_type(id_kind: str) -> pa.DataType:
 
 
 def generations_table(ids: list[Any], id_kind: str, texts: list[str], finish: list[str], n_in: list[int],
-                      n_out: list[int], shard_id: str, passthrough: dict[str, pa.Array]) -> pa.Table:
+                      n_out: list[int], shard_id: str, passthrough: dict[str, pa.Array],
+                      samples: dict[str, pa.Array] | None = None) -> pa.Table:
+    """`samples`: the SAMPLE_COLUMNS a job asked for (`sample_columns`)."""
+    samples = samples or {}
     cols = {
         "id": pa.array(ids, id_type(id_kind)),
+        **({"sample_index": samples["sample_index"]} if "sample_index" in samples else {}),
         "generated_text": pa.array(texts, pa.string()),
         "finish_reason": pa.array(finish, pa.string()),
         "num_input_tokens": pa.array(n_in, pa.int32()),
         "num_generated_tokens": pa.array(n_out, pa.int32()),
         "shard_id": pa.array([shard_id] * len(ids), pa.string()),
+        **{k: v for k, v in samples.items() if k != "sample_index"},
     }
     clash = set(cols) & set(passthrough)
     if clash:  # preflight refuses these; never let one reach a committed file
         raise ValueError(f"passthrough column(s) {sorted(clash)} would overwrite output columns")
     cols.update(passthrough)
     return pa.table(cols)
+
+
+def sample_columns(sample_index: list[int] | None, token_ids: list[list[int]] | None,
+                   logprobs: list[list[float]] | None, top: list[list[list[tuple[int, float]]]] | None
+                   ) -> dict[str, pa.Array]:
+    """The optional generation columns: `sample_index` int32 (None: n = 1, not written); with logprobs,
+    `token_ids` list<int64>, `token_logprobs` list<double> (one per generated token) and `top_logprobs`
+    list<list<struct<token_id: int64, logprob: double>>> (per token, the top K, most likely first)."""
+    out: dict[str, pa.Array] = {}
+    if sample_index is not None:
+        out["sample_index"] = pa.array(sample_index, pa.int32())
+    if logprobs is not None:
+        out["token_ids"] = pa.array(token_ids, pa.list_(pa.int64()))
+        out["token_logprobs"] = pa.array(logprobs, pa.list_(pa.float64()))
+        out["top_logprobs"] = pa.array([[[{"token_id": t, "logprob": v} for t, v in step] for step in row]
+                                        for row in top], pa.list_(pa.list_(TOP_LOGPROB)))
+    return out
 
 
 def errors_table(ids: list[Any], id_kind: str, codes: list[str], messages: list[str], stages: list[str]) -> pa.Table:

@@ -27,11 +27,12 @@ from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.data.preflight import data_columns
 from flashx_batch.data.readers import Frame, InputFile, read_frame
+from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.validate import RowProblem, build_prompt, row_tools
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner.failures import FATAL, WorkerFailure, kind_of
 from flashx_batch.runner.layout import OutputDir
-from flashx_batch.runner.tables import generations_table, stats_table
+from flashx_batch.runner.tables import generations_table, sample_columns, stats_table
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
@@ -79,7 +80,7 @@ class ShardWorker:
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()
-        self._columns = data_columns(job.data)
+        self._columns = data_columns(job.data, job.sampling.from_columns.values())
         self._text_column = job.data.messages_column or job.data.prompt_column
 
     def _load(self) -> None:
@@ -130,27 +131,28 @@ class ShardWorker:
         return {"shard_id": spec.shard_id, "attempt": attempt, "worker": self.name, "failure": failure.as_dict()}
 
     def _run(self, spec: ShardSpec, attempt: int, staging: Path) -> dict[str, Any]:
-        from flashx_batch.runtime.sampling import SamplingParams
-
         started = time.perf_counter()
         job = self.job
-        ids, texts, passthrough = self._rows(spec)
+        ids, texts, passthrough, params = self._rows(spec)
         if self.faults is not None:
             self.faults.fire("before_generate", spec.shard_id, attempt, ids)
         # chat rows are template-rendered text that already carries BOS / role tokens
         token_lists = self.engine.tokenizer.encode_batch(texts, add_special_tokens=not job.data.messages_column)
-        s = job.sampling
-        params = [SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                                 top_p=s.top_p, seed=row_seed(s.seed, i), stop=tuple(s.stop), ignore_eos=s.ignore_eos)
-                  for i in ids]
-        outs = self.engine.generate(token_lists, params)
+        outs = self.engine.generate(token_lists, params)  # sampling.n > 1: n outputs per row, in row order
         if self.faults is not None:
             self.faults.fire("after_generate", spec.shard_id, attempt, ids)
         g = self.engine.last_stats
         wall = time.perf_counter() - started
-        gen = generations_table(ids, self.ctx.id_kind, [o.text or "" for o in outs], [o.finish_reason for o in outs],
-                                [o.num_input_tokens for o in outs], [o.num_generated_tokens for o in outs],
-                                spec.shard_id, passthrough)
+        of_row = pa.array([o.index for o in outs], pa.int64())
+        logprobs = bool(job.sampling.logprobs)
+        samples = sample_columns([o.sample_index for o in outs] if job.sampling.n > 1 else None,
+                                 [o.token_ids for o in outs] if logprobs else None,
+                                 [o.logprobs for o in outs] if logprobs else None,
+                                 [o.top_logprobs for o in outs] if logprobs else None)
+        gen = generations_table([ids[o.index] for o in outs], self.ctx.id_kind, [o.text or "" for o in outs],
+                                [o.finish_reason for o in outs], [o.num_input_tokens for o in outs],
+                                [o.num_generated_tokens for o in outs], spec.shard_id,
+                                {c: a.take(of_row) for c, a in passthrough.items()}, samples)
         stats = stats_table({
             "shard_id": spec.shard_id, "bucket_min_len": spec.bucket_min_len, "bucket_max_len": spec.bucket_max_len,
             "rows": len(ids), "rows_failed": 0, "input_tokens": g.input_tokens, "output_tokens": g.output_tokens,
@@ -175,10 +177,11 @@ class ShardWorker:
         return {"shard_id": spec.shard_id, "rows": len(ids), "output_tokens": g.output_tokens, "wall_s": wall,
                 "committed": won, "attempt": attempt, "worker": self.name}
 
-    def _rows(self, spec: ShardSpec) -> tuple[list[Any], list[str], dict[str, pa.Array]]:
-        data = self.job.data
+    def _rows(self, spec: ShardSpec) -> tuple[list[Any], list[str], dict[str, pa.Array], list]:
+        """The shard's ids, prompt texts, passthrough columns and sampling parameters, as planned."""
+        data, s = self.job.data, self.job.sampling
         text_col = self._text_column
-        ids, texts = [], []
+        ids, texts, params = [], [], []
         extra: dict[str, list[Any]] = {c: [] for c in data.passthrough_columns}
         for fi, ri in spec.refs:
             fr = self._frame(fi)
@@ -188,12 +191,18 @@ class ShardWorker:
             if isinstance(text, RowProblem):  # the plan accepted this row: the input changed since
                 raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {text.message}; the input changed "
                                    "after planning")
-            ids.append(fr.columns[data.id_column][ri])
+            row_id = fr.columns[data.id_column][ri]
+            p = row_params(s, fr.columns, ri, row_seed(s.seed, row_id), self.job.runtime.max_output_len)
+            if isinstance(p, RowProblem):
+                raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {p.message}; the input changed after "
+                                   "planning")
+            ids.append(row_id)
             texts.append(text)
+            params.append(p)
             for c in extra:
                 extra[c].append(fr.columns[c][ri])
         arrays = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
-        return ids, texts, arrays
+        return ids, texts, arrays, params
 
     def _frame(self, fi: int) -> Frame:
         if fi in self._frames:

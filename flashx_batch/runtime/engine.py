@@ -8,6 +8,7 @@ them in `generate`. Input checks live in `runtime.inputs`, arena sizing in `runt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -155,17 +156,26 @@ class Engine:
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        """Generate for every prompt (text or token ids); outputs come back in input order. A prompt
+        whose params ask for n > 1 samples gives n consecutive outputs (sample_index 0..n-1), each a
+        row of its own seeded by `SamplingParams.sample_seed` (prefix reuse computes their shared
+        prompt once; without it each sample prefills its own copy)."""
         params = per_row_params(sampling, len(prompts), self.options.max_output_len)
         token_lists, truncated = fit_prompts([self.encode(p) for p in prompts], self.options, self.config.vocab_size)
-        rows = [Row(i, ids, p, min(len(ids), self.prompt_slots) + p.max_new_tokens, truncated=cut)
-                for i, (ids, p, cut) in enumerate(zip(token_lists, params, truncated))]
+        rows, owners = [], []  # owners[i]: (prompt index, sample index) of rows[i]
+        for i, (ids, p, cut) in enumerate(zip(token_lists, params, truncated)):
+            for s in range(p.n):
+                one = p if p.n == 1 else dataclasses.replace(p, seed=p.sample_seed(s), n=1)
+                rows.append(Row(len(rows), ids, one, min(len(ids), self.prompt_slots) + p.max_new_tokens,
+                                truncated=cut))
+                owners.append((i, s))
         stats = GenerateStats(kv_bytes_arena=self.runner.kv_bytes)
         self._run(rows, stats)
         self.last_stats = stats
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return [RequestOutput(r.index, r.state.token_ids, r.state.final_text(decode) if decode else None,
-                              r.state.finish_reason or "length", len(r.prompt), r.truncated) for r in rows]
+        return [RequestOutput(i, r.state.token_ids, r.state.final_text(decode) if decode else None,
+                              r.state.finish_reason or "length", len(r.prompt), r.truncated, s,
+                              r.state.logprobs, r.state.top_logprobs) for r, (i, s) in zip(rows, owners)]
 
     def _run(self, rows: list[Row], stats: GenerateStats) -> None:
         """The loop: the scheduler plans a step, the runner runs it, the scheduler takes the tokens.

@@ -5,8 +5,8 @@ For ROCm / Hygon DCU hosts whose torch is not a HIP build: the decoder is export
 present, the CPU provider otherwise. The graphs carry their own growing cache
 `[layers, 2, rows, kv_heads, T, head_dim]` instead of the KV arena, so the scheduler gives this
 runner static striped batches only (`traits.kv_arena = False`) and it reads only the rows, the
-positions and `keep` of a plan. Sampling and stop bookkeeping are the torch runtime's own (host
-tensors), so only the forward passes differ.
+positions and `keep` of a plan. Sampling, logprobs and stop bookkeeping are the torch runtime's own
+(host tensors), so only the forward passes differ.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flashx_batch.onnx.sessions import OnnxSessions, ensure_export
 from flashx_batch.runtime.options import EngineOptions
 from flashx_batch.runtime.plan import StepOutput, StepPlan, StripeDecode, StripePrefill
 from flashx_batch.runtime.runner import ModelRunner, RunnerTraits
-from flashx_batch.runtime.sampling import SamplingBatch, sample
+from flashx_batch.runtime.sampling import SamplingBatch, host_tokens, sample
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,10 @@ class OnnxRunner(ModelRunner):
         self.valid = np.arange(width)[None, :] < lengths[:, None]
         self.sampling = SamplingBatch.build([r.params for r in p.rows], logits.shape[-1], self.device)
         self.steps = torch.zeros(len(prompts), dtype=torch.long)
-        self.tokens = sample(torch.from_numpy(logits), self.sampling, self.steps)
-        return StepOutput(self.tokens.tolist(), None, len(prompts) * width)
+        logits = torch.from_numpy(logits)
+        self.tokens = sample(logits, self.sampling, self.steps)
+        tokens, logprobs, top = host_tokens(logits, self.tokens, self.sampling)
+        return StepOutput(tokens, None, len(prompts) * width, logprobs, top)
 
     def _decode(self, d: StripeDecode) -> StepOutput:
         rows = len(d.positions)
@@ -95,5 +97,7 @@ class OnnxRunner(ModelRunner):
         positions = np.array(d.positions, dtype=np.int64)
         logits, self.cache = self.sessions.decode(step_ids, positions, bias, self.cache)
         self.steps += 1
-        self.tokens = sample(torch.from_numpy(logits), self.sampling, self.steps)
-        return StepOutput(self.tokens.tolist(), None, rows)
+        logits = torch.from_numpy(logits)
+        self.tokens = sample(logits, self.sampling, self.steps)
+        tokens, logprobs, top = host_tokens(logits, self.tokens, self.sampling)
+        return StepOutput(tokens, None, rows, logprobs, top)

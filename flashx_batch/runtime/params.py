@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None / 0 = off; K: each generated token's logprob and its top-K alternatives
+    n: int = 1  # samples per prompt (each its own output, seeded by `sample_seed`)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,6 +42,26 @@ class SamplingParams:
             raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p}.")
         if any(not s for s in self.stop):
             raise ConfigError("sampling.stop must not contain an empty string.")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ConfigError(f"sampling.logprobs must be >= 0 (0 or null = off), got {self.logprobs}.")
+        if self.n < 1:
+            raise ConfigError(f"sampling.n must be >= 1, got {self.n}.")
+        if self.n > 1 and self.greedy:
+            raise ConfigError(f"sampling.n={self.n} with temperature 0 (greedy) would give {self.n} identical "
+                              "samples; set a temperature > 0, or n=1.")
+
+    @property
+    def wants_logprobs(self) -> int:
+        """K alternatives per token (0 = logprobs off)."""
+        return self.logprobs or 0
+
+    def sample_seed(self, sample: int) -> int:
+        """The seed of sample `sample` (0..n-1): sample 0 keeps `seed`, so n=1 samples as before; the
+        others hash (seed, sample), so each sample is reproducible on its own and differs from the rest."""
+        if sample == 0:
+            return self.seed
+        digest = hashlib.sha256(f"{self.seed}\x1fsample\x1f{sample}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
     @property
     def greedy(self) -> bool:

@@ -138,8 +138,12 @@ class StepPlan:
 class StepOutput:
     """tokens: one sampled token per admitted row (prefill) or per live row (decode). slots: prefill
     only, the KV slots each admitted row holds (fewer than its prompt once merged). computed: token
-    positions the model ran, padding included."""
+    positions the model ran, padding included. logprobs / top_logprobs: only when a row of the batch
+    asked for logprobs (None otherwise): per row, its token's raw-model logprob and the batch's top-K
+    (token id, logprob) pairs, most likely first (the scheduler keeps each row's own K)."""
 
     tokens: list[int]
     slots: list[int] | None = None
     computed: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -13,6 +13,12 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length"
     num_input_tokens: int
     truncated: bool = False  # long_input=truncate dropped the head of the prompt
+    sample_index: int = 0  # which of the prompt's `SamplingParams.n` samples this is
+    # SamplingParams.logprobs=K only (None otherwise), one entry per token of `token_ids`: the token's
+    # logprob under the raw model distribution (before temperature / top-k / top-p), and the K most
+    # likely (token id, logprob) pairs at that step, most likely first
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

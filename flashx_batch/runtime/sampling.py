@@ -5,6 +5,12 @@ integer hash computed on the device. A row's samples therefore depend only on it
 logits — not on which other rows share its batch, their order, or how many batches ran before —
 and no per-row `torch.Generator` loop runs on the host. Gumbel-max with exact noise samples from
 the softmax it perturbs, which the frequency test checks.
+
+Logprobs (`SamplingParams.logprobs=K`) are the *raw* model distribution: log-softmax in float32 of the
+logits `sample` was given, before temperature, top-k or top-p (as vLLM returns them by default, and
+as a scorer comparing against the model expects). `host_tokens` fetches a step's tokens, and when some
+row of the batch asked for logprobs, their logprobs and the batch's top-K alternatives in the same
+single transfer; with logprobs off it is the plain `tolist()` of the tokens, nothing more.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class SamplingBatch:
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     any_filter: bool
+    logprobs: int = 0  # the most top-K alternatives any row asked for (0: no row wants logprobs)
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -59,11 +66,12 @@ class SamplingBatch:
             greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
             all_greedy=all(p.greedy for p in params),
             any_filter=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in params),
+            logprobs=max((p.wants_logprobs for p in params), default=0),
         )
 
     def select(self, rows: torch.Tensor) -> SamplingBatch:
         return SamplingBatch(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seeds[rows],
-                             self.greedy[rows], self.all_greedy, self.any_filter)
+                             self.greedy[rows], self.all_greedy, self.any_filter, self.logprobs)
 
     def extend(self, other: SamplingBatch) -> SamplingBatch:
         """These rows followed by `other`'s (a row admitted into a running batch)."""
@@ -72,7 +80,8 @@ class SamplingBatch:
                                                               (self.seeds, other.seeds),
                                                               (self.greedy, other.greedy))),
                              all_greedy=self.all_greedy and other.all_greedy,
-                             any_filter=self.any_filter or other.any_filter)
+                             any_filter=self.any_filter or other.any_filter,
+                             logprobs=max(self.logprobs, other.logprobs))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, steps: torch.Tensor) -> torch.Tensor:
@@ -97,3 +106,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, steps: torch.Tensor) -> t
     else:
         sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(batch.greedy, greedy_tokens, sampled)
+
+
+StepTokens = tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]
+
+
+def host_tokens(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> StepTokens:
+    """A step's sampled `tokens` [B] on the host: (token ids, chosen-token logprobs, top-K (id, logprob)
+    per row, most likely first). Logprobs off for the whole batch: (ids, None, None) and no other work.
+    On: one [B, 2 + 2K] float64 tensor (ids and logprobs are exact in it) crosses to the host once;
+    every row gets the batch's K (the scheduler trims each row to its own)."""
+    if not batch.logprobs:
+        return tokens.tolist(), None, None
+    k = min(batch.logprobs, logits.shape[-1])
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+    top = logprobs.topk(k, dim=-1)  # sorted, most likely first
+    rows = torch.cat((tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double(),
+                      top.values.double(), top.indices.double()), dim=1).tolist()
+    ids = [int(r[0]) for r in rows]
+    return ids, [r[1] for r in rows], [list(zip(map(int, r[2 + k:]), r[2 : 2 + k])) for r in rows]

@@ -139,12 +139,17 @@ class Scheduler:
             finished = []
             for k, (row, token) in enumerate(zip(rows, out.tokens)):
                 row.state = RowState.start(row.params, self.eos_token_ids)
+                if out.logprobs is not None:
+                    row.state.record_logprobs(out.logprobs[k], out.top_logprobs[k])
                 if row.state.append(token, self.decode_text):
                     finished.append(base + k)
         elif plan.decode is not None:
             batch.stepped()
             stats.decode_steps += 1
             stats.computed_slots += out.computed
+            if out.logprobs is not None:
+                for row, logprob, top in zip(batch.rows, out.logprobs, out.top_logprobs):
+                    row.state.record_logprobs(logprob, top)
             finished = [j for j, (row, token) in enumerate(zip(batch.rows, out.tokens))
                         if row.state.append(token, self.decode_text)]
         else:

@@ -20,13 +20,25 @@ class RowState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_at: int | None = None  # character offset where a stop string begins
+    # params.logprobs on: per generated token, its logprob and its top-K (id, logprob) alternatives
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @classmethod
     def start(cls, params: SamplingParams, eos_ids: tuple[int, ...]) -> RowState:
         ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             ids.update(eos_ids)
-        return cls(params=params, stop_ids=frozenset(ids))
+        state = cls(params=params, stop_ids=frozenset(ids))
+        if params.wants_logprobs:
+            state.logprobs, state.top_logprobs = [], []
+        return state
+
+    def record_logprobs(self, logprob: float, top: list[tuple[int, float]]) -> None:
+        """The logprobs of the token about to be appended (a no-op for a row that did not ask)."""
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+            self.top_logprobs.append(top[: self.params.wants_logprobs])
 
     def append(self, token: int, decode: Callable[[list[int]], str]) -> bool:
         """Record one generated token; returns True when the row has just finished."""

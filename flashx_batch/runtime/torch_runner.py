@@ -35,7 +35,7 @@ from flashx_batch.runtime.plan import (
     StripePrefill,
 )
 from flashx_batch.runtime.runner import ModelRunner
-from flashx_batch.runtime.sampling import SamplingBatch, sample
+from flashx_batch.runtime.sampling import SamplingBatch, StepTokens, host_tokens, sample
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ class TorchRunner(ModelRunner):
                     computed = sum(len(r.prompt) for r in p.rows)
                 case PagedPrefill() as p:
                     (logits, computed), slots = self._paged_prefill(p), None
-            return StepOutput(self._join(plan.prefill.rows, logits), slots, computed)
+            tokens, logprobs, top = self._join(plan.prefill.rows, logits)
+            return StepOutput(tokens, slots, computed, logprobs, top)
         if plan.decode is not None:
             match plan.decode:
                 case StripeDecode() as d:
@@ -129,7 +130,8 @@ class TorchRunner(ModelRunner):
                     logits = self._paged_step(d)
             live.steps += 1
             live.tokens = sample(logits, live.sampling, live.steps)
-            return StepOutput(live.tokens.tolist(), None, len(live.tokens))
+            tokens, logprobs, top = host_tokens(logits, live.tokens, live.sampling)
+            return StepOutput(tokens, None, len(tokens), logprobs, top)
         return StepOutput([])
 
     def reset(self) -> None:
@@ -150,13 +152,13 @@ class TorchRunner(ModelRunner):
         return [self.model.logits(hidden[i, : len(p)]) for i, p in enumerate(prompts)]
 
     # ---- prefill ----------------------------------------------------------------------------
-    def _join(self, rows: tuple[NewRow, ...], logits: torch.Tensor) -> list[int]:
+    def _join(self, rows: tuple[NewRow, ...], logits: torch.Tensor) -> StepTokens:
         """Sample the first tokens of rows just prefilled and join them to the live rows."""
         sampling = SamplingBatch.build([r.params for r in rows], logits.shape[-1], self.device)
         steps = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        base = len(self.live.tokens)
-        self.live.join(sample(logits, sampling, steps), steps, sampling)
-        return self.live.tokens[base:].tolist()
+        tokens = sample(logits, sampling, steps)
+        self.live.join(tokens, steps, sampling)
+        return host_tokens(logits, tokens, sampling)
 
     def prefill_packed(self, prompts: list[list[int]], first_row: int = 0, capacity: int | None = None
                        ) -> torch.Tensor:

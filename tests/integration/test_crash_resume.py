@@ -211,3 +211,56 @@ def test_zombie_second_attempt_of_the_same_shard(job_args, shards, tmp_path, mon
     refused = zombie.run_shard(spec, 3)["failure"]
     assert refused["type"] == "ZombieAttemptError" and "zombie" in refused["message"]
     _assert_exactly_once(out)
+
+
+def test_samples_and_per_row_sampling_survive_kills_exactly_once(tmp_path):
+    """sampling.n=3 with logprobs and per-row temperature / max_new_tokens / seed columns: killed mid-job
+    and resumed, every (id, sample) is committed once, equal to an uninterrupted run; a bad per-row
+    value is an error row; a resume with other per-row settings is refused."""
+    import pyarrow.parquet as pq
+
+    rows = sample_rows(10, seed=5)
+    for r in rows:
+        r.update(temp=0.8 + (r["id"] % 3) * 0.3, budget=5 + r["id"] % 4, seed=1000 + r["id"])
+    rows[3]["temp"] = None  # a null cell: the job-wide temperature
+    rows[6]["temp"] = -1.0  # a bad value: an error row, the rest of the job runs
+    data = write_parquet(tmp_path / "in" / "in.parquet", rows)
+    columns = "+sampling.from_columns={temperature:temp,max_new_tokens:budget,seed:seed}"
+    common = ("runtime.shard_size=2", "runtime.max_batch_size=2", "runtime.max_output_len=24",
+              "sampling.ignore_eos=true", "sampling.temperature=1.0", "sampling.n=3", "sampling.logprobs=2")
+
+    def args(out, per_row=columns):
+        return overrides(tiny_model_dir(), data, out, *common, per_row)
+
+    out, kills = tmp_path / "out", 0
+    for _ in range(5):
+        proc = cli(args(out), cwd=tmp_path, background=True)
+        if _kill_after(proc, out, _manifests(out) + 1, random.uniform(0.0, 0.03)):
+            kills += 1
+        if kills >= 2:
+            break
+    assert kills >= 1, "the job finished before any kill"
+    final = cli(args(out), cwd=tmp_path)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert run(compose_job(args(tmp_path / "clean"))) == 0
+
+    def table(root):
+        return sorted(pq.read_table(root / "generations").to_pylist(), key=lambda r: (r["id"], r["sample_index"]))
+
+    got, clean = table(out), table(tmp_path / "clean")
+    pairs = [(r["id"], r["sample_index"]) for r in got]
+    assert pairs == [(i, s) for i in range(10) if i != 6 for s in range(3)]  # each (id, sample) once
+    errors = pq.read_table(out / "errors").to_pylist()
+    assert [(e["id"], e["error_code"]) for e in errors] == [(6, "bad_sampling_param")]
+    assert "temperature" in errors[0]["error_message"]
+    for a, b in zip(got, clean, strict=True):
+        assert (a["token_ids"], a["generated_text"]) == (b["token_ids"], b["generated_text"])
+        assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], abs=1e-5)
+        assert a["num_generated_tokens"] == rows[a["id"]]["budget"] == len(a["token_logprobs"])
+        assert all(len(step) == 2 and step[0]["logprob"] >= step[1]["logprob"] for step in a["top_logprobs"])
+    distinct = [len({tuple(r["token_ids"]) for r in got if r["id"] == i}) for i in range(10) if i != 6]
+    assert sum(d > 1 for d in distinct) >= len(distinct) // 2  # seeded per (row, sample): samples differ
+    acc = json.loads((out / "job.json").read_text())["accounting"]
+    assert (acc["generated_rows"], acc["error_rows"], acc["pending_rows"]) == (9, 1, 0)
+    refused = cli(args(out, "+sampling.from_columns={temperature:temp,max_new_tokens:budget}"), cwd=tmp_path)
+    assert refused.returncode == 2 and "sampling.from_columns" in refused.stderr

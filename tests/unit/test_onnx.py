@@ -57,6 +57,10 @@ def test_random_llama_greedy_tokens_equal_torch_runtime(llama):
     edge = [[7], _prompts(2, (64,))[0]]  # a one-token prompt (T=1 prefill) and one of max_input_len
     for prompt in edge:
         assert onnx_engine.generate([prompt], same)[0].token_ids == torch_engine.generate([prompt], same)[0].token_ids
+    logprobs = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3)  # the same sampler and logprobs
+    for o, r in zip(onnx_engine.generate(prompts[:2], logprobs), torch_engine.generate(prompts[:2], logprobs)):
+        assert o.token_ids == r.token_ids and o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+        assert [[t for t, _ in step] for step in o.top_logprobs] == [[t for t, _ in step] for step in r.top_logprobs]
 
 
 def test_export_is_cached_and_dtype_checked(llama):
