@@ -4,6 +4,7 @@ model, multiple choice equals per-choice scoring, and `task` jobs write one resu
 from __future__ import annotations
 
 import json
+import math
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -122,7 +123,7 @@ def test_bad_requests_are_refused(engine):
 
 # ---- jobs -----------------------------------------------------------------------------------------
 def _run_job(tmp_path, rows, *extra):
-    from batch_support import overrides, tiny_model_dir
+    from batch_support import overrides
 
     from flashx_batch.config import compose_job
     from flashx_batch.runner import run
@@ -130,7 +131,7 @@ def _run_job(tmp_path, rows, *extra):
     data = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     out = tmp_path / "out"
-    code = run(compose_job(overrides(tiny_model_dir(), data, out, *extra)))
+    code = run(compose_job(overrides(bundled_model_dir(), data, out, "output.report=false", *extra)))
     return code, out
 
 
@@ -138,3 +139,96 @@ def _tables(out):
     gen = pq.read_table(out / "generations").to_pylist()
     err = pq.read_table(out / "errors").to_pylist()
     return {r["id"]: r for r in gen}, {r["id"]: r["error_code"] for r in err}
+
+
+def test_job_loglikelihood_rows_and_error_rows(engine, tmp_path):
+    rows = [{"id": 0, "context": "Permission is hereby", "continuation": " granted, free of charge"},
+            {"id": 1, "context": "", "continuation": "Copyright (C) 2001"},
+            {"id": 2, "context": "The licence ", "continuation": "is void"},
+            {"id": 3, "context": None, "continuation": "x"},
+            {"id": 4, "context": "a", "continuation": ""},
+            {"id": 5, "context": "   ", "continuation": "x"},
+            {"id": 6, "context": "a", "continuation": " b" * 600}]
+    code, out = _run_job(tmp_path, rows, "task=loglikelihood", "runtime.shard_size=2")
+    assert code == 0
+    gen, err = _tables(out)
+    assert err == {3: "null_context", 4: "empty_continuation", 5: "empty_context", 6: "continuation_too_long"}
+    want = engine.loglikelihood([(r["context"], r["continuation"]) for r in rows[:3]])
+    for r, (lp, greedy) in zip(rows[:3], want, strict=True):
+        assert gen[r["id"]]["logprob"] == pytest.approx(lp, abs=1e-4)
+        assert gen[r["id"]]["is_greedy"] == greedy and gen[r["id"]]["num_tokens"] >= 1
+
+
+def test_job_multiple_choice_equals_per_choice_loglikelihood(engine, tmp_path):
+    rows = [{"id": "q0", "context": "Permission is hereby", "choices": ["granted", "denied", "x"], "answer": 0},
+            {"id": "q1", "context": "The GNU General Public", "choices": ["License", "Library"], "answer": 1},
+            {"id": "q2", "context": "Copyright", "choices": ["(C) 2001"], "answer": None},
+            {"id": "q3", "context": "a", "choices": [], "answer": 0},
+            {"id": "q4", "context": "a", "choices": ["b", "c"], "answer": 2},
+            {"id": "q5", "context": "a", "choices": ["b", None], "answer": 0}]
+    code, out = _run_job(tmp_path, rows, "task=multiple_choice")
+    assert code == 0
+    gen, err = _tables(out)
+    assert err == {"q3": "empty_choices", "q4": "answer_out_of_range", "q5": "empty_choice"}
+    for r in rows[:3]:
+        want = [lp for lp, _ in engine.loglikelihood([(r["context"], " " + c) for c in r["choices"]])]
+        got = gen[r["id"]]
+        assert got["choice_logprobs"] == pytest.approx(want, abs=1e-4)
+        assert got["choice_logprobs_norm"] == pytest.approx([lp / len(c) for lp, c in zip(want, r["choices"],
+                                                                                           strict=True)], abs=1e-4)
+        assert got["pred"] == max(range(len(want)), key=lambda i: want[i])
+        assert got["correct"] == (None if r["answer"] is None else got["pred"] == r["answer"])
+
+
+def test_job_perplexity(engine, tmp_path):
+    rows = [{"id": 0, "prompt": "Permission is hereby granted, free of charge, to any person"},
+            {"id": 1, "prompt": "This program is free software; you can redistribute it"},
+            {"id": 2, "prompt": "  "}, {"id": 3, "prompt": None}]
+    code, out = _run_job(tmp_path, rows, "task=perplexity")
+    assert code == 0
+    gen, err = _tables(out)
+    assert err == {2: "empty_prompt", 3: "null_prompt"}
+    want = engine.loglikelihood_rolling([r["prompt"] for r in rows[:2]])
+    for r, lp in zip(rows[:2], want, strict=True):
+        got = gen[r["id"]]
+        assert got["logprob"] == pytest.approx(lp, abs=1e-4)
+        assert got["perplexity"] == pytest.approx(math.exp(-got["logprob"] / got["num_tokens"]))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["task=bogus"], "task='bogus'"),
+    (["task=loglikelihood", "data.messages_column=messages"], "chat rows are for task=generate"),
+    (["task=perplexity", "data.prompt_prefix=Q:"], "prompt_prefix"),
+    (["task=multiple_choice", "data.choices_column=id"], "two roles"),
+])
+def test_bad_task_config_is_refused(extra, message):
+    from batch_support import overrides, tiny_model_dir
+
+    from flashx_batch.config import compose_job
+    from flashx_batch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        compose_job(overrides(tiny_model_dir(), "in.parquet", None, *extra))
+
+
+def test_multiple_choice_job_resumes_after_a_crash_exactly_once(tmp_path):
+    import signal
+
+    from batch_support import cli, faults_override, output_ids, overrides
+
+    rows = [{"id": i, "context": f"Section {i}: permission is", "choices": ["granted", "denied"], "answer": i % 2}
+            for i in range(6)] + [{"id": 6, "context": "a", "choices": [], "answer": 0}]
+    data = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    out = tmp_path / "out"
+    args = overrides(bundled_model_dir(), data, out, "task=multiple_choice", "runtime.shard_size=2",
+                     "output.report=false")
+    crashed = cli([*args, faults_override(["crash:at=after_publish:shard=b*-0001-*"])], cwd=tmp_path)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    published = {p.name for p in (out / "generations").glob("part-*.parquet")}
+    assert any("-0001-" in name for name in published)  # published, never committed (no manifest)
+    resumed = cli(args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    generated, errors = output_ids(out)
+    assert max((generated + errors).values()) == 1
+    assert set(generated) == set(range(6)) and set(errors) == {6}
