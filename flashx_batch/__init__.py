@@ -1,6 +1,6 @@
 """flashx-batch: offline batch LLM inference for heterogeneous accelerators.
 
-Public API (README "Python API"): `Engine`, `SamplingParams`, `RequestOutput`. Names load lazily so that
+Public API (README "Python API"): `Engine`, `SamplingParams`, `RequestOutput`, `ChoiceScores`. Names load lazily so that
 `python -m flashx_batch.doctor` still runs when `import torch` itself is broken (torch_npu without
 CANN), which is exactly when a user needs it.
 """
@@ -8,9 +8,10 @@ CANN), which is exactly when a user needs it.
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerateStats", "__version__"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerateStats", "ChoiceScores", "__version__"]
 _LAZY = {"Engine": "flashx_batch.runtime.engine", "GenerateStats": "flashx_batch.runtime.engine",
-         "RequestOutput": "flashx_batch.runtime.engine", "SamplingParams": "flashx_batch.runtime.sampling"}
+         "RequestOutput": "flashx_batch.runtime.engine", "ChoiceScores": "flashx_batch.runtime.engine",
+         "SamplingParams": "flashx_batch.runtime.sampling"}
 
 
 def __getattr__(name: str):

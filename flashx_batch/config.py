@@ -27,6 +27,8 @@ BUNDLED_PREFIX = "bundled://"
 PRIMARY_CONFIG = "flashx_job"
 SCHEMA_NAME = "flashx_job_schema"
 DEFAULT_PRESET = "legal_docs"
+# `task`: what a job computes per row (README "Config keys"); every task writes its result rows to generations/
+TASKS = ("generate", "loglikelihood", "multiple_choice", "perplexity")
 
 
 @dataclass
@@ -49,6 +51,12 @@ class DataSection:
     prompt_prefix: str = ""  # prepended to every prompt (a shared few-shot prefix)
     limit: int | None = None  # first N rows in input order (files sorted by path)
     max_row_bytes: int = 1_000_000  # larger prompts become `row_too_large` error rows untokenized
+    # scoring tasks (task: loglikelihood | multiple_choice; perplexity reads prompt_column)
+    context_column: str = "context"
+    continuation_column: str = "continuation"  # task: loglikelihood
+    choices_column: str = "choices"  # task: multiple_choice: a list of strings (or its JSON text)
+    answer_column: str | None = "answer"  # task: multiple_choice: the right choice's index; null = no answers
+    target_delimiter: str = " "  # task: multiple_choice: put between the context and each choice (lm-eval's)
 
 
 @dataclass
@@ -125,6 +133,7 @@ class JobConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     output: OutputSection = field(default_factory=OutputSection)
+    task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity
     dry_run: bool = False
     log_level: str = "INFO"
 
@@ -185,6 +194,7 @@ def validate(job: JobConfig) -> None:
         if not ok:
             raise ConfigError(message + ".")
     _validate_chat_settings(job.data)
+    _validate_task(job)
     job.engine_options()  # EngineOptions checks the runtime.* values
     from flashx_batch.runtime.sampling import SamplingParams  # deferred: keeps torch off the schema import
 
@@ -232,6 +242,32 @@ def _validate_chat_settings(data: DataSection) -> None:
         raise ConfigError(f"data.chat_template_kwargs sets {reserved[0]!r}, which the job sets itself (from the "
                           "row and data.tools); remove it.")
     # data.tools' contents are checked with the row checks, at the job's preflight (runner/job.py).
+
+
+def _validate_task(job: JobConfig) -> None:
+    """`task` and the data.* keys of the scoring tasks."""
+    d = job.data
+    if job.task not in TASKS:
+        raise ConfigError(f"task={job.task!r} is not one of {', '.join(TASKS)}.")
+    if job.task == "generate":
+        return
+    if d.messages_column:
+        raise ConfigError(f"data.messages_column is set but task={job.task}; chat rows are for task=generate. Give "
+                          "the rendered text in the context (or prompt) column.")
+    s = job.sampling
+    if s.n != 1 or s.logprobs or s.from_columns:
+        raise ConfigError(f"sampling.n, sampling.logprobs and sampling.from_columns shape generated text, and "
+                          f"task={job.task} generates none; drop them (or use task=generate).")
+    if job.task == "perplexity" and d.prompt_prefix:
+        raise ConfigError("data.prompt_prefix is set but task=perplexity; a prefix would be scored as part of every "
+                          "text. Remove it.")
+    read = {"loglikelihood": [d.context_column, d.continuation_column],
+            "multiple_choice": [d.context_column, d.choices_column, *([d.answer_column] if d.answer_column else [])],
+            "perplexity": [d.prompt_column]}[job.task]
+    clash = [c for c in read if c == d.id_column] or [c for c in read if read.count(c) > 1]
+    if clash:
+        raise ConfigError(f"task={job.task}: column {clash[0]!r} is named for two roles (id, context, continuation, "
+                          "choices, answer); name a different column for each.")
 
 
 def _float_settings(job: JobConfig) -> list[tuple[str, float]]:

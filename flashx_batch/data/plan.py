@@ -18,7 +18,14 @@ from flashx_batch.config import JobConfig
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import InputFile
 from flashx_batch.data.row_sampling import row_params
-from flashx_batch.data.validate import PROMPT_TOO_LONG, RowProblem, build_prompt, row_tools
+from flashx_batch.data.validate import (
+    PROMPT_TOO_LONG,
+    RowProblem,
+    build_prompt,
+    encode_score_rows,
+    row_tools,
+    score_row,
+)
 from flashx_batch.kvcache.prefix_cache import block_keys
 from flashx_batch.runtime.tokenizer import Tokenizer
 
@@ -113,6 +120,8 @@ def bucket_edges(job: JobConfig) -> list[int]:
 
 def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
     """Validate, tokenize, bucket and shard every row of `loaded`."""
+    if job.task != "generate":
+        return _build_score_plan(job, loaded, tokenizer)
     data = job.data
     text_col = data.messages_column or data.prompt_column
     ids: list[Any] = []
@@ -150,6 +159,42 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
             errors.append(RowError(ref, row_id, "empty_prompt", "prompt has no tokens", "tokenize"))
         else:
             valid.append((ref, row_id, min(n, limit), signature))
+    return _assemble(job, loaded, ids, valid, errors)
+
+
+def _build_score_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
+    """The plan of a scoring task (loglikelihood, multiple_choice, perplexity): rows checked and encoded by
+    the rules the engine scores them with, bucketed by the tokens the model reads per row."""
+    from flashx_batch.runtime.lm_requests import LMEncoder
+
+    data = job.data
+    ids: list[Any] = []
+    errors: list[RowError] = []
+    pending: list[tuple[Ref, Any, Any]] = []
+    remaining = data.limit if data.limit is not None else float("inf")
+    for fi, fr in enumerate(loaded.frames):
+        for ri in range(fr.num_rows):
+            if remaining <= 0:
+                break
+            remaining -= 1
+            row_id = fr.columns[data.id_column][ri]
+            ids.append(row_id)
+            row = score_row(job.task, data, fr.columns, ri)
+            if isinstance(row, RowProblem):
+                errors.append(RowError((fi, ri), row_id, row.code, row.message, "validate"))
+            else:
+                pending.append(((fi, ri), row_id, row))
+    encoder = LMEncoder.for_tokenizer(tokenizer)
+    valid: list[tuple[Ref, Any, int, tuple]] = []
+    for start in range(0, len(pending), _ENCODE_CHUNK):
+        chunk = pending[start : start + _ENCODE_CHUNK]
+        encoded = encode_score_rows(job.task, [r for _, _, r in chunk], encoder, job.runtime.max_input_len,
+                                    data.target_delimiter)
+        for (ref, row_id, _), enc in zip(chunk, encoded, strict=True):
+            if isinstance(enc, RowProblem):
+                errors.append(RowError(ref, row_id, enc.code, enc.message, "tokenize"))
+            else:
+                valid.append((ref, row_id, enc.length, ()))
     return _assemble(job, loaded, ids, valid, errors)
 
 

@@ -34,17 +34,27 @@ class LoadedInput:
     id_kind: str  # "int" | "str": the type of the id column, kept in the outputs
 
 
-def data_columns(data: DataSection, extra: Iterable[str] = ()) -> list[str]:
-    """The columns a job reads: id, prompt or messages (and tools), the passthrough columns, then `extra`
-    (the per-row sampling columns, `sampling.from_columns`)."""
-    text_col = data.messages_column or data.prompt_column
+def text_column(data: DataSection, task: str = "generate") -> str:
+    """The column a row's main text is in: messages or prompt (generate, perplexity), else the context."""
+    if task in ("loglikelihood", "multiple_choice"):
+        return data.context_column
+    return data.messages_column or data.prompt_column
+
+
+def data_columns(data: DataSection, task: str = "generate", extra: Iterable[str] = ()) -> list[str]:
+    """The columns a job reads: id, prompt or messages (and tools), then the passthrough columns; for
+    the scoring tasks their context / continuation / choices / answer columns instead of the prompt;
+    then `extra` (the per-row sampling columns, `sampling.from_columns`)."""
     tools = [data.tools_column] if data.messages_column and data.tools_column else []
-    cols = [data.id_column, text_col, *tools, *data.passthrough_columns, *extra]
+    task_cols = {"loglikelihood": [data.continuation_column],
+                 "multiple_choice": [data.choices_column, *([data.answer_column] if data.answer_column else [])],
+                 }.get(task, [])
+    cols = [data.id_column, text_column(data, task), *task_cols, *tools, *data.passthrough_columns, *extra]
     return list(dict.fromkeys(cols))
 
 
 def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None = None,
-                extra_columns: Iterable[str] = ()) -> LoadedInput:
+                extra_columns: Iterable[str] = (), task: str = "generate") -> LoadedInput:
     """Resolve, read and check the input. Raises InputError; returns the frames for planning.
     `refuse_under` (the job's output directory): an input file found under it is refused before it
     is read, since it is one of the job's own outputs."""
@@ -55,8 +65,8 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
             raise InputError(f"data.path={data.path} matches {mine[0]} under output.dir={refuse_under}: every rerun "
                              "would read the job's own outputs as input. Put output.dir outside the input, or "
                              "narrow data.path.")
-    cols = data_columns(data, extra_columns)  # a missing column: InputError, before the output is touched
-    text_col = data.messages_column or data.prompt_column
+    cols = data_columns(data, task, extra_columns)  # a missing column: InputError, before the output is touched
+    text_col = text_column(data, task)
     frames = [read_frame(f, cols, text_col) for f in files]
     id_kinds = set()
     for f, fr in zip(files, frames, strict=True):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashx_batch.config import DataSection
+from flashx_batch.runtime.lm_requests import LMEncoder
 from flashx_batch.runtime.tokenizer import Tokenizer
 
 # Error codes (`error_code` in errors/; docs/batch_jobs.md "Error rows"); prompt_too_long is decided
@@ -262,3 +263,138 @@ def build_prompt(prompt: Any, messages: Any, use_messages: bool, prefix: str, ma
         return prefix + text
     checked_text = check_text(prompt, "prompt", max_bytes)
     return checked_text if isinstance(checked_text, RowProblem) else prefix + checked_text
+
+
+# ---- scoring tasks (task: loglikelihood | multiple_choice | perplexity) -------------------------
+EMPTY_CONTEXT = "empty_context"
+NULL_CONTEXT = "null_context"
+NULL_CONTINUATION = "null_continuation"
+EMPTY_CONTINUATION = "empty_continuation"
+CONTINUATION_TOO_LONG = "continuation_too_long"
+NULL_CHOICES = "null_choices"
+EMPTY_CHOICES = "empty_choices"
+EMPTY_CHOICE = "empty_choice"
+ANSWER_OUT_OF_RANGE = "answer_out_of_range"
+TASK_ERROR_CODES = (EMPTY_CONTEXT, NULL_CONTEXT, NULL_CONTINUATION, EMPTY_CONTINUATION, CONTINUATION_TOO_LONG,
+                    NULL_CHOICES, EMPTY_CHOICES, EMPTY_CHOICE, ANSWER_OUT_OF_RANGE)
+
+
+@dataclass(frozen=True)
+class ScoreRow:
+    """One row of a scoring task, checked: the texts to score (the context with data.prompt_prefix)."""
+
+    context: str = ""
+    continuation: str = ""  # loglikelihood
+    choices: tuple[str, ...] = ()  # multiple_choice
+    answer: int | None = None  # multiple_choice (None: no answer given)
+    text: str = ""  # perplexity
+
+
+def _field(value: Any, column: str, field: str, max_bytes: int) -> str | RowProblem:
+    """A text cell of a scoring row: check_text's problems, renamed for the field (null_context, ...)."""
+    text = check_text(value, f"{field} (column {column!r})", max_bytes)
+    if isinstance(text, RowProblem) and text.code in (NULL_PROMPT, EMPTY_PROMPT):
+        return RowProblem(text.code.replace("prompt", field), text.message)
+    return text
+
+
+def score_row(task: str, data: DataSection, columns: Mapping[str, list[Any]], row: int) -> ScoreRow | RowProblem:
+    """The checked row of a scoring task, or its problem. An empty-string context is allowed (the model
+    then conditions on the prefix token, as lm-eval does); null, whitespace-only or non-text cells are not."""
+    limit = data.max_row_bytes
+    if task == "perplexity":
+        text = check_text(columns[data.prompt_column][row], "text", limit)
+        return text if isinstance(text, RowProblem) else ScoreRow(text=text)
+    raw = columns[data.context_column][row]
+    context = "" if raw == "" else _field(raw, data.context_column, "context", limit)
+    if isinstance(context, RowProblem):
+        return context
+    context = data.prompt_prefix + context
+    if task == "loglikelihood":
+        cont = _field(columns[data.continuation_column][row], data.continuation_column, "continuation", limit)
+        return cont if isinstance(cont, RowProblem) else ScoreRow(context=context, continuation=cont)
+    choices = columns[data.choices_column][row]
+    where = f"choices (column {data.choices_column!r})"
+    if choices is None:
+        return RowProblem(NULL_CHOICES, f"{where} is null")
+    if isinstance(choices, str):
+        try:
+            choices = json.loads(choices)
+        except (ValueError, RecursionError):
+            return RowProblem(BAD_TYPE, f"{where} is a string that is not JSON; give a list of strings")
+    if not isinstance(choices, (list, tuple)):
+        return RowProblem(BAD_TYPE, f"{where} is a {type(choices).__name__}, expected a list of strings")
+    if not choices:
+        return RowProblem(EMPTY_CHOICES, f"{where} is an empty list")
+    checked = []
+    for j, choice in enumerate(choices):
+        text = check_text(choice, f"{where}[{j}]", limit)
+        if isinstance(text, RowProblem):
+            code = {NULL_PROMPT: EMPTY_CHOICE, EMPTY_PROMPT: EMPTY_CHOICE}.get(text.code, text.code)
+            return RowProblem(code, text.message)
+        checked.append(text)
+    answer = columns[data.answer_column][row] if data.answer_column else None
+    if answer is not None:
+        if isinstance(answer, bool) or not isinstance(answer, int):
+            return RowProblem(BAD_TYPE, f"answer (column {data.answer_column!r}) is a {type(answer).__name__}, "
+                                        "expected the index of the right choice (an integer)")
+        if not 0 <= answer < len(checked):
+            return RowProblem(ANSWER_OUT_OF_RANGE, f"answer (column {data.answer_column!r}) is {answer}, outside "
+                                                   f"0..{len(checked) - 1} for {len(checked)} choices")
+    return ScoreRow(context=context, choices=tuple(checked), answer=answer)
+
+
+@dataclass(frozen=True)
+class EncodedRow:
+    """A scoring row as token ids (lm-eval's rules, runtime.lm_requests): `pairs` (context, continuation)
+    — one for loglikelihood, one per choice for multiple_choice — or the text's `tokens` (perplexity);
+    `length`: the tokens the model reads for it (the plan buckets by it)."""
+
+    pairs: tuple[tuple[list[int], list[int]], ...] = ()
+    tokens: tuple[int, ...] = ()
+    length: int = 0
+
+
+def encode_score_rows(task: str, rows: list[ScoreRow], encoder: LMEncoder, max_len: int,
+                      delimiter: str = " ") -> list[EncodedRow | RowProblem]:
+    """Encode checked scoring rows as the engine will score them; rows that cannot be scored (a context or
+    continuation with no tokens, a continuation longer than max_len tokens) become problems."""
+    if task == "perplexity":
+        out: list[EncodedRow | RowProblem] = []
+        for ids in encoder.encode([r.text for r in rows]):
+            out.append(EncodedRow(tokens=tuple(ids), length=min(len(ids), max_len)) if ids else
+                       RowProblem(EMPTY_PROMPT, "text has no tokens"))
+        return out
+    if task == "loglikelihood":
+        flat = [(r.context, r.continuation) for r in rows]
+        sizes = [1] * len(rows)
+    else:
+        flat = [(r.context, delimiter + c) for r in rows for c in r.choices]
+        sizes = [len(r.choices) for r in rows]
+    encoded = encoder.pairs([c for c, _ in flat], [x for _, x in flat])
+    out, o = [], 0
+    for n in sizes:
+        pairs = encoded[o : o + n]
+        o += n
+        out.append(_encoded(task, pairs, max_len))
+    return out
+
+
+def _encoded(task: str, pairs: list[tuple[list[int], list[int]]], max_len: int) -> EncodedRow | RowProblem:
+    what = "the continuation" if task == "loglikelihood" else "choice {j}"
+    for j, (ctx, cont) in enumerate(pairs):
+        if not ctx:
+            return RowProblem(EMPTY_CONTEXT, "the context has no tokens (whitespace only); give some text, or an "
+                                             "empty string to condition on the prefix token")
+        if not cont:
+            return RowProblem(EMPTY_CONTINUATION if task == "loglikelihood" else EMPTY_CHOICE,
+                              f"{what.format(j=j)} has no tokens")
+        if len(cont) > max_len:
+            return RowProblem(CONTINUATION_TOO_LONG, f"{what.format(j=j)} has {len(cont)} tokens, more than "
+                                                     f"runtime.max_input_len={max_len}")
+    if task == "loglikelihood":
+        ctx, cont = pairs[0]
+        length = min(len(ctx) + len(cont) - 1, max_len)
+    else:
+        length = len(pairs[0][0]) + sum(len(c) - 1 for _, c in pairs)
+    return EncodedRow(pairs=tuple(pairs), length=length)

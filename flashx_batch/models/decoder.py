@@ -81,6 +81,10 @@ class Attention(nn.Module):
                 seq = out.shape[2]
             case _ if last_only:
                 raise ValueError(f"last_only serves packed and extend forwards, not {type(meta).__name__}")
+            case TeacherForced() if meta.visible is not None:  # token trees: the mask the caller built
+                mask = meta.visible if self.window is None else meta.window_visible
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     attn_mask=mask[:, None], scale=self.scale, enable_gqa=True)
             case TeacherForced():
                 out = self._causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             case Decode():

@@ -26,11 +26,17 @@ def split_rows(lengths: tuple[int, ...], *packed: torch.Tensor) -> list[tuple[to
 @dataclass
 class TeacherForced:
     """Teacher-forced rows right-padded to T, causal attention over the rows' own keys; writes no
-    cache (quality measurements, parity tests, quantization sensitivity)."""
+    cache (quality measurements, parity tests, quantization sensitivity, log-likelihoods).
+
+    `visible` [B, T, T] (bool, query sees key) replaces the causal mask: a row holding a token tree
+    (a context followed by several continuations, each attending to the context and to itself, at
+    positions given by `cos` / `sin`); `window_visible` is the same within a sliding layer's window."""
 
     cos: torch.Tensor  # [B or 1, T, 1, rotary_dim]
     sin: torch.Tensor
     last_only: bool = False  # never: a score wants every position
+    visible: torch.Tensor | None = None
+    window_visible: torch.Tensor | None = None
 
 
 @dataclass

@@ -124,7 +124,8 @@ class MLAttention(nn.Module):
         match meta:
             case TeacherForced():
                 row_index = None if index is None else (index, entry[..., self.spec.latent_dim :])
-                out = self._attend(q_nope, q_rot, entry, _causal(seq, x.device)[None], row_index)
+                visible = _causal(seq, x.device)[None] if meta.visible is None else meta.visible
+                out = self._attend(q_nope, q_rot, entry, visible, row_index)
             case Packed():
                 flat = cache[0]
                 flat[meta.write_flat, 0, :width] = entry[0]

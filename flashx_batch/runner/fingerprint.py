@@ -99,6 +99,10 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
     for k in ("tools_column", "tools", "chat_template_kwargs"):  # only when set: older jobs still resume
         if getattr(d, k):
             fp[f"data.{k}"] = getattr(d, k)
+    if job.task != "generate":  # only for the scoring tasks: generate jobs written before `task` still resume
+        fp["task"] = job.task
+        for k in ("context_column", "continuation_column", "choices_column", "answer_column", "target_delimiter"):
+            fp[f"data.{k}"] = getattr(d, k)
     return fp
 
 

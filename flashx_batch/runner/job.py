@@ -131,7 +131,8 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     if _reads_outputs_of(data_path, out):
         raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}: every rerun would read "
                           "the job's own outputs as input. Put output.dir outside the input.")
-    loaded = load_inputs(job.data, data_path, refuse_under=out, extra_columns=job.sampling.from_columns.values())
+    loaded = load_inputs(job.data, data_path, refuse_under=out, extra_columns=job.sampling.from_columns.values(),
+                         task=job.task)
     return model_dir, loaded, build_plan(job, loaded, tokenizer)
 
 

@@ -18,6 +18,15 @@ ERROR_COLUMNS = ("id", "error_code", "error_message", "stage")
 STATS_COLUMNS = ("shard_id", "bucket_min_len", "bucket_max_len", "rows", "rows_failed", "input_tokens",
                  "output_tokens", "padding_efficiency", "prefill_s", "decode_s", "wall_s", "output_tok_per_s",
                  "total_tok_per_s", "kv_bytes_peak", "cache_policy", "batch_size", "device", "attempt")
+# The result rows of the scoring tasks (`task`), written to generations/ like a generate job's rows.
+SCORE_COLUMNS = {
+    "loglikelihood": ("id", "logprob", "num_tokens", "is_greedy", "shard_id"),
+    "multiple_choice": ("id", "choice_logprobs", "choice_logprobs_norm", "pred", "pred_norm", "correct", "shard_id"),
+    "perplexity": ("id", "logprob", "num_tokens", "perplexity", "shard_id"),
+}
+_SCORE_TYPES = {"logprob": pa.float64(), "num_tokens": pa.int32(), "is_greedy": pa.bool_(),
+                "choice_logprobs": pa.list_(pa.float64()), "choice_logprobs_norm": pa.list_(pa.float64()),
+                "pred": pa.int32(), "pred_norm": pa.int32(), "correct": pa.bool_(), "perplexity": pa.float64()}
 # Columns we write into the row tables: no user-supplied column may take one of these names
 # (`data.passthrough_columns` is checked against it before the output directory is touched).
 RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS + SAMPLE_COLUMNS))
@@ -26,10 +35,11 @@ RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS + SAMP
 def reserved_column_problem(passthrough: list[str]) -> str | None:
     """Why `data.passthrough_columns` cannot be written as given, or None: a name we write ourselves
     (it would replace the real value in every row), or a name listed twice."""
-    clash = [c for c in passthrough if c in RESERVED_COLUMNS]
+    written = RESERVED_COLUMNS + tuple(c for cols in SCORE_COLUMNS.values() for c in cols)
+    clash = [c for c in passthrough if c in written]
     if clash:
         return (f"data.passthrough_columns lists {', '.join(map(repr, clash))}, a column name flashx-batch writes "
-                f"itself (reserved: {', '.join(RESERVED_COLUMNS)}); a passthrough copy would replace the real "
+                f"itself (reserved: {', '.join(dict.fromkeys(written))}); a passthrough copy would replace the real "
                 "value. Rename the input column, or drop it from data.passthrough_columns (the row id is always "
                 "written as `id`).")
     twice = sorted({c for c in passthrough if passthrough.count(c) > 1})
@@ -79,6 +89,20 @@ def sample_columns(sample_index: list[int] | None, token_ids: list[list[int]] | 
         out["top_logprobs"] = pa.array([[[{"token_id": t, "logprob": v} for t, v in step] for step in row]
                                         for row in top], pa.list_(pa.list_(TOP_LOGPROB)))
     return out
+
+
+def score_table(task: str, ids: list[Any], id_kind: str, values: dict[str, list[Any]], shard_id: str,
+                passthrough: dict[str, pa.Array]) -> pa.Table:
+    """The result rows of a scoring task: SCORE_COLUMNS[task] (`values` holds all but id and shard_id)."""
+    cols = {"id": pa.array(ids, id_type(id_kind))}
+    for name in SCORE_COLUMNS[task][1:-1]:
+        cols[name] = pa.array(values[name], _SCORE_TYPES[name])
+    cols["shard_id"] = pa.array([shard_id] * len(ids), pa.string())
+    clash = set(cols) & set(passthrough)
+    if clash:  # preflight refuses these; never let one reach a committed file
+        raise ValueError(f"passthrough column(s) {sorted(clash)} would overwrite output columns")
+    cols.update(passthrough)
+    return pa.table(cols)
 
 
 def errors_table(ids: list[Any], id_kind: str, codes: list[str], messages: list[str], stages: list[str]) -> pa.Table:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import shutil
 import socket
@@ -25,14 +26,14 @@ import pyarrow as pa
 
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
-from flashx_batch.data.preflight import data_columns
+from flashx_batch.data.preflight import data_columns, text_column
 from flashx_batch.data.readers import Frame, InputFile, read_frame
 from flashx_batch.data.row_sampling import row_params
-from flashx_batch.data.validate import RowProblem, build_prompt, row_tools
+from flashx_batch.data.validate import RowProblem, build_prompt, encode_score_rows, row_tools, score_row
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner.failures import FATAL, WorkerFailure, kind_of
 from flashx_batch.runner.layout import OutputDir
-from flashx_batch.runner.tables import generations_table, sample_columns, stats_table
+from flashx_batch.runner.tables import generations_table, sample_columns, score_table, stats_table
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
@@ -80,8 +81,8 @@ class ShardWorker:
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()
-        self._columns = data_columns(job.data, job.sampling.from_columns.values())
-        self._text_column = job.data.messages_column or job.data.prompt_column
+        self._columns = data_columns(job.data, job.task, job.sampling.from_columns.values())
+        self._text_column = text_column(job.data, job.task)
 
     def _load(self) -> None:
         from flashx_batch.runner.fingerprint import check_model_unchanged
@@ -131,6 +132,8 @@ class ShardWorker:
         return {"shard_id": spec.shard_id, "attempt": attempt, "worker": self.name, "failure": failure.as_dict()}
 
     def _run(self, spec: ShardSpec, attempt: int, staging: Path) -> dict[str, Any]:
+        if self.job.task != "generate":
+            return self._run_scoring(spec, attempt, staging)
         started = time.perf_counter()
         job = self.job
         ids, texts, passthrough, params = self._rows(spec)
@@ -177,6 +180,67 @@ class ShardWorker:
         return {"shard_id": spec.shard_id, "rows": len(ids), "output_tokens": g.output_tokens, "wall_s": wall,
                 "committed": won, "attempt": attempt, "worker": self.name}
 
+    def _run_scoring(self, spec: ShardSpec, attempt: int, staging: Path) -> dict[str, Any]:
+        """A shard of a scoring task: rows checked and encoded as the plan did, scored by the engine's
+        log-likelihood scorer, committed to generations/ (columns: tables.SCORE_COLUMNS[task])."""
+        started = time.perf_counter()
+        job, task, lm = self.job, self.job.task, self.engine.lm
+        ids, rows, extra = [], [], {c: [] for c in job.data.passthrough_columns}
+        for fi, ri in spec.refs:
+            fr = self._frame(fi)
+            row = score_row(task, job.data, fr.columns, ri)
+            if isinstance(row, RowProblem):  # the plan accepted this row: the input changed since
+                raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {row.message}; the input changed after "
+                                   "planning")
+            ids.append(fr.columns[job.data.id_column][ri])
+            rows.append(row)
+            for c in extra:
+                extra[c].append(fr.columns[c][ri])
+        passthrough = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
+        encoded = encode_score_rows(task, rows, lm.encoder, lm.max_length, job.data.target_delimiter)
+        bad = next((e for e in encoded if isinstance(e, RowProblem)), None)
+        if bad is not None:
+            raise RuntimeError(f"shard {spec.shard_id}: {bad.message}; the input or tokenizer changed after planning")
+        if self.faults is not None:
+            self.faults.fire("before_generate", spec.shard_id, attempt, ids)
+        values: dict[str, list[Any]] = {}
+        if task == "loglikelihood":
+            logprobs, greedy = lm.score_pairs([e.pairs[0] for e in encoded])
+            values = {"logprob": logprobs, "num_tokens": [len(e.pairs[0][1]) for e in encoded], "is_greedy": greedy}
+        elif task == "perplexity":
+            logprobs = lm.score_rolling([list(e.tokens) for e in encoded])
+            counts = [len(e.tokens) for e in encoded]
+            values = {"logprob": logprobs, "num_tokens": counts,
+                      "perplexity": [math.exp(-lp / n) if -lp / n < 700 else math.inf
+                                     for lp, n in zip(logprobs, counts, strict=True)]}
+        else:
+            scored = lm.score_choices([list(e.pairs) for e in encoded])
+            raw = [lps for lps, _ in scored]
+            norm = [[lp / len(c) for lp, c in zip(lps, r.choices, strict=True)]
+                    for lps, r in zip(raw, rows, strict=True)]
+            pred = [_first_max(v) for v in raw]
+            values = {"choice_logprobs": raw, "choice_logprobs_norm": norm, "pred": pred,
+                      "pred_norm": [_first_max(v) for v in norm],
+                      "correct": [None if r.answer is None else p == r.answer for p, r in zip(pred, rows, strict=True)]}
+        if self.faults is not None:
+            self.faults.fire("after_generate", spec.shard_id, attempt, ids)
+        wall = time.perf_counter() - started
+        tokens = sum(e.length for e in encoded)
+        table = score_table(task, ids, self.ctx.id_kind, values, spec.shard_id, passthrough)
+        stats = stats_table({
+            "shard_id": spec.shard_id, "bucket_min_len": spec.bucket_min_len, "bucket_max_len": spec.bucket_max_len,
+            "rows": len(ids), "rows_failed": 0, "input_tokens": tokens, "output_tokens": 0,
+            "padding_efficiency": 1.0, "prefill_s": wall, "decode_s": 0.0, "wall_s": wall, "output_tok_per_s": 0.0,
+            "total_tok_per_s": tokens / wall if wall else 0.0, "kv_bytes_peak": 0,
+            "cache_policy": job.runtime.cache_policy, "batch_size": lm.max_rows, "device": str(self.engine.device),
+            "attempt": attempt, "task": task, "host": socket.gethostname(), "worker": self.name,
+            "finished_at": time.time(),
+        })
+        won = self.out.commit(spec.shard_id, attempt, {"generations": table, "stats": stats},
+                              {"kind": spec.kind, "rows": len(ids), "rows_failed": 0, "worker": self.name}, staging)
+        return {"shard_id": spec.shard_id, "rows": len(ids), "output_tokens": 0, "wall_s": wall,
+                "committed": won, "attempt": attempt, "worker": self.name}
+
     def _rows(self, spec: ShardSpec) -> tuple[list[Any], list[str], dict[str, pa.Array], list]:
         """The shard's ids, prompt texts, passthrough columns and sampling parameters, as planned."""
         data, s = self.job.data, self.job.sampling
@@ -213,3 +277,8 @@ class ShardWorker:
         if len(self._frames) > _FRAME_CACHE:
             self._frames.popitem(last=False)
         return frame
+
+
+def _first_max(values: list[float]) -> int:
+    """Index of the largest value, the first on ties (numpy's argmax, as lm-eval picks)."""
+    return max(range(len(values)), key=lambda i: (values[i], -i))

@@ -1,4 +1,5 @@
-"""`Engine`: the public Python API (`Engine.from_pretrained`, `generate`, `score`).
+"""`Engine`: the public Python API (`Engine.from_pretrained`, `generate`, `score`, `loglikelihood`,
+`loglikelihood_rolling`, `choice_logprobs`).
 
 Who calls it: users directly, each Ray actor / the local executor once per shard, the benchmarks.
 An engine is three parts: a `Scheduler` (plain Python: which rows run, where their KV lives), a
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
 from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length
+from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
 from flashx_batch.runtime.results import GenerateStats, RequestOutput
@@ -39,7 +42,7 @@ log = logging.getLogger(__name__)
 # are 4 GiB more host memory
 PACK_ALL_SIZES_BYTES = 1 << 30
 
-__all__ = ["Engine", "GenerateStats", "RequestOutput", "check_options"]
+__all__ = ["ChoiceScores", "Engine", "GenerateStats", "RequestOutput", "check_options"]
 
 
 class Engine:
@@ -73,6 +76,7 @@ class Engine:
                                    self.tokenizer.decode if self.tokenizer is not None else (lambda ids: ""),
                                    prefix_reuse=options.prefix_cache_tokens > 0 and self.runner.traits.kv_arena)
         self.last_stats = GenerateStats()
+        self._lm: LogLikelihood | None = None
         log.info("engine ready: %s %s on %s (%s), arena %.1f MiB, %.2fs", self.config.architecture,
                  self.model_dir.name, self.device, self.dtype, self.runner.kv_bytes / 2**20,
                  time.perf_counter() - started)
@@ -198,6 +202,76 @@ class Engine:
             scheduler.abort()
             runner.reset()
             raise
+
+    # ---- log-likelihoods (runtime/loglikelihood.py; encoding rules: runtime/lm_requests.py) -----
+    @property
+    def lm(self) -> LogLikelihood:
+        """The log-likelihood scorer (built on first use)."""
+        if self._lm is None:
+            self._lm = LogLikelihood(self)
+        return self._lm
+
+    def loglikelihood(self, pairs: Sequence[tuple[str | Sequence[int], str | Sequence[int]]],
+                      max_length: int | None = None) -> list[tuple[float, bool]]:
+        """(logprob, is_greedy) of each continuation given its context, as lm-evaluation-harness's
+        Hugging Face backend (`HFLM.loglikelihood`) computes them.
+
+        A pair is two strings or two token-id lists. Text is encoded by HFLM's rules: the context's
+        trailing whitespace moves onto the continuation; `context + continuation` is encoded whole
+        (the tokenizer's default special tokens, none when the text starts with the prefix token) and
+        the continuation's tokens are what follows `encode(context)`'s length; an empty context is the
+        prefix token (BOS, else EOS) and the continuation is then encoded without special tokens (if
+        its first token is the prefix token, that token is the context). The model sees the last
+        `max_length` tokens of `(context + continuation)[:-1]` (left-truncated); the logits at the last
+        len(continuation) positions score the continuation, log_softmax in float32; `is_greedy` is
+        True when every continuation token is the argmax there. `max_length` defaults to the engine's
+        max_input_len (lm-eval's defaults to the model's context length: pass `max_length` to both to
+        compare). Details: runtime/lm_requests.py."""
+        return list(zip(*self.lm.score_pairs(self.lm.encode_pairs(pairs), max_length), strict=True))
+
+    def loglikelihood_rolling(self, texts: Sequence[str | Sequence[int]], max_length: int | None = None
+                              ) -> list[float]:
+        """Each text's log-likelihood in windows of `max_length` tokens (default: max_input_len), as
+        `HFLM.loglikelihood_rolling` computes it: the text encoded whole, the prefix token before its
+        first window, each later window conditioned on the tokens just before it
+        (`get_rolling_token_windows(context_len=1)` + `make_disjoint_window`); the sum over windows.
+        Token-id lists are scored as given."""
+        lists = [list(t) if not isinstance(t, str) else None for t in texts]
+        strings = [i for i, t in enumerate(texts) if isinstance(t, str)]
+        if strings:
+            for i, ids in zip(strings, self.lm.encoder.encode([texts[i] for i in strings]), strict=True):
+                lists[i] = ids
+        return self.lm.score_rolling(lists, max_length)
+
+    def choice_logprobs(self, items: Sequence[tuple[str | Sequence[int], Sequence[str | Sequence[int]]]],
+                        delimiter: str = "", max_length: int | None = None) -> list[ChoiceScores]:
+        """Multiple choice: for each (context, choices) item, every choice's `loglikelihood(context,
+        delimiter + choice)`, raw and divided by len(choice) in characters (lm-eval's `acc_norm`;
+        `delimiter` is its `target_delimiter`, " " in most tasks). The context is computed once per
+        item: one forward pass holds the context followed by every choice as a token tree (see
+        runtime/loglikelihood.py)."""
+        flat_pairs, sizes = [], []
+        for context, choices in items:
+            sizes.append(len(choices))
+            for choice in choices:
+                flat_pairs.append((context, delimiter + choice if isinstance(choice, str) else choice))
+        encoded = self.lm.encode_pairs(flat_pairs)
+        grouped, o = [], 0
+        for n in sizes:
+            grouped.append(encoded[o : o + n])
+            o += n
+        out = []
+        for (_, choices), pairs, (logprobs, greedy) in zip(items, grouped, self.lm.score_choices(grouped, max_length),
+                                                           strict=True):
+            lengths = [len(c) if isinstance(c, str) else len(p[1]) for c, p in zip(choices, pairs, strict=True)]
+            out.append(ChoiceScores(logprobs, greedy, [len(p[1]) for p in pairs],
+                                    [lp / n if n else float("-inf") for lp, n in zip(logprobs, lengths, strict=True)]))
+        return out
+
+    def multiple_choice(self, context: str | Sequence[int], choices: Sequence[str | Sequence[int]],
+                        delimiter: str = "", max_length: int | None = None) -> ChoiceScores:
+        """`choice_logprobs` for one item."""
+        return self.choice_logprobs([(context, choices)], delimiter, max_length)[0]
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:

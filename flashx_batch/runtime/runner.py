@@ -48,3 +48,8 @@ class ModelRunner(ABC):
         """Teacher-forced float32 logits [T_i, V] for each whole sequence."""
         raise ConfigError(f"Engine.score needs every position's logits, which {type(self).__name__} does not "
                           "compute (its prefill returns the last position's); score on a torch backend.")
+
+    def target_logprobs(self, ids, pick, targets, positions=None, visible=None) -> tuple:
+        """Teacher-forced log-probabilities of `targets` at picked positions (see `TorchRunner`)."""
+        raise ConfigError(f"log-likelihoods need teacher-forced logits, which {type(self).__name__} does not "
+                          "compute (its prefill returns the last position's); score on a torch backend.")

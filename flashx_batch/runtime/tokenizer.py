@@ -50,8 +50,8 @@ class Tokenizer:
         role tokens (as transformers' `apply_chat_template(tokenize=True)` does)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def template_for(self, tools: list[Any] | None = None) -> str:
         """The template a render uses: the only one, or of several named ones `tool_use` when there are

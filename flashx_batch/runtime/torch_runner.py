@@ -151,6 +151,44 @@ class TorchRunner(ModelRunner):
         hidden = self.model.hidden_states(ids.to(self.device), TeacherForced(cos, sin))
         return [self.model.logits(hidden[i, : len(p)]) for i, p in enumerate(prompts)]
 
+    @torch.inference_mode()
+    def target_logprobs(self, ids: torch.Tensor, pick: torch.Tensor, targets: torch.Tensor,
+                        positions: torch.Tensor | None = None, visible: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One teacher-forced pass over right-padded rows `ids` [B, T] (no cache) -> for each picked
+        position (`pick` [N], flat index row * T + t) the float32 log-probability of `targets` [N] there,
+        and whether it is the argmax. Logits are computed for the picked positions only, log_softmax in
+        float32 in chunks (a 150k vocabulary never makes an [N, V] tensor of every position).
+        `positions` [B, T] and `visible` [B, T, T] (bool) describe token trees (`TeacherForced`);
+        None: plain causal rows at positions 0..T-1."""
+        ids = ids.to(self.device)
+        width = ids.shape[1]
+        pos = self._range(width)[None, :] if positions is None else positions.to(self.device)
+        needed = width if positions is None else int(pos.max()) + 1
+        if needed > self.model.rotary.max_positions:
+            raise ValueError(f"positions up to {needed} exceed the rotary table ({self.model.rotary.max_positions}); "
+                             "lower max_length or raise max_input_len + max_output_len")
+        cos, sin = self.model.rotary.lookup(pos)
+        window = None
+        if visible is not None:
+            visible = visible.to(self.device)
+            if self.window:  # sliding layers: keys within the window of the query's position only
+                offset = pos[:, :, None] - pos[:, None, :]
+                window = visible & (offset < self.window)
+        hidden = self.model.hidden_states(ids, TeacherForced(cos, sin, visible=visible, window_visible=window))
+        picked = hidden.reshape(-1, hidden.shape[-1])[pick.to(self.device)]
+        targets = targets.to(self.device)
+        chunk = max(1, (1 << 24) // max(1, self.model.config.vocab_size))  # 64 MiB of float32 logits at a time
+        values, greedy = [], []
+        for a in range(0, len(picked), chunk):
+            logprobs = self.model.logits(picked[a : a + chunk]).log_softmax(dim=-1)
+            t = targets[a : a + chunk, None]
+            values.append(logprobs.gather(1, t)[:, 0])
+            greedy.append(logprobs.argmax(dim=-1) == t[:, 0])
+        if not values:
+            return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+        return torch.cat(values).cpu(), torch.cat(greedy).cpu()
+
     # ---- prefill ----------------------------------------------------------------------------
     def _join(self, rows: tuple[NewRow, ...], logits: torch.Tensor) -> StepTokens:
         """Sample the first tokens of rows just prefilled and join them to the live rows."""

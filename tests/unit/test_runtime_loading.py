@@ -33,7 +33,8 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_models, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(cfg))
-    supported = "supported: DeepseekV3ForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM, GlmMoeDsaForCausalLM"
+    supported = ("supported: DeepseekV3ForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM, "
+                 "GlmMoeDsaForCausalLM")
     with pytest.raises(ModelLoadError, match=f"GPT2LMHeadModel.*{supported}"):
         _load(path)
 
