@@ -120,6 +120,17 @@ class ExecutorSection:
 
 
 @dataclass
+class EvalSection:
+    """Scoring against references (flashx_batch/evaluation/metrics.py): a per-row `score` column and the
+    job's mean with a bootstrap 95 % interval in job.json, _SUCCESS and report.md."""
+
+    metric: str | None = None  # exact_match | contains | regex (task=generate) | choice_accuracy (multiple_choice)
+    reference_column: str | None = None  # task=generate: the input column holding each row's reference answer
+    regex: str | None = None  # metric=regex: its first group (or the whole match) is the answer
+    resamples: int = 1000  # bootstrap resamples for the interval
+
+
+@dataclass
 class OutputSection:
     dir: str = "outputs/job"
     report: bool = True
@@ -133,9 +144,15 @@ class JobConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     output: OutputSection = field(default_factory=OutputSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity
     dry_run: bool = False
     log_level: str = "INFO"
+
+    def extra_columns(self) -> list[str]:
+        """Input columns read besides the task's own: per-row sampling columns, the eval references."""
+        refs = [self.eval.reference_column] if self.eval.metric and self.eval.reference_column else []
+        return list(dict.fromkeys([*self.sampling.from_columns.values(), *refs]))
 
     def engine_options(self, num_threads: int | None = None) -> EngineOptions:
         """The runtime.* knobs as the engine takes them (raises ConfigError on bad values).
@@ -195,6 +212,7 @@ def validate(job: JobConfig) -> None:
             raise ConfigError(message + ".")
     _validate_chat_settings(job.data)
     _validate_task(job)
+    _validate_eval(job)
     job.engine_options()  # EngineOptions checks the runtime.* values
     from flashx_batch.runtime.sampling import SamplingParams  # deferred: keeps torch off the schema import
 
@@ -268,6 +286,40 @@ def _validate_task(job: JobConfig) -> None:
     if clash:
         raise ConfigError(f"task={job.task}: column {clash[0]!r} is named for two roles (id, context, continuation, "
                           "choices, answer); name a different column for each.")
+
+
+def _validate_eval(job: JobConfig) -> None:
+    """`eval.*`: a metric that fits the task, the columns and pattern it needs."""
+    from flashx_batch.evaluation.metrics import check_metric
+
+    e = job.eval
+    if e.metric is None:
+        if e.reference_column or e.regex:
+            raise ConfigError("eval.reference_column / eval.regex are set but eval.metric is not; set eval.metric "
+                              "(exact_match, contains, regex or choice_accuracy).")
+        return
+    try:
+        check_metric(e.metric, e.regex)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if e.resamples < 100:
+        raise ConfigError(f"eval.resamples={e.resamples}: use at least 100 bootstrap resamples for the interval.")
+    if e.metric == "choice_accuracy":
+        if job.task != "multiple_choice" or not job.data.answer_column:
+            raise ConfigError("eval.metric=choice_accuracy scores task=multiple_choice rows against "
+                              "data.answer_column; set both (or pick exact_match / contains / regex for generate).")
+        if e.reference_column:
+            raise ConfigError("eval.reference_column is for task=generate; multiple choice reads data.answer_column.")
+        return
+    if job.task != "generate":
+        raise ConfigError(f"eval.metric={e.metric} scores generated text; task={job.task} generates none "
+                          "(multiple_choice: eval.metric=choice_accuracy).")
+    if not e.reference_column:
+        raise ConfigError(f"eval.metric={e.metric} needs eval.reference_column, the input column with each row's "
+                          "reference answer.")
+    if e.reference_column in (job.data.id_column, job.data.prompt_column, job.data.messages_column):
+        raise ConfigError(f"eval.reference_column={e.reference_column!r} is the id or prompt column; name the "
+                          "column that holds the reference answers.")
 
 
 def _float_settings(job: JobConfig) -> list[tuple[str, float]]:

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from flashx_batch.data.plan import Plan
-from flashx_batch.report.plots import bar_plot, histogram
+from flashx_batch.report.plots import bar_plot, histogram, interval_plot
 
 log = logging.getLogger(__name__)
-PLOTS = {"tok_s": "report_tok_per_s.png", "pad": "report_padding.png", "wall": "report_shard_wall.png"}
+PLOTS = {"tok_s": "report_tok_per_s.png", "pad": "report_padding.png", "wall": "report_shard_wall.png",
+         "metric": "report_metric.png"}
 
 
 def bucket_rows(stats: Any) -> list[dict[str, Any]]:
@@ -39,12 +40,16 @@ def bucket_rows(stats: Any) -> list[dict[str, Any]]:
 
 
 def write_report(root: Path, totals: dict[str, Any], plan: Plan, stats: Any,
-                 write_text: Callable[[Path, str], None]) -> Path:
+                 write_text: Callable[[Path, str], None], evaluation: dict[str, Any] | None = None) -> Path:
     """report.md and its plots in `root`, from the job's totals, plan and stats table (None: no shard
-    ran); `write_text` writes report.md (the runner's atomic write)."""
-    lines = ["# flashx-batch job report", "", "## Totals", "", "| metric | value |", "|---|---|"]
+    ran); `write_text` writes report.md (the runner's atomic write). `evaluation`: the job's metric
+    (`runner.eval_summary.evaluate`), reported first with its interval and a per-bucket plot."""
+    lines = ["# flashx-batch job report", ""]
+    if evaluation is not None:
+        lines += _evaluation_section(evaluation, root)
+    lines += ["## Totals", "", "| metric | value |", "|---|---|"]
     for k, v in totals.items():
-        if k != "finished_at":
+        if k not in ("finished_at", "eval"):
             lines.append(f"| {k} | {_fmt(v)} |")
     lines += ["", f"Planned prefill padding efficiency of right-padded static batches: {plan.padding_bucketed:.3f} "
               f"with length bucketing, {plan.padding_unbucketed:.3f} without (input order). The engine packs "
@@ -77,6 +82,23 @@ def write_report(root: Path, totals: dict[str, Any], plan: Plan, stats: Any,
     path = root / "report.md"
     write_text(path, "\n".join(lines) + "\n")
     return path
+
+
+def _evaluation_section(evaluation: dict[str, Any], root: Path) -> list[str]:
+    overall = evaluation["overall"]
+    lines = ["## Evaluation", "", evaluation["describe"] + ".", "",
+             f"Interval: percentile bootstrap over the scored rows ({overall['resamples']} resamples, seeded). "
+             "Unscored rows (no reference, or an error row) are counted, not dropped.", ""]
+    buckets = [b for b in evaluation["buckets"] if b["mean"] is not None]
+    if buckets and overall["mean"] is not None:
+        lines += ["| bucket | scored | mean | 95 % interval |", "|---|---|---|---|"]
+        lines += [f"| {b['bucket']} | {b['scored']} | {b['mean']:.4f} | {b['ci_low']:.4f}–{b['ci_high']:.4f} |"
+                  for b in buckets]
+        interval_plot([b["bucket"] for b in buckets], [b["mean"] for b in buckets], [b["ci_low"] for b in buckets],
+                      [b["ci_high"] for b in buckets], overall["mean"], f"{overall['metric']} per bucket (95 % CI)",
+                      overall["metric"], root / PLOTS["metric"])
+        lines += ["", f"![{overall['metric']} per bucket]({PLOTS['metric']})", ""]
+    return lines
 
 
 def _fmt(v: Any) -> str:

@@ -103,6 +103,9 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         fp["task"] = job.task
         for k in ("context_column", "continuation_column", "choices_column", "answer_column", "target_delimiter"):
             fp[f"data.{k}"] = getattr(d, k)
+    if job.eval.metric:  # the score column depends on them; only when set, so older jobs still resume
+        for k in ("metric", "reference_column", "regex"):
+            fp[f"eval.{k}"] = getattr(job.eval, k)
     return fp
 
 

@@ -131,7 +131,7 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     if _reads_outputs_of(data_path, out):
         raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}: every rerun would read "
                           "the job's own outputs as input. Put output.dir outside the input.")
-    loaded = load_inputs(job.data, data_path, refuse_under=out, extra_columns=job.sampling.from_columns.values(),
+    loaded = load_inputs(job.data, data_path, refuse_under=out, extra_columns=job.extra_columns(),
                          task=job.task)
     return model_dir, loaded, build_plan(job, loaded, tokenizer)
 
@@ -340,10 +340,17 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     if stop.requested:  # a signal while finishing: stop before _SUCCESS; a rerun only finishes
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
+    evaluation = None
+    if job.eval.metric:
+        from flashx_batch.runner.eval_summary import evaluate
+
+        evaluation = evaluate(job, output, totals, output.read_stats())
+        totals["eval"] = evaluation["overall"]
+        log.info("evaluation: %s", evaluation["describe"])
     if job.output.report:
         from flashx_batch.report import write_report
 
-        write_report(output.root, totals, plan, output.read_stats(), write_atomic)
+        write_report(output.root, totals, plan, output.read_stats(), write_atomic, evaluation)
     if stop.requested:
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code

@@ -27,9 +27,16 @@ SCORE_COLUMNS = {
 _SCORE_TYPES = {"logprob": pa.float64(), "num_tokens": pa.int32(), "is_greedy": pa.bool_(),
                 "choice_logprobs": pa.list_(pa.float64()), "choice_logprobs_norm": pa.list_(pa.float64()),
                 "pred": pa.int32(), "pred_norm": pa.int32(), "correct": pa.bool_(), "perplexity": pa.float64()}
+# written with `eval.metric`: each row's score against its reference (null: the row could not be scored)
+EVAL_COLUMNS = ("score",)
 # Columns we write into the row tables: no user-supplied column may take one of these names
 # (`data.passthrough_columns` is checked against it before the output directory is touched).
-RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS + SAMPLE_COLUMNS))
+RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS + SAMPLE_COLUMNS + EVAL_COLUMNS))
+
+
+def score_column(scores: list[float | None]) -> dict[str, pa.Array]:
+    """The `score` column (double; null where a row could not be scored)."""
+    return {"score": pa.array(scores, pa.float64())}
 
 
 def reserved_column_problem(passthrough: list[str]) -> str | None:

@@ -30,10 +30,12 @@ from flashx_batch.data.preflight import data_columns, text_column
 from flashx_batch.data.readers import Frame, InputFile, read_frame
 from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.validate import RowProblem, build_prompt, encode_score_rows, row_tools, score_row
+from flashx_batch.evaluation.metrics import check_metric
+from flashx_batch.evaluation.metrics import score_row as metric_score
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner.failures import FATAL, WorkerFailure, kind_of
 from flashx_batch.runner.layout import OutputDir
-from flashx_batch.runner.tables import generations_table, sample_columns, score_table, stats_table
+from flashx_batch.runner.tables import generations_table, sample_columns, score_column, score_table, stats_table
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
@@ -81,7 +83,8 @@ class ShardWorker:
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()
-        self._columns = data_columns(job.data, job.task, job.sampling.from_columns.values())
+        self._columns = data_columns(job.data, job.task, job.extra_columns())
+        self._pattern = check_metric(job.eval.metric, job.eval.regex) if job.eval.metric else None
         self._text_column = text_column(job.data, job.task)
 
     def _load(self) -> None:
@@ -152,6 +155,10 @@ class ShardWorker:
                                  [o.token_ids for o in outs] if logprobs else None,
                                  [o.logprobs for o in outs] if logprobs else None,
                                  [o.top_logprobs for o in outs] if logprobs else None)
+        if job.eval.metric:  # each output scored against its row's reference (null reference: unscored)
+            refs = self._references(spec)
+            samples.update(score_column([metric_score(job.eval.metric, o.text, refs[o.index], self._pattern)
+                                         for o in outs]))
         gen = generations_table([ids[o.index] for o in outs], self.ctx.id_kind, [o.text or "" for o in outs],
                                 [o.finish_reason for o in outs], [o.num_input_tokens for o in outs],
                                 [o.num_generated_tokens for o in outs], spec.shard_id,
@@ -226,6 +233,9 @@ class ShardWorker:
             self.faults.fire("after_generate", spec.shard_id, attempt, ids)
         wall = time.perf_counter() - started
         tokens = sum(e.length for e in encoded)
+        if job.eval.metric == "choice_accuracy":
+            passthrough = {**score_column([None if c is None else float(c) for c in values["correct"]]),
+                           **passthrough}
         table = score_table(task, ids, self.ctx.id_kind, values, spec.shard_id, passthrough)
         stats = stats_table({
             "shard_id": spec.shard_id, "bucket_min_len": spec.bucket_min_len, "bucket_max_len": spec.bucket_max_len,
@@ -267,6 +277,11 @@ class ShardWorker:
                 extra[c].append(fr.columns[c][ri])
         arrays = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
         return ids, texts, arrays, params
+
+    def _references(self, spec: ShardSpec) -> list[Any]:
+        """The shard's reference answers (`eval.reference_column`), in row order."""
+        column = self.job.eval.reference_column
+        return [self._frame(fi).columns[column][ri] for fi, ri in spec.refs]
 
     def _frame(self, fi: int) -> Frame:
         if fi in self._frames:
