@@ -197,7 +197,6 @@ def bench_model(name: str, model_dir: Path, s: Settings, plan: ModelPlan = FULL_
         gate.before(variants.variants)  # the gate first; it is also every variant's warm-up
     log.info("%s: gate passed on %d sampled rows per workload, %.1fs", name, s.gate_rows, time.perf_counter() - started)
     runs = _timed_rounds(variants, workloads, gates, s.repeats)
-    variants_skipped = variants.skipped
     sweep = [report.sweep_point(name, runs["W1"][v]) for v in s.sweep_variants if v in runs.get("W1", {})]
     w1 = {"W1": workloads["W1"]}
     sweep_variants = tuple(v for v in s.sweep_variants if plan.variants is None or v in plan.variants)
@@ -215,7 +214,7 @@ def bench_model(name: str, model_dir: Path, s: Settings, plan: ModelPlan = FULL_
                                s.sizes.max_output_len, s.threads, s.seed)
     log.info("%s: done in %.1fs", name, time.perf_counter() - started)
     cost = ModelCost.from_hf_dir(model_dir, parameter_count(model_dir))
-    return ModelResult(runs, sweep, variants_skipped, workloads, cost, checked, plan, peaks)
+    return ModelResult(runs, sweep, variants.skipped, workloads, cost, checked, plan, peaks)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
