@@ -1,12 +1,19 @@
 """The throughput harness: ours vs `transformers` on mixed, equal and few-shot workloads, side by side.
 
-    python -m flashx_batch.bench --out DIR [--quick] [--model PATH ...] [--threads N] [--repeats N]
+    python -m flashx_batch.bench --out DIR [--quick] [--model NAME|PATH ...] [--threads N] [--repeats N]
+                                 [--no-memory]
 
-Per model (default: the bundled tiny model and a random ~27 M-parameter Llama): load every variant,
-run the correctness gate on a sample of each workload (also the warm-up), then time every variant on
-W1, W2, W3, interleaved, `--repeats` times (rotating who goes first), re-checking the gate on the
-timed outputs; then sweep the batch size on W1 for the plots. The machine's bandwidth and matmul
-FLOP/s are measured at the start and the end of the run.
+Models (`--model`, repeatable; default all three names): `bundled-tiny` (the bundled model),
+`llama-27m` (a random ~27 M-parameter Llama), `qwen3-moe` (a random 78 M-parameter Qwen3-MoE, 8
+experts, top-2: the mixture-of-experts workload), or a Hugging Face model directory.
+
+Per dense model (and any directory): load every variant, run the correctness gate on a sample of each
+workload (also the warm-up), then time every variant on W1, W2, W3, interleaved, `--repeats` times
+(rotating who goes first), re-checking the gate on the timed outputs; then sweep the batch size on W1
+for the plots. `qwen3-moe` runs the same on W1 only, `transformers_arrival` against `ours_bucketed`,
+without the sweep (target: ours ÷ transformers >= 2.0). Then, per model, each of those two variants
+runs W1 once more in a fresh process of its own for its peak host RSS (`bench.memory`; `--no-memory`
+skips it). The machine's bandwidth and matmul FLOP/s are measured at the start and the end of the run.
 
 Writes DIR/results.json, DIR/results.md, DIR/throughput_vs_batch_size.png and
 DIR/latency_vs_throughput.png. Exit status: 0 done (targets missed included — see the ratios),
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -28,9 +36,16 @@ from pathlib import Path
 
 import torch
 
-from flashx_batch.bench import report
+from flashx_batch.bench import memory, report
 from flashx_batch.bench.gate import GateCheck, GateFailure
-from flashx_batch.bench.models import LLAMA_27M, parameter_count, random_llama
+from flashx_batch.bench.models import (
+    LLAMA_27M,
+    QWEN3_MOE_78M,
+    moe_shape,
+    parameter_count,
+    random_llama,
+    random_qwen3_moe,
+)
 from flashx_batch.bench.roofline import Machine, ModelCost, best_of, floor_seconds, measure_machine
 from flashx_batch.bench.timing import rotated
 from flashx_batch.bench.variants import VariantSet, build_variants
@@ -42,6 +57,7 @@ log = logging.getLogger("flashx_batch.bench")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE_MODEL = REPO_ROOT / "build" / "smoke-model"  # same architecture, used until the bundled one has weights
 SWEEP_VARIANTS = ("transformers_arrival", "ours_unbucketed", "ours_bucketed")
+MEMORY_VARIANTS = ("transformers_arrival", "ours_bucketed")  # peak RSS, each in a process of its own
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,24 @@ FULL_SETTINGS = dict(sizes=FULL, batch_size=8, repeats=5, sweep_batch_sizes=(2, 
                      gate_rows=6, sweep_variants=SWEEP_VARIANTS)
 
 
+@dataclass(frozen=True)
+class ModelPlan:
+    """What the harness runs on one model: which workloads and variants, the sweep or not, the targets."""
+
+    workloads: tuple[str, ...] = ("W1", "W2", "W3")
+    variants: tuple[str, ...] | None = None  # None: every variant
+    sweep: bool = True
+    targets: tuple = report.TARGETS
+
+
+FULL_PLAN = ModelPlan()
+# the mixture-of-experts workload: W1 only, the baseline against ours (no sweep), so that adding the
+# 78 M model costs the default run minutes, not another full pass over every workload and variant
+MOE_PLAN = ModelPlan(workloads=("W1",), variants=("transformers_arrival", "ours_bucketed"), sweep=False,
+                     targets=report.MOE_TARGETS)
+BUILTIN_MODELS = ("bundled-tiny", "llama-27m", "qwen3-moe")
+
+
 @dataclass
 class ModelResult:
     runs: dict[str, dict[str, report.VariantRuns]]  # workload -> variant -> repeats
@@ -72,6 +106,8 @@ class ModelResult:
     workloads: dict[str, Workload]
     cost: ModelCost
     gate_checked: dict[str, dict[str, int]] = field(default_factory=dict)
+    plan: ModelPlan = FULL_PLAN
+    memory: dict[str, dict] = field(default_factory=dict)  # variant -> peak RSS figures (`bench.memory`)
 
     def set_rooflines(self, machine: Machine) -> None:
         for w, by_variant in self.runs.items():
@@ -79,9 +115,8 @@ class ModelResult:
                 v.roofline = floor_seconds(self.workloads[w], v.batch_size, self.cost, machine)
 
 
-def default_models(scratch: Path) -> dict[str, Path]:
-    """The bundled tiny model (or the smoke model of the same architecture while it has no weights)
-    and a freshly saved random ~27 M-parameter Llama."""
+def _bundled() -> Path:
+    """The bundled tiny model, or the smoke model of the same architecture while it has no weights."""
     bundled = bundled_model_dir()
     if not (bundled / "config.json").is_file():
         if not (SMOKE_MODEL / "config.json").is_file():
@@ -89,7 +124,30 @@ def default_models(scratch: Path) -> dict[str, Path]:
                                     "pass --model PATH")
         log.info("bundled model %s has no weights yet: using %s (same architecture)", bundled, SMOKE_MODEL)
         bundled = SMOKE_MODEL
-    return {"bundled-tiny": bundled, "llama-27m": random_llama(LLAMA_27M, out_dir=scratch / "llama-27m")}
+    return bundled
+
+
+def builtin_model(name: str, scratch: Path) -> tuple[Path, ModelPlan]:
+    """A named model's directory (random ones saved under `scratch`, seeded) and its plan."""
+    if name == "bundled-tiny":
+        return _bundled(), FULL_PLAN
+    if name == "llama-27m":
+        return random_llama(LLAMA_27M, out_dir=scratch / name), FULL_PLAN
+    if name == "qwen3-moe":
+        return random_qwen3_moe(QWEN3_MOE_78M, out_dir=scratch / name), MOE_PLAN
+    raise KeyError(name)
+
+
+def resolve_models(names: list[str] | None, scratch: Path) -> dict[str, tuple[Path, ModelPlan]]:
+    """`--model` values (built-in names or directories; default every built-in) -> name: (dir, plan).
+    A directory runs the full plan under its own name."""
+    out = {}
+    for value in names or BUILTIN_MODELS:
+        if value in BUILTIN_MODELS:
+            out[value] = builtin_model(value, scratch)
+        else:
+            out[Path(value).name] = (Path(value), FULL_PLAN)
+    return out
 
 
 def _round_up(n: int, k: int = 16) -> int:
@@ -124,31 +182,39 @@ def _timed_rounds(variants: VariantSet, workloads: dict[str, Workload], gates: d
     return runs
 
 
-def bench_model(name: str, model_dir: Path, s: Settings) -> ModelResult:
-    """Gate, time and sweep one model. Raises `GateFailure` on a token mismatch."""
+def bench_model(name: str, model_dir: Path, s: Settings, plan: ModelPlan = FULL_PLAN,
+                measure_memory: bool = False) -> ModelResult:
+    """Gate, time and sweep one model as `plan` says; then, with `measure_memory`, each side's peak RSS
+    on W1 in a fresh process. Raises `GateFailure` on a token mismatch."""
     started = time.perf_counter()
     hf = _load_hf(model_dir)
     pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    workloads = build_all(s.sizes, hf.config.vocab_size, s.seed)
-    variants = _variants(model_dir, hf, s.batch_size, s)
+    workloads = {w: workload for w, workload in build_all(s.sizes, hf.config.vocab_size, s.seed).items()
+                 if w in plan.workloads}
+    variants = _variants(model_dir, hf, s.batch_size, s, plan.variants)
     gates = {w: GateCheck.prepare(hf, workload, s.gate_rows, pad_id, s.seed) for w, workload in workloads.items()}
     for gate in gates.values():
         gate.before(variants.variants)  # the gate first; it is also every variant's warm-up
     log.info("%s: gate passed on %d sampled rows per workload, %.1fs", name, s.gate_rows, time.perf_counter() - started)
     runs = _timed_rounds(variants, workloads, gates, s.repeats)
-    sweep = [report.sweep_point(name, runs["W1"][v]) for v in s.sweep_variants if v in runs["W1"]]
+    sweep = [report.sweep_point(name, runs["W1"][v]) for v in s.sweep_variants if v in runs.get("W1", {})]
     w1 = {"W1": workloads["W1"]}
-    for batch_size in s.sweep_batch_sizes:
+    sweep_variants = tuple(v for v in s.sweep_variants if plan.variants is None or v in plan.variants)
+    for batch_size in s.sweep_batch_sizes if plan.sweep else ():
         if batch_size == s.batch_size:
             continue
-        extra = _variants(model_dir, hf, batch_size, s, s.sweep_variants)
+        extra = _variants(model_dir, hf, batch_size, s, sweep_variants)
         gates["W1"].before(extra.variants)
         sweep += [report.sweep_point(name, r) for r in _timed_rounds(extra, w1, gates, s.sweep_repeats)["W1"].values()]
         log.info("%s: sweep B=%d done", name, batch_size)
     checked = {w: dict(g.checked) for w, g in gates.items()}
+    peaks = {}
+    if measure_memory:
+        peaks = memory.measure(model_dir, MEMORY_VARIANTS, s.quick, s.batch_size, _round_up(s.sizes.max_prompt_len),
+                               s.sizes.max_output_len, s.threads, s.seed)
     log.info("%s: done in %.1fs", name, time.perf_counter() - started)
     cost = ModelCost.from_hf_dir(model_dir, parameter_count(model_dir))
-    return ModelResult(runs, sweep, variants.skipped, workloads, cost, checked)
+    return ModelResult(runs, sweep, variants.skipped, workloads, cost, checked, plan, peaks)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -156,8 +222,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--quick", action="store_true", help="small workloads, 3 repeats (a few minutes)")
-    parser.add_argument("--model", type=Path, action="append",
-                        help="Hugging Face model directory to benchmark instead of the default two (repeatable)")
+    parser.add_argument("--model", action="append", metavar="NAME|PATH",
+                        help=f"a built-in model ({', '.join(BUILTIN_MODELS)}) or a Hugging Face model directory, "
+                             "instead of the default (every built-in); repeatable")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-RSS runs (one fresh process per side and model)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for every variant (default 1)")
     parser.add_argument("--repeats", type=int, default=None, help="override the interleaved repeat count")
     parser.add_argument("--batch-size", type=int, default=None, help="override the main batch size (default 8)")
@@ -179,12 +248,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = settings_from(args)
     torch.set_num_threads(s.threads)
-    scratch = Path(tempfile.mkdtemp(prefix="flashx-bench-"))
+    scratch = Path(tempfile.mkdtemp(prefix="flashx-bench-"))  # the random built-in models, removed at the end
     try:
-        models = {p.name: p for p in args.model} if args.model else default_models(scratch)
+        return _run(args, s, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, s: Settings, scratch: Path) -> int:
+    try:
+        planned = resolve_models(args.model, scratch)
     except FileNotFoundError as exc:
         log.error("%s", exc)
         return 2
+    models = {name: path for name, (path, _) in planned.items()}
     missing = [str(p) for p in models.values() if not (p / "config.json").is_file()]
     if missing:
         log.error("not a Hugging Face model directory (no config.json): %s", ", ".join(missing))
@@ -197,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, path in models.items():
             log.info("model %s (%s)", name, path)
-            results[name] = bench_model(name, path, s)
+            results[name] = bench_model(name, path, s, planned[name][1], measure_memory=not args.no_memory)
     except GateFailure as exc:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gate_failure.json").write_text(json.dumps(
@@ -217,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         if "target" in r:
             log.info("%s = %.2f (min %.2f, max %.2f), target %s: %s", key, r["median"], r["min"], r["max"],
                      r["target"], "met" if r["met"] else "NOT met")
+    for model, by_variant in doc["memory"].items():
+        for variant, m in by_variant.items():
+            log.info("%s/%s peak RSS during W1: %s", model, variant,
+                     f"{m['run_peak_rss_mib']:.0f} MiB" if "run_peak_rss_mib" in m else m.get("error", m.get("note")))
     return 0
 
 
@@ -226,7 +307,7 @@ def _document(results: dict[str, ModelResult], models: dict[str, Path], s: Setti
     for name, r in results.items():
         for w, by_variant in r.runs.items():
             workloads[f"{name}/{w}"] = by_variant
-        ratio_table.update(report.ratios(name, r.runs))
+        ratio_table.update(report.ratios(name, r.runs, r.plan.targets))
         skipped.update({f"{name}/{k}": v for k, v in r.skipped.items()})
     machine = best_of(start, end).as_dict()
     machine["probes"] = {when: {"mem_bandwidth_gb_s": m.mem_bandwidth_gb_s, "matmul_gflop_s": m.matmul_gflop_s}
@@ -238,7 +319,7 @@ def _document(results: dict[str, ModelResult], models: dict[str, Path], s: Setti
     run = {
         "quick": s.quick, "repeats": s.repeats, "batch_size": s.batch_size, "threads": s.threads, "seed": s.seed,
         "sweep_batch_sizes": list(s.sweep_batch_sizes), "sweep_repeats": s.sweep_repeats,
-        "models": {k: {"path": str(v), "parameters": parameter_count(v)} for k, v in models.items()},
+        "models": {k: _model_entry(v, results[k].plan) for k, v in models.items()},
         "workloads": {k: w.description for k, w in descriptions.items()},
         "rows": {k: w.rows for k, w in descriptions.items()},
         "skipped": skipped, "wall_s": wall_s,
@@ -246,7 +327,20 @@ def _document(results: dict[str, ModelResult], models: dict[str, Path], s: Setti
                  f"{s.gate_rows} sampled rows per workload, before timing and again on every timed run. "
                  f"Rows compared per variant: {json.dumps(checked)}"),
     }
-    return report.results_document(workloads, ratio_table, machine, run)
+    memory_doc = {name: r.memory for name, r in results.items() if r.memory}
+    return report.results_document(workloads, ratio_table, machine, run, memory_doc)
+
+
+def _model_entry(model_dir: Path, plan: ModelPlan) -> dict:
+    """results.json's run.models entry: where, how many parameters, the experts of an MoE, what ran."""
+    entry = {"path": str(model_dir), "parameters": parameter_count(model_dir),
+             "architecture": json.loads((model_dir / "config.json").read_text()).get("architectures", ["?"])[0],
+             "workloads": list(plan.workloads), "variants": list(plan.variants) if plan.variants else "all"}
+    moe = moe_shape(model_dir)
+    if moe:
+        entry["moe"] = {**moe, "active_parameters": entry["parameters"] - moe["expert_parameters"]
+                        + moe["active_expert_parameters"]}
+    return entry
 
 
 if __name__ == "__main__":

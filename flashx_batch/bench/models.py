@@ -1,7 +1,9 @@
-"""Benchmark models: the bundled demo model, and random Llamas of a named size built on the fly."""
+"""Benchmark models: the bundled demo model, and random models of a named shape built on the fly
+(a Llama, and a Qwen3-MoE for the mixture-of-experts workload)."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -15,16 +17,37 @@ LLAMA_27M = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_h
                  # and top-2 logit margins are large enough that a parity check compares real sequences
                  initializer_range=0.1)
 
+# ~78 M parameters (77,757,696), 35.3 M of them used per token (top-2 experts): a Qwen3-MoE shape with 8 experts, top-2,
+# in every layer. Per layer: attention 0.79 M (8 query heads, 4 KV heads of 64, q/k norms), router 4 K,
+# experts 8 x 3 x 512 x 768 = 9.44 M; 6 layers; a 32 K vocabulary tied to the LM head (16.4 M).
+# `intermediate_size` is the dense MLP's, unused while every layer is sparse.
+QWEN3_MOE_78M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+                     eos_token_id=2, initializer_range=0.1)  # wide init: as LLAMA_27M
 
-def random_llama(shape: dict, seed: int = 0, out_dir: Path | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """Save a random-weight `LlamaForCausalLM` of `shape` and return its directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+def _save_random(config_cls: str, model_cls: str, shape: dict, seed: int, out_dir: Path | None,
+                 dtype: torch.dtype) -> Path:
+    import transformers
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="flashx-bench-"))
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**shape)).to(dtype)
-    model.save_pretrained(out)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**shape)).to(dtype)
+    model.save_pretrained(out)  # model.safetensors + config.json
     return out
+
+
+def random_llama(shape: dict, seed: int = 0, out_dir: Path | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random-weight `LlamaForCausalLM` of `shape` and return its directory."""
+    return _save_random("LlamaConfig", "LlamaForCausalLM", shape, seed, out_dir, dtype)
+
+
+def random_qwen3_moe(shape: dict = QWEN3_MOE_78M, seed: int = 0, out_dir: Path | None = None,
+                     dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random-weight `Qwen3MoeForCausalLM` of `shape` and return its directory."""
+    return _save_random("Qwen3MoeConfig", "Qwen3MoeForCausalLM", shape, seed, out_dir, dtype)
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -38,3 +61,25 @@ def parameter_count(model_dir: Path) -> int:
                 count *= dim
             total += count
     return total
+
+
+def moe_shape(model_dir: Path) -> dict | None:
+    """A mixture-of-experts checkpoint's routed-expert shape from its config.json, or None for a dense
+    model: experts, top_k, the expert intermediate size, sparse layers and the parameters in routed
+    experts (all, and the top_k a token runs). Qwen2/3-MoE and Mixtral spellings; a shared expert or
+    dense layer counts as dense."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts <= 1 or not top_k:
+        return None
+    layers = int(cfg["num_hidden_layers"])
+    if "moe_intermediate_size" in cfg:  # Qwen-MoE: sparse every decoder_sparse_step layers, except mlp_only_layers
+        inter = int(cfg["moe_intermediate_size"])
+        step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+        sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    else:  # Mixtral: every layer
+        inter, sparse = int(cfg["intermediate_size"]), layers
+    per_expert = 3 * int(cfg["hidden_size"]) * inter  # gate, up, down
+    return {"experts": experts, "top_k": top_k, "expert_intermediate": inter, "sparse_layers": sparse,
+            "expert_parameters": sparse * experts * per_expert, "active_expert_parameters": sparse * top_k * per_expert}

@@ -25,6 +25,8 @@ TARGETS = (
     ("W1", "ours_bucketed", "ours_unbucketed", 1.5, None),
     ("W2", "ours_bucketed", "ours_unbucketed", 0.9, 1.1),
 )
+# the mixture-of-experts model's (W1 only, the baseline against ours)
+MOE_TARGETS = (("W1", "ours_bucketed", "transformers_arrival", 2.0, None),)
 # further ratios reported for every workload (no target)
 INFORMATIVE = (
     ("ours_bucketed", "transformers_sorted"),
@@ -91,10 +93,10 @@ def paired_ratio(num: VariantRuns, den: VariantRuns) -> dict[str, float]:
     return spread([a / b for a, b in zip(num.output_rates(), den.output_rates())])
 
 
-def ratios(model: str, runs: dict[str, dict[str, VariantRuns]]) -> dict[str, dict]:
+def ratios(model: str, runs: dict[str, dict[str, VariantRuns]], targets: tuple = TARGETS) -> dict[str, dict]:
     """Target and informative ratios for one model; keys `model/W/num_over_den`."""
     out: dict[str, dict] = {}
-    for workload, num, den, low, high in TARGETS:
+    for workload, num, den, low, high in targets:
         pair = runs.get(workload, {})
         if num in pair and den in pair:
             r = paired_ratio(pair[num], pair[den])
@@ -110,12 +112,14 @@ def ratios(model: str, runs: dict[str, dict[str, VariantRuns]]) -> dict[str, dic
 
 
 def results_document(workloads: dict[str, dict[str, VariantRuns]], ratio_table: dict, machine: dict,
-                     run: dict) -> dict:
-    """The results-file schema; workload keys are `model/W` so one file holds both models."""
+                     run: dict, memory: dict[str, dict[str, dict]] | None = None) -> dict:
+    """The results-file schema; workload keys are `model/W` so one file holds every model. `memory`:
+    model -> variant -> peak host RSS figures on W1 (`bench.memory`, a fresh process per variant)."""
     return {
         "workloads": {key: {"variants": {name: v.summary() for name, v in variants.items()}}
                       for key, variants in workloads.items()},
         "ratios": ratio_table,
+        "memory": memory or {},
         "machine": machine,
         "run": run,
     }
@@ -162,12 +166,52 @@ def markdown(doc: dict) -> str:
     for key, r in doc["ratios"].items():
         met = ("yes" if r["met"] else "**no**") if "met" in r else ""
         lines.append(f"| {key} | {_fmt_spread(r['median'], r['min'], r['max'], 2)} | {r.get('target', '')} | {met} |")
+    lines += _models_md(run.get("models", {})) + _memory_md(doc.get("memory", {}))
     lines += ["", "## Machine (measured in this run)", ""]
     lines += [f"- {k}: {v}" for k, v in machine.items()]
     if run.get("skipped"):
         lines += ["", "## Not run", ""] + [f"- {k}: {v}" for k, v in run["skipped"].items()]
     lines += ["", "## Correctness gate", "", run.get("gate", ""), ""]
     return "\n".join(lines)
+
+
+def _mib(m: dict, key: str) -> str:
+    return f"{m[key]:.0f}" if key in m else "–"
+
+
+def _models_md(models: dict) -> list[str]:
+    if not models:
+        return []
+    lines = ["", "## Models", "",
+             "| model | architecture | parameters | experts (top-k) | active per token | workloads |",
+             "|---|---|---|---|---|---|"]
+    for name, m in models.items():
+        moe = m.get("moe")
+        experts = f"{moe['experts']} (top-{moe['top_k']})" if moe else "dense"
+        active = f"{moe['active_parameters']:,}" if moe else f"{m['parameters']:,}"
+        lines.append(f"| {name} | {m.get('architecture', '?')} | {m['parameters']:,} | {experts} | {active} | "
+                     f"{', '.join(m.get('workloads', []))} |")
+    return lines
+
+
+def _memory_md(memory: dict) -> list[str]:
+    if not memory:
+        return []
+    lines = ["", "## Peak host memory on W1 (RSS, MiB; each variant in a fresh process of its own)", "",
+             "| model | variant | peak during the run | over the after-import baseline | after load | process peak "
+             "| baseline |", "|---|---|---|---|---|---|---|"]
+    for model, by_variant in memory.items():
+        for variant, m in by_variant.items():
+            if "error" in m:
+                lines.append(f"| {model} | {variant} | {m['error']} | | | | |")
+                continue
+            lines.append(f"| {model} | {variant} | {_mib(m, 'run_peak_rss_mib')} | "
+                         f"{_mib(m, 'run_peak_over_baseline_mib')} | {_mib(m, 'loaded_rss_mib')} | "
+                         f"{_mib(m, 'process_peak_rss_mib')} | {_mib(m, 'baseline_rss_mib')} |")
+    lines += ["", "Each side imports the same libraries (torch, transformers, our engine), loads only its own "
+              "model (transformers float32; ours with its KV arena), and runs W1 once as it is timed; the peak is "
+              "the kernel's RSS high-water mark, reset after the load (`bench.memory`)."]
+    return lines
 
 
 def plot(sweep: list[dict], out_dir: Path) -> list[Path]:

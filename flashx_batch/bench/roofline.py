@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flashx_batch.backends import for_device
+from flashx_batch.bench.models import moe_shape
 from flashx_batch.bench.workloads import Workload
 
 
@@ -125,7 +126,11 @@ class ModelCost:
         embed = cfg["vocab_size"] * cfg["hidden_size"]
         # the input embedding is a lookup, not a matmul; when tied, the same matrix is the LM head
         matmul_params = parameters if cfg.get("tie_word_embeddings") else parameters - embed
-        return cls(parameters, 2.0 * matmul_params, float(matmul_params * bytes_per_value),
+        # mixture of experts: a token runs its top_k experts only; a pass over a batch still reads every
+        # expert's weights (with top-2 of 8, a batch of 8 rows hits ~7 of them), so the bytes stay all
+        moe = moe_shape(model_dir)
+        active = matmul_params - (moe["expert_parameters"] - moe["active_expert_parameters"] if moe else 0)
+        return cls(parameters, 2.0 * active, float(matmul_params * bytes_per_value),
                    float(2 * layers * kv_heads * head_dim * bytes_per_value))
 
 
