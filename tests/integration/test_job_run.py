@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import os
+import subprocess
+import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -113,10 +117,8 @@ def test_cli_preflight_and_config_errors_exit_2(inputs, tmp_path):
 
 
 def test_multirun_sweep_and_gather(inputs, tmp_path):
-    import sys
-
     sys.path.insert(0, str(REPO / "jobs"))
-    from eval_sweep import gather, write_tables
+    from eval_sweep import gather, write_leaderboard
 
     out = tmp_path / "sweep"
     proc = cli(["-m", *overrides(inputs["model"], inputs["data"], out, "data.limit=6"),
@@ -125,9 +127,31 @@ def test_multirun_sweep_and_gather(inputs, tmp_path):
     runs = sorted(p.name for p in out.iterdir() if p.is_dir())
     assert runs == ["runtime.max_batch_size=2", "runtime.max_batch_size=4"]
     assert all((out / r / "_SUCCESS").is_file() for r in runs)
-    rows = gather(out)
-    assert [r["max_batch_size"] for r in rows] == [2, 4] and all(r["status"] == "succeeded" for r in rows)
-    assert "runtime.max_batch_size=4" in write_tables(out, rows) and (out / "comparison.csv").is_file()
+    rows = gather(out)  # no eval.metric: listed with an empty metric, not dropped
+    assert sorted(r["max_batch_size"] for r in rows) == [2, 4] and all(r["status"] == "succeeded" for r in rows)
+    assert all(r["mean"] == "" for r in rows)
+    assert "runtime.max_batch_size=4" in write_leaderboard(out, rows) and (out / "leaderboard.csv").is_file()
+
+
+def test_eval_sweep_preset_gives_a_leaderboard_with_intervals(tmp_path):
+    """`python jobs/eval_sweep.py --out DIR` (the shipped grid: two dtypes x two context lengths) on a
+    slice of the bundled evaluation set: every point scored, best first, with its interval."""
+    out = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, str(REPO / "jobs" / "eval_sweep.py"), "--out", str(out),
+                           "--split-by", "seen_in_training", "data.limit=40", "executor.progress_interval_s=1000"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(out / "leaderboard.csv")))
+    assert len(rows) == 4 and {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    means = [float(r["mean"]) for r in rows]
+    assert means == sorted(means, reverse=True)
+    for r in rows:
+        assert r["metric"] == "choice_accuracy" and r["status"] == "succeeded"
+        assert float(r["ci_low"]) <= float(r["mean"]) <= float(r["ci_high"])
+        assert int(r["scored"]) + int(r["unscored"]) == 40
+        assert r["seen_in_training=True"]
+    assert (out / "leaderboard.png").is_file() and "Evaluation leaderboard" in (out / "leaderboard.md").read_text()
 
 
 def test_nightly_etl_dated_dir_and_exit_codes(inputs, tmp_path):

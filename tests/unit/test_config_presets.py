@@ -26,7 +26,8 @@ def test_every_preset_composes(name):
     assert job.sampling.max_new_tokens <= job.runtime.max_output_len
     assert job.output.dir
     assert resolve_model_dir(job.model.path).name == "legal-tiny"
-    assert resolve_data_path(job.data.path).endswith("flashx_batch/assets/data/legal_docs.parquet")
+    data = "legal_eval.parquet" if name == "eval_sweep" else "legal_docs.parquet"  # the sweep evaluates
+    assert resolve_data_path(job.data.path).endswith(f"flashx_batch/assets/data/{data}")
 
 
 def test_all_preset_files_compose():
