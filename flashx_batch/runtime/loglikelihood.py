@@ -11,8 +11,9 @@ How requests become forward passes:
 - Every request becomes a *row*: its model input `fit(ctx, cont)` and the positions whose logits
   score its continuation tokens. Rows with the same input are computed once (lm-eval's one-token
   multiple-choice cache is the common case: the same context, one-token continuations).
-- Rows are sorted longest first and cut into batches of at most `batch_tokens` padded tokens (and
-  `max_rows` rows); each batch is one right-padded forward pass, so padding is what sorting leaves.
+- Rows are sorted longest first and cut into batches of at most `batch_tokens` tokens (and `max_rows`
+  rows). Where the runner `packs_rows`, a batch is one pass over its rows end to end, no padding
+  (`PackedTrees`); otherwise one right-padded pass (padded tokens counted), padding what sorting leaves.
 - Multiple choice: a row holds the context ONCE followed by every choice (its last token dropped:
   nothing reads its logits), a *token tree* — each choice attends to the context and to its own
   earlier tokens, at positions continuing from the context's end (`TeacherForced.visible`). One pass
