@@ -1,7 +1,7 @@
 """The throughput harness: ours vs `transformers` on mixed, equal and few-shot workloads, side by side.
 
     python -m flashx_batch.bench --out DIR [--quick] [--model NAME|PATH ...] [--threads N] [--repeats N]
-                                 [--no-memory]
+                                 [--no-memory] [--no-eval | --eval-only]
 
 Models (`--model`, repeatable; default all three names): `bundled-tiny` (the bundled model),
 `llama-27m` (a random ~27 M-parameter Llama), `qwen3-moe` (a random 78 M-parameter Qwen3-MoE, 8
@@ -13,7 +13,11 @@ workload (also the warm-up), then time every variant on W1, W2, W3, interleaved,
 for the plots. `qwen3-moe` runs the same on W1 only, `transformers_arrival` against `ours_bucketed`,
 without the sweep (target: ours ÷ transformers >= 2.0). Then, per model, each of those two variants
 runs W1 once more in a fresh process of its own for its peak host RSS (`bench.memory`; `--no-memory`
-skips it). The machine's bandwidth and matmul FLOP/s are measured at the start and the end of the run.
+skips it). Then the evaluation workload (`bench.eval_mc`): multiple choice on the bundled eval set
+(240 items x 4 choices; 48 with --quick) through our `task=multiple_choice` job against
+lm-evaluation-harness's HF backend, alternating, `--repeats` times (at most 3): same predictions, and
+lm-eval's scoring time ÷ ours (target >= 3.0). `--no-eval` skips it; `--eval-only` runs only it. The
+machine's bandwidth and matmul FLOP/s are measured at the start and the end of the run.
 
 Writes DIR/results.json, DIR/results.md, DIR/throughput_vs_batch_size.png and
 DIR/latency_vs_throughput.png. Exit status: 0 done (targets missed included — see the ratios),
@@ -36,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from flashx_batch.bench import memory, report
+from flashx_batch.bench import eval_mc, memory, report
 from flashx_batch.bench.gate import GateCheck, GateFailure
 from flashx_batch.bench.models import (
     LLAMA_27M,
@@ -227,6 +231,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "instead of the default (every built-in); repeatable")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-RSS runs (one fresh process per side and model)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--no-eval", action="store_true",
+                       help="skip the evaluation workload (our multiple_choice job vs lm-eval's HF backend)")
+    which.add_argument("--eval-only", action="store_true", help="run the evaluation workload only")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for every variant (default 1)")
     parser.add_argument("--repeats", type=int, default=None, help="override the interleaved repeat count")
     parser.add_argument("--batch-size", type=int, default=None, help="override the main batch size (default 8)")
@@ -243,6 +251,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(threads=args.threads, seed=args.seed, quick=args.quick, **base)
 
 
+def eval_settings(s: Settings) -> eval_mc.EvalSettings:
+    """The evaluation workload's size: every bundled item (48 with --quick), at most 3 repeats (each
+    repeat costs about half a minute of lm-eval on one thread)."""
+    return eval_mc.EvalSettings(items=eval_mc.QUICK_ITEMS if s.quick else eval_mc.FULL_ITEMS,
+                                repeats=min(s.repeats, 3), threads=s.threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, s: Settings, scratch: Path) -> int:
     try:
-        planned = resolve_models(args.model, scratch)
+        planned = {} if args.eval_only else resolve_models(args.model, scratch)
     except FileNotFoundError as exc:
         log.error("%s", exc)
         return 2
@@ -282,15 +297,28 @@ def _run(args: argparse.Namespace, s: Settings, scratch: Path) -> int:
               "ours": m.ours, "reference": m.reference} for m in exc.mismatches], indent=2))
         log.error("%s", exc)
         return 1
+    evaluation = None
+    if not args.no_eval:
+        settings = eval_settings(s)
+        log.info("eval workload: %d items, %d repeat(s)", settings.items, settings.repeats)
+        evaluation = eval_mc.bench_eval(settings, scratch)
+        torch.set_num_threads(s.threads)
     machine_end = measure_machine("cpu")
     ceiling = best_of(machine_start, machine_end)
     for r in results.values():
         r.set_rooflines(ceiling)
     doc = _document(results, models, s, machine_start, machine_end, time.perf_counter() - started)
+    if evaluation is not None:
+        doc["eval"] = evaluation
     sweep = [p for r in results.values() for p in r.sweep]
     for path in report.write(doc, sweep, args.out):
         log.info("wrote %s", path)
-    for key, r in doc["ratios"].items():
+    ratio_rows = dict(doc["ratios"])
+    if evaluation is not None:
+        ratio_rows["eval/lm_eval_over_ours_scoring"] = evaluation["ratio_scoring"]
+        log.info("eval: predictions equal %d/%d, accuracy ours %.3f, lm-eval %.3f", evaluation["predictions_equal"],
+                 evaluation["items"], evaluation["accuracy"]["ours"], evaluation["accuracy"]["lm_eval"])
+    for key, r in ratio_rows.items():
         if "target" in r:
             log.info("%s = %.2f (min %.2f, max %.2f), target %s: %s", key, r["median"], r["min"], r["max"],
                      r["target"], "met" if r["met"] else "NOT met")

@@ -167,6 +167,10 @@ def markdown(doc: dict) -> str:
         met = ("yes" if r["met"] else "**no**") if "met" in r else ""
         lines.append(f"| {key} | {_fmt_spread(r['median'], r['min'], r['max'], 2)} | {r.get('target', '')} | {met} |")
     lines += _models_md(run.get("models", {})) + _memory_md(doc.get("memory", {}))
+    if doc.get("eval"):
+        from flashx_batch.bench.eval_mc import markdown as eval_markdown
+
+        lines += eval_markdown(doc["eval"])
     lines += ["", "## Machine (measured in this run)", ""]
     lines += [f"- {k}: {v}" for k, v in machine.items()]
     if run.get("skipped"):

@@ -14,7 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashx_batch.models.config import ModelConfig
-from flashx_batch.models.forward import Decode, Extend, ForwardMeta, Packed, Paged, TeacherForced, split_rows
+from flashx_batch.models.forward import (
+    Decode,
+    Extend,
+    ForwardMeta,
+    Packed,
+    PackedTrees,
+    Paged,
+    TeacherForced,
+    split_rows,
+)
 from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_
 from flashx_batch.models.mla import IndexerChoice, MLAttention
 from flashx_batch.models.moe import SparseMoE
@@ -87,6 +96,8 @@ class Attention(nn.Module):
                                                      attn_mask=mask[:, None], scale=self.scale, enable_gqa=True)
             case TeacherForced():
                 out = self._causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            case PackedTrees():
+                out = self._packed_trees(q, k, v, meta)
             case Decode():
                 out = self._decode(q, k, v, meta, cache)
             case Packed():
@@ -153,6 +164,24 @@ class Attention(nn.Module):
         outs = [self._causal(q_r.transpose(1, 2), k_r.transpose(1, 2), v_r.transpose(1, 2))
                 for q_r, k_r, v_r in split_rows(ctx.row_lengths, q, k, v)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # one batch: no copy
+
+    def _packed_trees(self, q, k, v, ctx: PackedTrees) -> torch.Tensor:
+        """Scoring rows packed end to end, no cache: each row causal over its own keys, then its tree
+        queries (if any) recomputed under their own mask -> [1, H, N, D]. Per row, the causal kernel
+        skips the masked half, which one [T, T] mask over a padded batch cannot."""
+        if self.window is not None:
+            raise ValueError("packed token trees serve models without sliding-window layers")
+        bounds = torch.tensor((0, *ctx.row_lengths)).cumsum(0).tolist()
+        outs = []
+        for a, b, tree in zip(bounds[:-1], bounds[1:], ctx.trees, strict=True):
+            q_r, k_r, v_r = q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2), v[:, a:b].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True, scale=self.scale, enable_gqa=True)
+            if tree is not None:
+                idx, visible = tree
+                out[:, :, idx] = F.scaled_dot_product_attention(q_r[:, :, idx], k_r, v_r, attn_mask=visible,
+                                                                scale=self.scale, enable_gqa=True)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _packed_last(self, q, k, v, ctx: Packed, cache: KVView) -> torch.Tensor:
         """Packed rows, final layer: every token's K and V into the arena, but only each row's last

@@ -114,4 +114,19 @@ class Paged:
     last_only: bool = False
 
 
-ForwardMeta = TeacherForced | Packed | Decode | Extend | Paged
+@dataclass
+class PackedTrees:
+    """Teacher-forced rows end to end in one [1, N] sequence, no padding, no cache (log-likelihood
+    scoring): row r is the next `row_lengths[r]` tokens and attends causally to its own keys, except
+    the queries of `trees[r]` = (row-local query indices [n], visible [n, len_r] bool): a token tree's
+    continuations after its first, which see the context and their own earlier tokens only. A row's
+    first continuation follows the context directly, so its queries are plain causal ones."""
+
+    cos: torch.Tensor  # [1, N, 1, rotary_dim]
+    sin: torch.Tensor
+    row_lengths: tuple[int, ...]
+    trees: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
+    last_only: bool = False
+
+
+ForwardMeta = TeacherForced | Packed | Decode | Extend | Paged | PackedTrees

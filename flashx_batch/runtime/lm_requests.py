@@ -61,7 +61,15 @@ class LMEncoder:
         return self.tokenizer.decode([self.prefix_token_id], skip_special_tokens=False)
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """`tok_encode` of each text, batched (one tokenizer call per special-token setting)."""
+        """`tok_encode` of each text, batched (one tokenizer call per special-token setting); a text
+        given more than once (a multiple-choice context, once per choice) is encoded once."""
+        unique = list(dict.fromkeys(texts))
+        if len(unique) < len(texts):
+            ids = dict(zip(unique, self._encode(unique), strict=True))
+            return [list(ids[t]) for t in texts]
+        return self._encode(texts)
+
+    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
         prefix = self.prefix_text
         plain = [i for i, t in enumerate(texts) if not (prefix and t.startswith(prefix))]
         marked = [i for i, t in enumerate(texts) if prefix and t.startswith(prefix)]

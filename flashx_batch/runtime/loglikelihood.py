@@ -11,8 +11,9 @@ How requests become forward passes:
 - Every request becomes a *row*: its model input `fit(ctx, cont)` and the positions whose logits
   score its continuation tokens. Rows with the same input are computed once (lm-eval's one-token
   multiple-choice cache is the common case: the same context, one-token continuations).
-- Rows are sorted longest first and cut into batches of at most `batch_tokens` padded tokens (and
-  `max_rows` rows); each batch is one right-padded forward pass, so padding is what sorting leaves.
+- Rows are sorted longest first and cut into batches of at most `batch_tokens` tokens (and `max_rows`
+  rows). Where the runner `packs_rows`, a batch is one pass over its rows end to end, no padding
+  (`PackedTrees`); otherwise one right-padded pass (padded tokens counted), padding what sorting leaves.
 - Multiple choice: a row holds the context ONCE followed by every choice (its last token dropped:
   nothing reads its logits), a *token tree* — each choice attends to the context and to its own
   earlier tokens, at positions continuing from the context's end (`TeacherForced.visible`). One pass
@@ -209,11 +210,15 @@ class LogLikelihood:
         total = torch.zeros(n_requests, dtype=torch.float64)
         missed = torch.zeros(n_requests, dtype=torch.bool)
         rows = sorted(rows, key=lambda r: -len(r.tokens))
+        packed = getattr(self.runner, "packs_rows", False)
         for trees in (False, True):
             group = [r for r in rows if (r.segment is not None) == trees]
-            for batch in self._batches(group):
-                ids, pick, target, positions, visible = self._tensors(batch, trees)
-                logprobs, greedy = self.runner.target_logprobs(ids, pick, target, positions, visible)
+            for batch in self._batches(group, packed):
+                if packed:
+                    logprobs, greedy = self.runner.packed_target_logprobs(*self._packed_tensors(batch))
+                else:
+                    ids, pick, target, positions, visible = self._tensors(batch, trees)
+                    logprobs, greedy = self.runner.target_logprobs(ids, pick, target, positions, visible)
                 parts = [p for r in batch for p in r.requests]
                 request = torch.tensor([q for q, _ in parts], dtype=torch.long)
                 counts = [n for _, n in parts]
@@ -222,15 +227,38 @@ class LogLikelihood:
                 missed[request[~torch.stack([part.all() for part in greedy.split(counts)])]] = True
         return total.tolist(), (~missed).tolist()
 
-    def _batches(self, rows: list[_Row]) -> list[list[_Row]]:
+    def _batches(self, rows: list[_Row], packed: bool = False) -> list[list[_Row]]:
+        """Rows (longest first) cut into batches of at most `max_rows` rows and `batch_tokens` tokens:
+        padded tokens (the first row sets the width), or with `packed` the rows' own tokens."""
         batches: list[list[_Row]] = []
-        for row in rows:  # longest first: a batch's first row sets its width
+        used = 0
+        for row in rows:
+            n = len(row.tokens)
             if batches and len(batches[-1]) < self.max_rows and \
-                    (len(batches[-1]) + 1) * len(batches[-1][0].tokens) <= self.batch_tokens:
+                    (used + n if packed else (len(batches[-1]) + 1) * len(batches[-1][0].tokens)) <= self.batch_tokens:
                 batches[-1].append(row)
+                used += n
             else:
                 batches.append([row])
+                used = n
         return batches
+
+    @staticmethod
+    def _packed_tensors(batch: list[_Row]):
+        """A batch end to end, no padding: (ids [N], row lengths, pick [M] into N, targets [M],
+        positions [N], per row its non-causal queries and their mask, or None) — `PackedTrees`."""
+        lengths = tuple(len(r.tokens) for r in batch)
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        ids = torch.tensor(list(chain.from_iterable(r.tokens for r in batch)), dtype=torch.long)
+        pick = torch.tensor(list(chain.from_iterable((s + p for p in r.pick) for s, r in zip(starts, batch))),
+                            dtype=torch.long)
+        target = torch.tensor(list(chain.from_iterable(r.target for r in batch)), dtype=torch.long)
+        positions = torch.tensor(list(chain.from_iterable(range(len(r.tokens)) if r.positions is None else r.positions
+                                                          for r in batch)), dtype=torch.long)
+        trees = tuple(_tree_queries(r) for r in batch)
+        return ids, lengths, pick, target, positions, trees
 
     def _tensors(self, batch: list[_Row], trees: bool):
         width = len(batch[0].tokens)
@@ -255,6 +283,22 @@ class LogLikelihood:
         visible &= seg_k >= 0
         visible |= torch.eye(width, dtype=torch.bool)[None]  # padding queries see themselves (no empty rows)
         return ids, pick, target, positions, visible
+
+
+def _tree_queries(row: _Row) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A token-tree row's queries that a causal mask would not serve — the tokens of its second and
+    later choices — with what they see: the context (segment 0) and their own choice's tokens up to
+    themselves -> (row-local indices [n], visible [n, len] bool); None for a plain row or one choice."""
+    if row.segment is None:
+        return None
+    segment = torch.tensor(row.segment)
+    idx = torch.nonzero(segment >= 2).flatten()
+    if not len(idx):
+        return None
+    keys = torch.arange(len(row.segment))
+    seg_q = segment[idx, None]
+    visible = (segment[None, :] == 0) | ((segment[None, :] == seg_q) & (keys[None, :] <= idx[:, None]))
+    return idx, visible
 
 
 def _check_pair(index: int, ctx: list[int], cont: list[int], limit: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from flashx_batch.backends import Backend
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
-from flashx_batch.models.forward import Decode, Extend, Packed, Paged, TeacherForced
+from flashx_batch.models.forward import Decode, Extend, Packed, PackedTrees, Paged, TeacherForced
 from flashx_batch.runtime.compressed_prefill import CompressedPrefill
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.kv_merge import MergeSettings
@@ -176,6 +176,36 @@ class TorchRunner(ModelRunner):
                 offset = pos[:, :, None] - pos[:, None, :]
                 window = visible & (offset < self.window)
         hidden = self.model.hidden_states(ids, TeacherForced(cos, sin, visible=visible, window_visible=window))
+        return self._picked_logprobs(hidden, pick, targets)
+
+    @property
+    def packs_rows(self) -> bool:
+        """Whether `packed_target_logprobs` serves this model: attention of our own (not MLA), no
+        sliding-window layers."""
+        return self.model.config.mla is None and not self.window
+
+    @torch.inference_mode()
+    def packed_target_logprobs(self, ids: torch.Tensor, row_lengths: tuple[int, ...], pick: torch.Tensor,
+                               targets: torch.Tensor, positions: torch.Tensor,
+                               trees: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`target_logprobs` over rows packed end to end without padding: `ids` and `positions` [N],
+        row r the next `row_lengths[r]` tokens, `pick` flat indices into N, `trees[r]` the row's
+        non-causal queries (`PackedTrees`). Only where `packs_rows`."""
+        pos = positions.to(self.device)[None]
+        if int(pos.max()) + 1 > self.model.rotary.max_positions:
+            raise ValueError(f"positions up to {int(pos.max()) + 1} exceed the rotary table "
+                             f"({self.model.rotary.max_positions}); lower max_length or raise max_input_len + "
+                             "max_output_len")
+        cos, sin = self.model.rotary.lookup(pos)
+        trees = tuple(None if t is None else (t[0].to(self.device), t[1].to(self.device)) for t in trees)
+        hidden = self.model.hidden_states(ids.to(self.device)[None], PackedTrees(cos, sin, row_lengths, trees))
+        return self._picked_logprobs(hidden, pick, targets)
+
+    def _picked_logprobs(self, hidden: torch.Tensor, pick: torch.Tensor, targets: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [..., hidden] at flat indices `pick` -> float32 log-probabilities of `targets`
+        and whether each is the argmax (the LM head on the picked positions only, in chunks)."""
         picked = hidden.reshape(-1, hidden.shape[-1])[pick.to(self.device)]
         targets = targets.to(self.device)
         chunk = max(1, (1 << 24) // max(1, self.model.config.vocab_size))  # 64 MiB of float32 logits at a time
