@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashx_batch.config import JobConfig
+from flashx_batch.config import DataSection, JobConfig
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import InputFile
 from flashx_batch.data.row_sampling import row_params
@@ -118,6 +119,17 @@ def bucket_edges(job: JobConfig) -> list[int]:
     return [*edges, limit]
 
 
+def _input_rows(loaded: LoadedInput, data: DataSection) -> Iterator[tuple[int, int, Any, Any]]:
+    """(file index, row index, frame, row id) of every input row, in order, up to `data.limit` rows."""
+    remaining = data.limit if data.limit is not None else float("inf")
+    for fi, fr in enumerate(loaded.frames):
+        for ri in range(fr.num_rows):
+            if remaining <= 0:
+                return
+            remaining -= 1
+            yield fi, ri, fr, fr.columns[data.id_column][ri]
+
+
 def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
     """Validate, tokenize, bucket and shard every row of `loaded`."""
     if job.task != "generate":
@@ -127,24 +139,18 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
     ids: list[Any] = []
     errors: list[RowError] = []
     pending: list[tuple[Ref, Any, str]] = []
-    remaining = data.limit if data.limit is not None else float("inf")
-    for fi, fr in enumerate(loaded.frames):
-        for ri in range(fr.num_rows):
-            if remaining <= 0:
-                break
-            remaining -= 1
-            row_id = fr.columns[data.id_column][ri]
-            ids.append(row_id)
-            value = fr.columns[text_col][ri]
-            text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
-                                tokenizer, row_tools(data, fr.columns, ri), data.chat_template_kwargs)
-            if isinstance(text, RowProblem):
-                errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
-            elif job.sampling.from_columns and isinstance(
-                    bad := row_params(job.sampling, fr.columns, ri, 0, job.runtime.max_output_len), RowProblem):
-                errors.append(RowError((fi, ri), row_id, bad.code, bad.message, "validate"))
-            else:
-                pending.append(((fi, ri), row_id, text))
+    for fi, ri, fr, row_id in _input_rows(loaded, data):
+        ids.append(row_id)
+        value = fr.columns[text_col][ri]
+        text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
+                            tokenizer, row_tools(data, fr.columns, ri), data.chat_template_kwargs)
+        if isinstance(text, RowProblem):
+            errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
+        elif job.sampling.from_columns and isinstance(
+                bad := row_params(job.sampling, fr.columns, ri, 0, job.runtime.max_output_len), RowProblem):
+            errors.append(RowError((fi, ri), row_id, bad.code, bad.message, "validate"))
+        else:
+            pending.append(((fi, ri), row_id, text))
     segment = job.runtime.segment_size if job.runtime.prefix_cache_tokens else 0
     lengths, signatures = _token_lengths([t for _, _, t in pending], tokenizer, segment,
                                          add_special_tokens=not data.messages_column)
@@ -171,19 +177,13 @@ def _build_score_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer)
     ids: list[Any] = []
     errors: list[RowError] = []
     pending: list[tuple[Ref, Any, Any]] = []
-    remaining = data.limit if data.limit is not None else float("inf")
-    for fi, fr in enumerate(loaded.frames):
-        for ri in range(fr.num_rows):
-            if remaining <= 0:
-                break
-            remaining -= 1
-            row_id = fr.columns[data.id_column][ri]
-            ids.append(row_id)
-            row = score_row(job.task, data, fr.columns, ri)
-            if isinstance(row, RowProblem):
-                errors.append(RowError((fi, ri), row_id, row.code, row.message, "validate"))
-            else:
-                pending.append(((fi, ri), row_id, row))
+    for fi, ri, fr, row_id in _input_rows(loaded, data):
+        ids.append(row_id)
+        row = score_row(job.task, data, fr.columns, ri)
+        if isinstance(row, RowProblem):
+            errors.append(RowError((fi, ri), row_id, row.code, row.message, "validate"))
+        else:
+            pending.append(((fi, ri), row_id, row))
     encoder = LMEncoder.for_tokenizer(tokenizer)
     valid: list[tuple[Ref, Any, int, tuple]] = []
     for start in range(0, len(pending), _ENCODE_CHUNK):
