@@ -176,7 +176,7 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
     model_dir, loaded, plan = plan_job(job)
     if job.dry_run:
         out.write(format_plan(plan) + "\n")
-        out.write(f"dry run: {len(plan.shards)} generate shard(s) planned; nothing was written.\n")
+        out.write(f"dry run: {len(plan.shards)} {job.task} shard(s) planned; nothing was written.\n")
         return EXIT_OK
     output = OutputDir(job.output.dir, faults.driver_faults(job.executor.faults))
     wrote = False
