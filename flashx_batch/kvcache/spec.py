@@ -39,3 +39,9 @@ def arena_shape(spec: tuple[LayerCache, ...]) -> tuple[int, int, int]:
         raise ValueError(f"layers keep differently shaped caches {sorted(shapes)}; one arena holds one shape")
     parts, heads = shapes.pop()
     return parts, heads, max(s.dim for s in spec)
+
+
+def slot_bytes(spec: tuple[LayerCache, ...], element_size: int) -> int:
+    """Arena bytes of one slot across every layer (as the arena stores it: at the widest entry)."""
+    parts, heads, dim = arena_shape(spec)
+    return len(spec) * parts * heads * dim * element_size

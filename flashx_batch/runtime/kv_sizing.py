@@ -8,8 +8,31 @@ cache region and one trash segment after the stripes.
 
 from __future__ import annotations
 
+import dataclasses
+
+from flashx_batch.errors import ConfigError
 from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.runtime.options import EngineOptions
+
+
+def rows_for_budget(options: EngineOptions, bytes_per_slot: int) -> EngineOptions:
+    """`options` with max_batch_size = the full-length rows (max_input_len + max_output_len, whole
+    segments) that `kv_budget_mb` holds at `bytes_per_slot` (the model's KV bytes per token, every
+    layer), after the prefix cache region; unchanged without a budget. Segment-sparse then cuts the same bytes into more, shorter
+    stripes (`arena_geometry`), so a budget admits more rows there."""
+    if options.kv_budget_mb is None:
+        return options
+    budget = int(options.kv_budget_mb * 2**20)
+    if options.prefix_cache_tokens:  # the prefix cache region (and its trash segment) comes out of the budget
+        seg = options.segment_size
+        budget -= (-(-options.prefix_cache_tokens // seg) + 1) * seg * bytes_per_slot
+    row = options.row_capacity * bytes_per_slot
+    if budget < row:
+        raise ConfigError(f"kv_budget_mb={options.kv_budget_mb} holds {max(0, budget) // bytes_per_slot} KV slots for "
+                          f"rows (after any prefix cache); one row of max_input_len + max_output_len needs "
+                          f"{options.row_capacity} slots ({row / 2**20:.2f} MiB for this model and dtype). Raise the "
+                          "budget or lower the lengths.")
+    return dataclasses.replace(options, max_batch_size=budget // row)
 
 
 def arena_geometry(options: EngineOptions, prompt_slots: int) -> ArenaGeometry:
