@@ -20,8 +20,8 @@ import torch
 from flashx_batch.backends import Backend, get_backend, ray_accelerator_ids
 from flashx_batch.errors import ConfigError
 from flashx_batch.kvcache.arena import KVArena
-from flashx_batch.kvcache.spec import slot_bytes
 from flashx_batch.kvcache.geometry import ArenaGeometry
+from flashx_batch.kvcache.spec import slot_bytes
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
 from flashx_batch.runtime import kv_sizing
