@@ -18,8 +18,8 @@ from flashx_batch.runtime.options import EngineOptions
 def rows_for_budget(options: EngineOptions, bytes_per_slot: int) -> EngineOptions:
     """`options` with max_batch_size = the full-length rows (max_input_len + max_output_len, whole
     segments) that `kv_budget_mb` holds at `bytes_per_slot` (the model's KV bytes per token, every
-    layer), after the prefix cache region; unchanged without a budget. Segment-sparse then cuts the same bytes into more, shorter
-    stripes (`arena_geometry`), so a budget admits more rows there."""
+    layer), after the prefix cache region; unchanged without a budget. Segment-sparse then cuts the
+    same bytes into more, shorter stripes (`arena_geometry`), so a budget admits more rows there."""
     if options.kv_budget_mb is None:
         return options
     budget = int(options.kv_budget_mb * 2**20)
