@@ -1,0 +1,67 @@
+"""The synthetic retrieval sequences of jobs/train_retrieval_model.py: the same seed gives the same
+sequences, and the loss mask covers exactly the retrieval targets (the repeated span; the queried
+values)."""
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).resolve().parents[2] / "jobs" / "train_retrieval_model.py"
+
+
+@pytest.fixture(scope="module")
+def job():
+    spec = importlib.util.spec_from_file_location("train_retrieval_model", JOB)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    path = list(sys.path)  # the job puts jobs/ first on sys.path
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+        sys.path[:] = path
+
+
+TEXT = [7 + (i * 37) % 500 for i in range(5000)]  # stand-in licence tokens
+
+
+def test_same_seed_same_sequences(job):
+    for make in (job.random_copy, job.random_mqar):
+        a = [make(random.Random(3), TEXT) for _ in range(3)]
+        b = [make(random.Random(3), TEXT) for _ in range(3)]
+        assert [(e.ids, e.targets) for e in a] == [(e.ids, e.targets) for e in b]
+        assert make(random.Random(3), TEXT).ids != make(random.Random(4), TEXT).ids
+        assert all(len(e.ids) == job.SEQ_LEN for e in a)
+
+
+def test_copy_mask_is_the_repeated_span(job):
+    rng = random.Random(0)
+    for _ in range(20):
+        e = job.random_copy(rng, TEXT)
+        first = e.ids.index(job.MARK_SPAN) + 1
+        query = e.ids.index(job.MARK_QUERY) + 1
+        span = len(e.targets)
+        assert e.targets == list(range(query, query + span))
+        assert e.ids[query : query + span] == e.ids[first : first + span]
+        labels = e.labels()
+        assert [i for i, t in enumerate(labels) if t != job.IGNORE] == e.targets
+        assert all(labels[i] == e.ids[i] for i in e.targets)
+
+
+def test_mqar_mask_is_the_queried_values(job):
+    rng = random.Random(1)
+    for _ in range(20):
+        e = job.random_mqar(rng, TEXT)
+        start = e.ids.index(job.MARK_SPAN) + 1
+        query = e.ids.index(job.MARK_QUERY) + 1
+        n = len(e.targets)
+        pairs = dict(zip(e.ids[start : start + 2 * n : 2], e.ids[start + 1 : start + 2 * n : 2]))
+        assert len(pairs) == n  # distinct keys
+        assert e.targets == list(range(query + 1, query + 2 * n, 2))
+        assert sorted(e.ids[query : query + 2 * n : 2]) == sorted(pairs)  # every key queried once
+        assert all(e.ids[t] == pairs[e.ids[t - 1]] for t in e.targets)
+        assert [i for i, t in enumerate(e.labels()) if t != job.IGNORE] == e.targets
