@@ -22,8 +22,7 @@ from flashx_batch.kvcache.spec import LayerCache, arena_shape
 class KVArena:
     def __init__(self, spec: tuple[LayerCache, ...], num_slots: int, dtype: torch.dtype, device: torch.device
                  ) -> None:
-        self.spec, self.num_slots = spec, num_slots
-        self.kind = spec[0].kind
+        self.num_slots = num_slots
         parts, heads, dim = arena_shape(spec)
         self.storage = torch.zeros(len(spec), parts, num_slots, heads, dim, dtype=dtype, device=device)
         self.bias = torch.zeros(num_slots, dtype=torch.float32, device=device)

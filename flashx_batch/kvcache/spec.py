@@ -26,10 +26,6 @@ class LayerCache:
         if self.kind not in KINDS or min(self.parts, self.heads, self.dim) < 1:
             raise ValueError(f"not a layer cache: {self}")
 
-    @property
-    def values_per_token(self) -> int:
-        return self.parts * self.heads * self.dim
-
 
 def arena_shape(spec: tuple[LayerCache, ...]) -> tuple[int, int, int]:
     """(parts, heads, dim) of the arena's per-layer slot: the layers' own, which must agree on parts and

@@ -133,10 +133,8 @@ class MLAttention(nn.Module):
                 for qn, qr, e, *idx in split_rows(meta.row_lengths, q_nope, q_rot, entry, *(index or ())):
                     n = qn.shape[1]
                     row_index = (tuple(idx), e[..., self.spec.latent_dim :]) if index is not None else None
-                    if last_only:  # the row's last query sees its whole row
-                        visible = torch.ones(qn.shape[0], 1, n, dtype=torch.bool, device=x.device)
-                        outs.append(self._attend(qn[:, -1:], qr[:, -1:], e, visible,
-                                                 _last(row_index)))
+                    if last_only:  # the row's last query sees its whole row: no mask
+                        outs.append(self._attend(qn[:, -1:], qr[:, -1:], e, None, _last(row_index)))
                     else:
                         outs.append(self._attend(qn, qr, e, _causal(n, x.device)[None], row_index))
                 out = torch.cat([o.reshape(-1, *o.shape[2:]) for o in outs])[None]  # [1, N or rows, H, v]
@@ -147,8 +145,8 @@ class MLAttention(nn.Module):
                 for a, b, kv, masked in meta.runs:
                     keys = kv[self.layer][0][:, 0]  # [rows, slots, entry]
                     mask = meta.attn_mask[a:b, :, :, : keys.shape[1]] if masked is not None else None
-                    visible = (torch.ones(b - a, 1, keys.shape[1], dtype=torch.bool, device=x.device) if mask is None
-                               else mask[:, 0] > float("-inf"))
+                    # the indexer needs the visible keys as booleans; attention itself reads the additive mask
+                    visible = mask[:, 0] > float("-inf") if self.sparse and mask is not None else None
                     row_index = (None if index is None else
                                  ((index[0][a:b], index[1][a:b]), keys[..., self.spec.latent_dim :]))
                     outs.append(self._attend(q_nope[a:b], q_rot[a:b], keys, visible, row_index, mask))
@@ -179,24 +177,27 @@ class MLAttention(nn.Module):
         return self.o_proj.forward(out.flatten(-2))
 
     # ---- attention over latents -------------------------------------------------------------
-    def _attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+    def _attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None,
                 index=None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Queries [B, T, H, *] over cache entries `keys` [B, L, entry] -> [B, T, H, v]. `visible` bool
-        [B or 1, T, L]; `bias` an additive [B, 1, T or 1, L] mask (merge bias) used instead of it where
-        given; `index` ((queries, weights), index keys [B, L, Di]) for a full indexer layer."""
-        keep = self._select(index, visible, q_nope.shape[1])
-        mask = bias if bias is not None else visible[:, None]
+        [B or 1, T, L] (None: every key, no mask); `bias` an additive [B, 1, T or 1, L] mask (merge bias)
+        used instead of it where given; `index` ((queries, weights), index keys [B, L, Di]) for a full
+        indexer layer."""
+        keep = self._select(index, visible, q_nope.shape[1], keys.shape[1])
+        mask = bias if bias is not None else None if visible is None else visible[:, None]
         if keep is not None:
             mask = keep[:, None] if bias is None else bias.masked_fill(~keep[:, None], float("-inf"))
         if q_nope.shape[1] == 1:
             return self._absorbed(q_nope, q_rot, keys, mask)
         return self._expanded(q_nope, q_rot, keys, mask)
 
-    def _select(self, index, visible: torch.Tensor, queries: int) -> torch.Tensor | None:
+    def _select(self, index, visible: torch.Tensor | None, queries: int, length: int) -> torch.Tensor | None:
         if not self.sparse:
             return None
         if self.indexer is not None:
             (q, weights), keys = index
+            if visible is None:
+                visible = torch.ones(q.shape[0], queries, length, dtype=torch.bool, device=q.device)
             keep = self.indexer.choose(q, weights, keys, visible.expand(q.shape[0], -1, -1))
             self.choice.keep.append(keep)
             return keep
@@ -217,12 +218,22 @@ class MLAttention(nn.Module):
 
     def _absorbed(self, q_nope, q_rot, keys, mask) -> torch.Tensor:
         """One query per row: the query heads as rows of one head over the latents themselves."""
-        w = self.kv_b.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        q_lat = torch.einsum("bhn,hnr->bhr", q_nope[:, 0], w[:, : self.nope])  # [B, H, rank]
+        w_uk, w_uv = self._absorb_weights()
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope[:, 0], w_uk)  # [B, H, rank]
         q = torch.cat((q_lat, q_rot[:, 0].to(q_lat.dtype)), dim=-1)[:, None]  # [B, 1, H, latent]
         k = keys[:, None, :, : self.spec.latent_dim]  # [B, 1, L, latent]
         out = F.scaled_dot_product_attention(q, k, k[..., : self.rank], attn_mask=mask, scale=self.spec.scale)
-        return torch.einsum("bhr,hvr->bhv", out[:, 0], w[:, self.nope :])[:, None]  # [B, 1, H, v]
+        return torch.einsum("bhr,hvr->bhv", out[:, 0], w_uv)[:, None]  # [B, 1, H, v]
+
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b's key and value halves per head, [H, nope, rank] and [H, v, rank], contiguous: cut once
+        (not on every decode step of every layer), again only if the weight is replaced or written to."""
+        weight = self.kv_b.weight
+        if getattr(self, "_absorb_for", None) != (id(weight), weight._version):
+            w = weight.detach().view(self.num_heads, self.nope + self.v_dim, self.rank)
+            self._absorb = (w[:, : self.nope].contiguous(), w[:, self.nope :].contiguous())
+            self._absorb_for = (id(weight), weight._version)
+        return self._absorb
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:

@@ -340,17 +340,17 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     if stop.requested:  # a signal while finishing: stop before _SUCCESS; a rerun only finishes
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
-    evaluation = None
+    evaluation, stats = None, output.read_stats()
     if job.eval.metric:
         from flashx_batch.runner.eval_summary import evaluate
 
-        evaluation = evaluate(job, output, totals, output.read_stats())
+        evaluation = evaluate(job, output, totals, stats)
         totals["eval"] = evaluation["overall"]
         log.info("evaluation: %s", evaluation["describe"])
     if job.output.report:
         from flashx_batch.report import write_report
 
-        write_report(output.root, totals, plan, output.read_stats(), write_atomic, evaluation)
+        write_report(output.root, totals, plan, stats, write_atomic, evaluation)
     if stop.requested:
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code

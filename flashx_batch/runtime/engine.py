@@ -61,8 +61,8 @@ class Engine:
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = tuple(dict.fromkeys(self.config.eos_token_ids + generation_eos(self.model_dir)))
-        element = torch.empty(0, dtype=self.dtype).element_size()
-        options = self.options = kv_sizing.rows_for_budget(options, slot_bytes(self.config.cache_spec(), element))
+        options = self.options = kv_sizing.rows_for_budget(options, slot_bytes(self.config.cache_spec(),
+                                                                                self.dtype.itemsize))
         merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window,
                               evict_share=options.kv_evict_share)
         # the most slots a prompt holds once in the cache (what a rolling merge folds a long one into)
