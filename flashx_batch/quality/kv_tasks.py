@@ -42,6 +42,7 @@ about a minute on one core. Writes DIR/kv_tasks.json, DIR/kv_tasks.md and DIR/kv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -72,7 +73,7 @@ from flashx_batch.runtime.options import bundled_model_dir
 log = logging.getLogger("flashx_batch.quality.kv_tasks")
 
 TASKS = ("copy", "mqar", "ppl", "mc")
-POLICIES = ("static", "segment_sparse", "merge_only", "evict_only", "streaming", "random")
+POLICIES = ("static", "segment_sparse", "attention_only", "merge_only", "evict_only", "streaming", "random")
 SAVED = (0.25, 0.5, 0.75)
 MC_DATA = Path(__file__).resolve().parent.parent / "assets" / "data" / "legal_eval.parquet"
 LOWER_IS_BETTER = {"ppl"}
@@ -189,7 +190,7 @@ def segment_sparse_settings(length: int, saved: float, sinks: int, window: int,
 
 
 def policy_plan(policy: str, length: int, saved: float, scores: torch.Tensor | None, seed: int,
-                sinks: int, window: int) -> tuple[MergePlan | None, bool]:
+                sinks: int, window: int, surprisal: torch.Tensor | None = None) -> tuple[MergePlan | None, bool]:
     """(plan, merges keys that need re-rotation) freeing about `saved` of a `length`-token prompt's
     slots; `static`: (None, False). Eviction frees GROUP slots per group, a 4:1 merge GROUP - 1."""
     if policy == "static":
@@ -197,8 +198,11 @@ def policy_plan(policy: str, length: int, saved: float, scores: torch.Tensor | N
     bounds = MergeSettings(sinks=sinks, window=window)
     eligible = len(eligible_groups(length, bounds))
     free = length - keep_slots(length, saved)
-    if policy == "segment_sparse":
-        merge, evict = choose_compression(scores, length, segment_sparse_settings(length, saved, sinks, window))
+    if policy in ("segment_sparse", "attention_only"):
+        settings = segment_sparse_settings(length, saved, sinks, window)
+        if policy == "attention_only":
+            settings = dataclasses.replace(settings, surprisal=False)
+        merge, evict = choose_compression(scores, length, settings, surprisal)
         return plan_groups(length, merge, evict=evict), bool(merge)
     if policy == "merge_only":
         count = min(eligible, round(free / (GROUP - 1)))
@@ -214,6 +218,15 @@ def policy_plan(policy: str, length: int, saved: float, scores: torch.Tensor | N
 
 
 # ---------------------------------------------------------------- running
+
+def context_surprisal(runner, context: list[int]) -> torch.Tensor:
+    """Each context token's -log p given the tokens before it (0 for the first): what the engine's
+    packed prefill computes for segment-sparse rows (`TorchRunner.token_surprisal`)."""
+    logprobs = torch.log_softmax(runner.score([context])[0][:-1].float(), -1)
+    out = torch.zeros(len(context))
+    out[1:] = -logprobs.gather(1, torch.tensor(context[1:])[:, None])[:, 0].cpu()
+    return out
+
 
 def _score(engine: Engine, task: str, ex: Example, used: int, n: int) -> tuple[float, float, float]:
     """(score, weight, aside) of one example through a cache holding `used` slots for its n-token
@@ -253,9 +266,10 @@ def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tup
     for index, ex in enumerate(examples):
         n = len(ex.context)
         _, scores = runner.extend(ex.context, 0, 0, 0, observe=window)
+        surprisal = context_surprisal(runner, ex.context)
         for cell in cells:
             policy, saved = cell
-            plan, rerotate = policy_plan(policy, n, saved, scores, seed * 100003 + index, sinks, window)
+            plan, rerotate = policy_plan(policy, n, saved, scores, seed * 100003 + index, sinks, window, surprisal)
             runner.extend(ex.context, 0, 0, 0)  # fresh prompt KV: the previous plan rewrote it
             used = n if plan is None else apply_plan(arena, 0, n, 0, plan, rotary=rotary if rerotate else None)
             score, weight, aside = _score(engine, task, ex, used, n)

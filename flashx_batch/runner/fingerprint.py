@@ -79,7 +79,8 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         "runtime.long_input": r.long_input,
         "runtime.cache_policy": r.cache_policy,
         "runtime.segment_size": r.segment_size,
-        "runtime.kv_merge_fraction": r.kv_merge_fraction if r.cache_policy == "segment_sparse" else None,
+        # the resolved dials, not the preset's name: a preset and the same values spelled out resume each other
+        "runtime.kv_merge_fraction": job.engine_options().merge_fraction if r.cache_policy == "segment_sparse" else None,
         "runtime.kv_observe_window": r.kv_observe_window if r.cache_policy == "segment_sparse" else None,
         "runtime.prefix_reuse": bool(r.prefix_cache_tokens),  # regroups rows into shards: new shard ids
         "runtime.precision_map": _file_digest(r.precision_map) if r.precision_map else None,
@@ -89,7 +90,7 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         "input.num_files": len(plan.files),
     }
     if r.cache_policy == "segment_sparse":  # only here: static jobs written before this key existed still resume
-        fp["runtime.kv_evict_share"] = r.kv_evict_share
+        fp["runtime.kv_evict_share"] = job.engine_options().evict_share
     # logprobs / n / from_columns only when set: jobs written before these keys existed still resume
     optional = {"logprobs": (None, 0), "n": (1,), "from_columns": ({},)}
     fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items() if v not in optional.get(k, ())})

@@ -47,11 +47,12 @@ class CompressedPrefill:
             lengths = [len(p) for p in prompts[done:]]
             count = staged_rows(row * cap, num_slots, cap, lengths)
             starts = (num_slots - torch.tensor(lengths[:count]).flip(0).cumsum(0).flip(0)).tolist()
-            logits, scores = self.runner.prefill_packed_at(prompts[done : done + count], starts,
-                                                           observe=self.merge.window)
+            logits, scores, surprisal = self.runner.prefill_packed_at(
+                prompts[done : done + count], starts, observe=self.merge.window, surprisal=self.merge.surprisal)
             jobs = []
             for j, (n, src, row_scores) in enumerate(zip(lengths, starts, scores)):
-                merge, evict = choose_compression(row_scores, n, self.merge)
+                merge, evict = choose_compression(row_scores, n, self.merge,
+                                                  surprisal[j] if surprisal is not None else None)
                 plan = plan_groups(n, merge, evict=evict)
                 jobs.append((src, n, (row + j) * cap, plan))
             slots += apply_plans(self.runner.arena, jobs, rotary=self.rotary)  # reads every row before writing

@@ -63,8 +63,8 @@ class Engine:
         self.eos_token_ids = tuple(dict.fromkeys(self.config.eos_token_ids + generation_eos(self.model_dir)))
         options = self.options = kv_sizing.rows_for_budget(options, slot_bytes(self.config.cache_spec(),
                                                                                 self.dtype.itemsize))
-        merge = MergeSettings(options.kv_merge_fraction, sinks=4, window=options.kv_observe_window,
-                              evict_share=options.kv_evict_share)
+        merge = MergeSettings(options.merge_fraction, sinks=4, window=options.kv_observe_window,
+                              evict_share=options.evict_share)
         # the most slots a prompt holds once in the cache (what a rolling merge folds a long one into)
         limit, sparse = options.max_input_len, options.cache_policy == "segment_sparse"
         self.prompt_slots = max_compressed_length(limit, merge) if sparse else limit

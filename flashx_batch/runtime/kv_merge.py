@@ -40,6 +40,9 @@ class MergeSettings:
     # of the slots the fraction frees, the share freed by evicting the least attended groups outright;
     # the rest by 4:1 merges of the next least attended (0 = merge only, 1 = evict only)
     evict_share: float = 0.8
+    # rank groups by what their tokens told the model (surprisal) as well as by the window's
+    # attention (`group_importance`); off: attention only, the research baseline
+    surprisal: bool = True
 
 
 @dataclass
@@ -99,28 +102,67 @@ def max_compressed_length(limit: int, settings: MergeSettings) -> int:
     return max(compressed_length(n, settings) for n in range(1, limit + 1))
 
 
+def _per_group(values: torch.Tensor, groups: list[int]) -> torch.Tensor:
+    """Sum of a per-token tensor over each listed 4-token group."""
+    upto = (groups[-1] + 1) * GROUP
+    return values[:upto].float().view(-1, GROUP)[groups].sum(-1)
+
+
+def _ranks(values: torch.Tensor) -> torch.Tensor:
+    """Percentile rank of each value in (0, 1] (ties broken by position, lowest first)."""
+    order = torch.argsort(values, stable=True)
+    ranks = torch.empty(len(values), dtype=torch.float32)
+    ranks[order] = torch.arange(1, len(values) + 1, dtype=torch.float32) / len(values)
+    return ranks
+
+
 def least_attended(scores: torch.Tensor, length: int, settings: MergeSettings, count: int) -> list[int]:
     """The `count` eligible groups whose tokens received the least attention (pooled sum of
     `scores`, one per token), least attended first. `count` must be at least 1."""
     groups = eligible_groups(length, settings)
-    upto = (groups[-1] + 1) * GROUP
-    per_group = scores[:upto].float().view(-1, GROUP)[groups]  # [eligible, 4]
-    lost = per_group.sum(-1)
+    lost = _per_group(scores, groups)
     return [groups[i] for i in torch.argsort(lost, stable=True)[:count].tolist()]
 
 
-def choose_compression(scores: torch.Tensor, length: int, settings: MergeSettings) -> tuple[list[int], list[int]]:
+def group_importance(scores: torch.Tensor, surprisal: torch.Tensor | None, length: int,
+                     settings: MergeSettings) -> tuple[list[int], torch.Tensor]:
+    """(eligible groups, how much each is worth keeping, in (0, 1]).
+
+    Two signals, each turned into a percentile rank over the prompt's eligible groups, and a group
+    is worth what the better of the two says:
+
+    - attention: what the observation window (the prompt's last tokens, where the question sits)
+      paid the group, or the group before it. The tokens after an attended one are what copying or
+      recalling needs next, and the window only attends to where a match starts.
+    - surprisal: the nats its tokens carried that their context did not predict. A query that comes
+      after the prompt (the next question in a batch of evaluations, the rest of a document) is
+      invisible to attention scores; the information it will need is still where the surprise was
+      (random strings, names, numbers), and predictable tokens are what the model can do without.
+
+    Without `surprisal` (or with `settings.surprisal` off) attention alone."""
+    groups = eligible_groups(length, settings)
+    attention = _per_group(scores, groups)
+    attention = torch.maximum(attention, torch.cat((attention[:1], attention[:-1])))
+    worth = _ranks(attention)
+    if surprisal is not None and settings.surprisal:
+        worth = torch.maximum(worth, _ranks(_per_group(surprisal, groups)))
+    return groups, worth
+
+
+def choose_compression(scores: torch.Tensor, length: int, settings: MergeSettings,
+                       surprisal: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
     """(groups to merge, groups to evict): the segment-sparse plan for one prompt.
 
-    Groups are ranked by the attention they received (pooled sum). The least attended are evicted;
-    the next ones are merged 4:1 (equal weights, log 4 bias), so a merge spends its slot where an
-    approximation is worth keeping: a merged slot's mean key draws attention that tokens nobody
-    attends never had, while for moderately attended tokens a summary beats losing them. Why both
-    rather than merging or evicting alone: the comparison is in docs/benchmarks.md ("Segment-sparse KV")."""
+    `scores`: the attention each token received from the observation window (one value per token);
+    `surprisal`: each token's -log p given the tokens before it (`group_importance`). The least
+    valuable groups are evicted; the next ones are merged 4:1 (equal weights, log 4 bias), so a merge
+    spends its slot where an approximation is worth keeping while groups the model can do without
+    are dropped. The measurements behind the split are in docs/benchmarks.md ("Segment-sparse KV")."""
     merged, evicted = compression_counts(length, settings)
     if merged + evicted == 0:
         return [], []
-    order = least_attended(scores, length, settings, merged + evicted)
+    groups, worth = group_importance(scores, surprisal, length, settings)
+    order = [groups[i] for i in torch.argsort(worth, stable=True)[: merged + evicted].tolist()]
     return sorted(order[evicted:]), sorted(order[:evicted])
 
 

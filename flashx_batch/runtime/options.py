@@ -17,6 +17,12 @@ LONG_INPUT_POLICIES = ("error", "truncate", "rolling_merge")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_LAYOUTS = ("auto", "stripes", "extents")
 CUDA_GRAPHS = ("auto", "on", "off")
+# segment_sparse presets: (kv_merge_fraction, kv_evict_share). What each saves and costs, per task, is
+# measured in docs/benchmarks.md ("Segment-sparse KV"); `python -m flashx_batch.quality.kv_tasks` reruns it.
+KV_PRESETS = {
+    "balanced": (0.6, 0.5),
+    "aggressive": (0.85, 0.8),
+}
 
 
 def bundled_model_dir() -> Path:
@@ -59,10 +65,15 @@ class EngineOptions:
                               "mid-batch; false = classic static batches")
     batch_growth: int = knob(4, "static cache: short rows run up to batch_growth x max_batch_size at once in the "
                                 "same KV memory; 1 = fixed batch size")
-    kv_merge_fraction: float = knob(0.8, "segment_sparse: share of eligible 4-token groups merged 4:1")
+    kv_preset: str = knob("balanced", "segment_sparse: named setting of kv_merge_fraction and kv_evict_share "
+                                      "(balanced, aggressive; docs/benchmarks.md has what each saves and costs)",
+                          tuple(KV_PRESETS))
+    kv_merge_fraction: float | None = knob(None, "segment_sparse: KV freed = as much as merging this share of the "
+                                                 "eligible 4-token groups 4:1 would; None = the preset's")
     kv_observe_window: int = knob(32, "segment_sparse: last queries whose attention scores the groups")
-    kv_evict_share: float = knob(0.8, "segment_sparse: share of the freed slots freed by evicting the least "
-                                      "attended groups; the rest by 4:1 merges (0 = merge only)")
+    kv_evict_share: float | None = knob(None, "segment_sparse: share of the freed slots freed by evicting the "
+                                              "least valuable groups; the rest by 4:1 merges (0 = merge only); "
+                                              "None = the preset's")
     prefix_cache_tokens: int = knob(0, "prefix reuse: KV tokens kept for shared prefixes (0 = off)")
     precision_map: str | None = knob(None, "JSON from `python -m flashx_batch.quantize`: per-tensor weight "
                                            "formats")
@@ -86,9 +97,12 @@ class EngineOptions:
              f"cache_policy={self.cache_policy!r} is not one of {', '.join(CACHE_POLICIES)}"),
             (self.long_input in LONG_INPUT_POLICIES,
              f"long_input={self.long_input!r} is not one of {', '.join(LONG_INPUT_POLICIES)}"),
-            (0.0 <= self.kv_merge_fraction <= 1.0,
+            (self.kv_preset in KV_PRESETS,
+             f"kv_preset={self.kv_preset!r} is not one of {', '.join(KV_PRESETS)}"),
+            (self.kv_merge_fraction is None or 0.0 <= self.kv_merge_fraction <= 1.0,
              f"kv_merge_fraction must be in [0, 1], got {self.kv_merge_fraction}"),
-            (0.0 <= self.kv_evict_share <= 1.0, f"kv_evict_share must be in [0, 1], got {self.kv_evict_share}"),
+            (self.kv_evict_share is None or 0.0 <= self.kv_evict_share <= 1.0,
+             f"kv_evict_share must be in [0, 1], got {self.kv_evict_share}"),
             (self.kv_observe_window >= 1, f"kv_observe_window must be >= 1, got {self.kv_observe_window}"),
             (self.long_input != "rolling_merge" or self.max_input_len >= 4 + self.kv_observe_window + 8,
              f"max_input_len={self.max_input_len} is too small to roll long prompts: it must exceed the 4 sink "
@@ -107,6 +121,16 @@ class EngineOptions:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"runtime.{message}.")
+
+    @property
+    def merge_fraction(self) -> float:
+        """kv_merge_fraction as set, else the preset's."""
+        return KV_PRESETS[self.kv_preset][0] if self.kv_merge_fraction is None else self.kv_merge_fraction
+
+    @property
+    def evict_share(self) -> float:
+        """kv_evict_share as set, else the preset's."""
+        return KV_PRESETS[self.kv_preset][1] if self.kv_evict_share is None else self.kv_evict_share
 
     @property
     def row_capacity(self) -> int:

@@ -237,10 +237,12 @@ class TorchRunner(ModelRunner):
         return self.prefill_packed_at(prompts, starts)[0]
 
     @torch.inference_mode()
-    def prefill_packed_at(self, prompts: list[list[int]], starts: list[int], observe: int = 0
-                          ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def prefill_packed_at(self, prompts: list[list[int]], starts: list[int], observe: int = 0,
+                          surprisal: bool = False
+                          ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
         """Packed prefill with row r's KV written to flat slots starts[r], starts[r] + 1, ...
-        -> (last-token logits [B, V], and with `observe` each row's pooled window scores [len_r])."""
+        -> (last-token logits [B, V], with `observe` each row's pooled window scores [len_r], with
+        `surprisal` each row's per-token surprisal [len_r] (`token_surprisal`))."""
         lengths = [len(p) for p in prompts]
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)[None]
         positions = torch.cat([self._range(n) for n in lengths])
@@ -248,10 +250,30 @@ class TorchRunner(ModelRunner):
                                               torch.tensor(lengths, device=self.device))
         cos, sin = self.model.rotary.lookup(positions[None])
         scores = torch.zeros(len(positions), device=self.device) if observe else None
-        meta = Packed(cos, sin, write_flat=first_slots + positions, row_lengths=tuple(lengths), last_only=True,
-                      observe=observe, scores=scores)
-        logits = self.model.logits(self.model.hidden_states(ids, meta, self.caches)[0])  # [B, hidden] -> [B, V]
-        return logits, (list(scores.split(lengths)) if observe else None)
+        meta = Packed(cos, sin, write_flat=first_slots + positions, row_lengths=tuple(lengths),
+                      last_only=not surprisal, observe=observe, scores=scores)
+        hidden = self.model.hidden_states(ids, meta, self.caches)[0]  # [B, hidden], or [N, hidden] for every token
+        info = None
+        if surprisal:
+            info = list(self.token_surprisal(hidden, ids[0], lengths).split(lengths))
+            hidden = hidden[torch.tensor(lengths, device=self.device).cumsum(0) - 1]
+        logits = self.model.logits(hidden)  # [B, V]
+        return logits, (list(scores.split(lengths)) if observe else None), info
+
+    def token_surprisal(self, hidden: torch.Tensor, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """-log p(token | the tokens before it in its row), in nats, for packed rows: hidden [N, H] and
+        ids [N] of rows `lengths` end to end -> [N] float32 on the host. A row's first token has no
+        prediction: 0. How much a token tells that its context did not: segment-sparse keeps the
+        surprising tokens (random strings, names, numbers) and compresses the predictable ones."""
+        ends = torch.tensor(lengths).cumsum(0)
+        starts = ends - torch.tensor(lengths)
+        predicted = torch.ones(len(ids), dtype=torch.bool)
+        predicted[starts] = False  # a row's first token
+        at = predicted.nonzero().squeeze(1)
+        logprobs, _ = self._picked_logprobs(hidden, at - 1, ids[at.to(ids.device)])
+        out = torch.zeros(len(ids), dtype=torch.float32)
+        out[at] = -logprobs
+        return out
 
     def _fill_stripes(self, p: StripePrefill) -> tuple[torch.Tensor, list[int], int]:
         """Prompts into stripes p.first, p.first + 1, ... -> (last-token logits [B, V], cache slots per

@@ -87,7 +87,8 @@ def test_segment_sparse_evicts_the_least_attended_groups_and_merges_the_next():
     # (ranking merges by sum - max, as merge-only does, would evict it first)
     spiked = scores.clone()
     spiked[8:12] = torch.tensor([100.0, 0.5, 0.5, 0.5])
-    assert choose_compression(spiked, 40, s) == ([4], [1, 3])
+    # ... and so is the group after it (copying needs the tokens that follow an attended match)
+    assert choose_compression(spiked, 40, s) == ([5], [1, 4])
     with pytest.raises(ValueError, match="both merged and evicted"):
         plan_groups(40, [2, 3], evict=[3])
 
@@ -114,6 +115,72 @@ def test_the_evict_share_reaches_the_engine_and_the_job_fingerprint(tiny_models)
     job.runtime.cache_policy, job.runtime.kv_evict_share = "segment_sparse", 0.5
     assert compute(job, SimpleNamespace(files=[]), {})["runtime.kv_evict_share"] == 0.5
     assert job.engine_options().kv_evict_share == 0.5
+
+
+def test_presets_set_both_dials_and_an_explicit_value_overrides_its_own():
+    from types import SimpleNamespace
+
+    from flashx_batch.config import JobConfig
+    from flashx_batch.errors import ConfigError
+    from flashx_batch.runner.fingerprint import compute
+    from flashx_batch.runtime.options import KV_PRESETS, EngineOptions
+
+    for name, (fraction, share) in KV_PRESETS.items():
+        o = EngineOptions(cache_policy="segment_sparse", kv_preset=name)
+        assert (o.merge_fraction, o.evict_share) == (fraction, share)
+    o = EngineOptions(kv_preset="aggressive", kv_evict_share=0.0)
+    assert (o.merge_fraction, o.evict_share) == (KV_PRESETS["aggressive"][0], 0.0)
+    # aggressive frees more than balanced: its stripes are shorter
+    lengths = {name: compressed_length(512, MergeSettings(f, evict_share=e)) for name, (f, e) in KV_PRESETS.items()}
+    assert lengths["aggressive"] < lengths["balanced"] < 512
+    with pytest.raises(ConfigError, match="kv_preset='fast' is not one of balanced, aggressive"):
+        EngineOptions(kv_preset="fast")
+    # the fingerprint holds the resolved dials: a preset and its values spelled out resume each other
+    named, spelled = JobConfig(), JobConfig()
+    for job in (named, spelled):
+        job.runtime.cache_policy = "segment_sparse"
+    spelled.runtime.kv_merge_fraction, spelled.runtime.kv_evict_share = KV_PRESETS["balanced"]
+    plan = SimpleNamespace(files=[])
+    assert compute(named, plan, {}) == compute(spelled, plan, {})
+    spelled.runtime.kv_preset = "aggressive"  # the explicit values win over the preset's: same dials
+    assert compute(named, plan, {}) == compute(spelled, plan, {})
+    named.runtime.kv_preset = "aggressive"
+    assert compute(named, plan, {}) != compute(spelled, plan, {})
+
+
+def test_surprising_groups_are_kept_even_when_the_window_ignores_them():
+    """A query that arrives after compression (the next question about a prompt) is invisible to the
+    window's attention; the groups whose tokens surprised the model (a random string in predictable
+    text) still outrank the predictable ones. Attention alone would compress them first."""
+    length = 96
+    s = MergeSettings(fraction=0.5, sinks=4, window=16, evict_share=0.5)
+    scores = torch.linspace(1.0, 2.0, length)  # the window prefers recent tokens a little
+    surprisal = torch.full((length,), 0.5)
+    surprisal[8:24] = 8.0  # groups 2..5: a random string the model could not predict
+    merge, evict = choose_compression(scores, length, s, surprisal)
+    assert not {2, 3, 4, 5} & set(merge + evict)
+    merge, evict = choose_compression(scores, length, MergeSettings(0.5, 4, 16, evict_share=0.5, surprisal=False),
+                                      surprisal)
+    assert {2, 3, 4, 5} <= set(merge + evict)
+    # an attended group still counts when it carried no surprise
+    scores[60:64] = 50.0
+    merge, evict = choose_compression(scores, length, s, surprisal)
+    assert not {15, 16} & set(merge + evict)  # group 15 and the one after it (what copying reads next)
+
+
+def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
+    """The per-token surprisal segment-sparse ranks groups with equals -log p from a plain forward,
+    row by row, for rows packed end to end."""
+    engine = _engine(llama_dir, cache_policy="segment_sparse")
+    runner = engine.runner
+    prompts = _prompts((40, 17, 33))
+    starts = [0, 64, 128]
+    _, _, surprisal = runner.prefill_packed_at(prompts, starts, surprisal=True)
+    for prompt, got in zip(prompts, surprisal):
+        logits = runner.score([prompt])[0]
+        want = -torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        assert got[0] == 0.0 and len(got) == len(prompt)
+        assert torch.allclose(got[1:], want, atol=1e-4)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.8, 1.0])
@@ -239,6 +306,7 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
     merged down in stripe order; outputs must equal prefilling and merging each row alone. (Exact
     tokens rely on CPU float32 sgemm giving the same window scores for a packed and a lone row, as it
     does here; another BLAS could flip a near-tie between two groups.)"""
+    from flashx_batch.quality.kv_tasks import context_surprisal
     from flashx_batch.runtime.compressed_prefill import CompressedPrefill, staged_rows
 
     engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8)
@@ -255,7 +323,7 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
         for i, prompt in enumerate(rows):
             start = (first + i) * capacity
             last, scores = self.runner.extend(prompt, start, 0, 0, observe=self.merge.window)
-            merge, evict = choose_compression(scores, len(prompt), self.merge)
+            merge, evict = choose_compression(scores, len(prompt), self.merge, context_surprisal(self.runner, prompt))
             plan = plan_groups(len(prompt), merge, evict=evict)
             used.append(apply_plan(self.runner.arena, start, len(prompt), start, plan, rotary=self.rotary))
             logits.append(last[-1])
