@@ -277,9 +277,48 @@ def make_batch(rng: random.Random, gen: torch.Generator, train_ids: torch.Tensor
     return torch.tensor(rows, dtype=torch.long), labels, counts["lm"]
 
 
+def induction_targets(ids: torch.Tensor) -> torch.Tensor:
+    """For each position t, the position right after the most recent earlier occurrence of the token
+    at t (where an induction head should look to predict t + 1), or -1 where the token is new or its
+    previous occurrence is at t - 1."""
+    out = torch.full(ids.shape, -1, dtype=torch.long)
+    for row, tokens in enumerate(ids.tolist()):
+        last: dict[int, int] = {}
+        for t, token in enumerate(tokens):
+            j = last.get(token)
+            if j is not None and j + 1 < t:
+                out[row, t] = j + 1
+            last[token] = t
+    return out
+
+
+def supervise_attention(model: torch.nn.Module) -> None:
+    """Every layer on eager attention, so that `output_attentions` returns the weights. All of them:
+    the causal mask is built for the model's implementation, and an eager layer inside an SDPA model
+    gets none (it would see the future)."""
+    model.set_attn_implementation("eager")
+
+
+def attention_loss(attentions: tuple[torch.Tensor, ...], ids: torch.Tensor, n_lm: int,
+                   layers: tuple[int, int]) -> torch.Tensor:
+    """Attention supervision: head 0 of layer `layers[0]` attends to the previous token (every row),
+    head 0 of layer `layers[1]` to the token after the current token's previous occurrence (synthetic
+    rows, where that is the answer). Mean -log of the weight on the target key."""
+    prev, induction = attentions[layers[0]][:, 0].float(), attentions[layers[1]][:, 0].float()  # [B, T, T]
+    t = torch.arange(1, ids.shape[1])
+    loss = -torch.log(prev[:, t, t - 1] + 1e-6).mean()
+    target = induction_targets(ids[n_lm:])
+    rows, cols = (target >= 0).nonzero(as_tuple=True)
+    if len(rows):
+        loss = loss - torch.log(induction[n_lm + rows, cols, target[rows, cols]] + 1e-6).mean()
+    return loss
+
+
 def step_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, n_lm: int,
-              weight: float) -> tuple[torch.Tensor, float, float]:
-    logits = model(input_ids=ids).logits.float()
+              weight: float, attn_weight: float = 0.0, layers: tuple[int, int] = (0, 1)
+              ) -> tuple[torch.Tensor, float, float, float]:
+    out = model(input_ids=ids, output_attentions=attn_weight > 0)
+    logits = out.logits.float()
     vocab = logits.size(-1)
     lm = torch.zeros(())
     if n_lm:
@@ -288,7 +327,8 @@ def step_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, n
     if labels.numel():
         ret = F.cross_entropy(logits[n_lm:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1),
                               ignore_index=IGNORE)
-    return lm + weight * ret, lm.item(), ret.item()
+    att = attention_loss(out.attentions, ids, n_lm, layers) if attn_weight > 0 else torch.zeros(())
+    return lm + weight * ret + attn_weight * att, lm.item(), ret.item(), att.item()
 
 
 def mix_counts(batch_size: int, mix: tuple[float, ...]) -> dict[str, int]:
@@ -335,6 +375,8 @@ def train(args: argparse.Namespace) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "eval.jsonl").unlink(missing_ok=True)
     model.generation_config.pad_token_id = 0
+    if args.attn_supervision > 0:
+        supervise_attention(model)
     decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -356,7 +398,7 @@ def train(args: argparse.Namespace) -> None:
     budget = cfg.minutes * 60.0
     start = time.monotonic() - prior_s
     last_eval = time.monotonic()
-    run = {"loss": 0.0, "lm": 0.0, "ret": 0.0, "n": 0}
+    run = {"loss": 0.0, "lm": 0.0, "ret": 0.0, "att": 0.0, "n": 0}
 
     def checkpoint(final: bool) -> None:
         elapsed = time.monotonic() - start
@@ -384,22 +426,24 @@ def train(args: argparse.Namespace) -> None:
         reach = min(1.0, elapsed / budget / args.reach_at) if args.reach_at > 0 else 1.0
         ids, labels, n_lm = make_batch(rng, gen, train_ids, counts, args.seq_len, reach)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss, lm, ret = step_loss(model, ids, labels, n_lm, args.retrieval_weight)
+            attn_weight = args.attn_supervision if elapsed < args.attn_supervision_min * 60 else 0.0
+            loss, lm, ret, att = step_loss(model, ids, labels, n_lm, args.retrieval_weight, attn_weight,
+                                           tuple(args.supervised_layers))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
         train_s += time.monotonic() - t_step
-        for key, value in (("loss", loss.item()), ("lm", lm), ("ret", ret)):
+        for key, value in (("loss", loss.item()), ("lm", lm), ("ret", ret), ("att", att)):
             run[key] += value
         run["n"] += 1
         if step % cfg.log_every == 0 or step == 1:
             n = run.pop("n")
             print(f"step {step:5d}  loss {run['loss'] / n:.4f}  lm {run['lm'] / n:.4f}  "
-                  f"retrieval {run['ret'] / n:.4f}  lr {lr:.2e}  elapsed {(time.monotonic() - start) / 60:.1f} min",
+                  f"retrieval {run['ret'] / n:.4f}  attention {run['att'] / n:.4f}  lr {lr:.2e}  elapsed {(time.monotonic() - start) / 60:.1f} min",
                   flush=True)
-            run = {"loss": 0.0, "lm": 0.0, "ret": 0.0, "n": 0}
+            run = {"loss": 0.0, "lm": 0.0, "ret": 0.0, "att": 0.0, "n": 0}
         if time.monotonic() - last_eval >= args.eval_every_min * 60 and time.monotonic() - start < budget:
             checkpoint(final=False)
             last_eval = time.monotonic()
@@ -434,6 +478,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--attn-supervision", type=float, default=0.0,
+                   help="weight of the attention-supervision loss (`attention_loss`): a previous-token head and "
+                        "an induction head taught directly, which skips the long plateau before they form "
+                        "from the next-token loss alone; 0 = off")
+    p.add_argument("--attn-supervision-min", type=float, default=1e9,
+                   help="minutes of the budget during which the supervision applies")
+    p.add_argument("--supervised-layers", type=int, nargs=2, default=(0, 1), metavar=("PREV", "INDUCTION"),
+                   help="layers whose head 0 is supervised: previous-token, induction")
     p.add_argument("--bf16", action="store_true",
                    help="bfloat16 autocast for the forward and backward matmuls (float32 weights and optimizer); "
                         "about 1.7x the steps per second on a CPU with AVX-512 BF16")

@@ -23,15 +23,19 @@ run through the compressed cache (`runner.extend` after `kv_merge.apply_plan`), 
 prediction reads the compressed KV.
 
 Policies, each at `--saved` fractions of the prompt's slots freed (default 25 / 50 / 75 %):
-`static` (no compression), `segment_sparse` (the production plan, `kv_merge.choose_compression`, at
-the `kv_merge_fraction` whose compressed length is nearest the budget, the engine's evict share;
-75 % needs a fraction above 1, which the harness allows: the same split of evictions and merges,
-more slots freed), `merge_only` (the harness's best merge-only scheme, `ablations.choose_groups(...,
+`static` (no compression), `segment_sparse` (the production plan, `kv_merge.choose_compression`:
+groups ranked by the better of their observation-window attention and their surprisal, at the
+`kv_merge_fraction` whose compressed length is nearest the budget, with the default preset's evict
+share; 75 % may need a fraction above 1, which the harness allows: the same split of evictions and
+merges, more slots freed), `attention_only` (the same plan ranked by attention alone: the production
+policy before surprisal), `merge_only` (the harness's best merge-only scheme, `ablations.choose_groups(...,
 "merge")` with sharpened score weights), `evict_only` (SnapKV-like: the least attended 4-token
 groups by observation-window attention evicted), `streaming` (StreamingLLM: sinks + recent window)
-and `random` (random groups evicted). Sinks and the observation window are never compressed, so a
-policy that cannot free the asked slots (merge-only frees at most 3/4 of the eligible groups'
-slots) reports the fraction it did free: results carry the measured `kv_saved` next to the target.
+and `random` (random groups evicted). `preset:balanced` and `preset:aggressive` run the engine's
+presets as they are (`runtime.kv_preset`) and report what they save. Sinks and the observation
+window are never compressed, so a policy that cannot free the asked slots (merge-only frees at most
+3/4 of the eligible groups' slots) reports the fraction it did free: results carry the measured
+`kv_saved` next to the target.
 
 A new entry point rather than a mode of `python -m flashx_batch.quality`, whose sweep picks the
 engine's defaults; this one only measures. `--quick` (8 examples per task, 24 for mc, short prompts) takes
@@ -68,12 +72,13 @@ from flashx_batch.runtime.kv_merge import (
     eligible_groups,
     plan_groups,
 )
-from flashx_batch.runtime.options import bundled_model_dir
+from flashx_batch.runtime.options import KV_PRESETS, bundled_model_dir
 
 log = logging.getLogger("flashx_batch.quality.kv_tasks")
 
 TASKS = ("copy", "mqar", "ppl", "mc")
 POLICIES = ("static", "segment_sparse", "attention_only", "merge_only", "evict_only", "streaming", "random")
+PRESETS = tuple(f"preset:{name}" for name in KV_PRESETS)  # the engine's own settings, at what they save
 SAVED = (0.25, 0.5, 0.75)
 MC_DATA = Path(__file__).resolve().parent.parent / "assets" / "data" / "legal_eval.parquet"
 LOWER_IS_BETTER = {"ppl"}
@@ -175,7 +180,7 @@ def keep_slots(length: int, saved: float) -> int:
 
 @lru_cache(maxsize=4096)
 def segment_sparse_settings(length: int, saved: float, sinks: int, window: int,
-                            evict_share: float = MergeSettings.evict_share) -> MergeSettings:
+                            evict_share: float = KV_PRESETS["balanced"][1]) -> MergeSettings:
     """The kv_merge_fraction (steps of 0.001, up to 1.25) whose compressed length is nearest the budget."""
     eligible = len(eligible_groups(length, MergeSettings(sinks=sinks, window=window)))
     target, best = keep_slots(length, saved), None
@@ -195,6 +200,11 @@ def policy_plan(policy: str, length: int, saved: float, scores: torch.Tensor | N
     slots; `static`: (None, False). Eviction frees GROUP slots per group, a 4:1 merge GROUP - 1."""
     if policy == "static":
         return None, False
+    if policy in PRESETS:  # what the engine runs: the preset's dials whatever they save
+        fraction, share = KV_PRESETS[policy.split(":", 1)[1]]
+        settings = MergeSettings(fraction, sinks=sinks, window=window, evict_share=share)
+        merge, evict = choose_compression(scores, length, settings, surprisal)
+        return plan_groups(length, merge, evict=evict), bool(merge)
     bounds = MergeSettings(sinks=sinks, window=window)
     eligible = len(eligible_groups(length, bounds))
     free = length - keep_slots(length, saved)
@@ -290,11 +300,13 @@ def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tup
 
 
 def _cell_name(policy: str, saved: float) -> str:
-    return policy if policy == "static" else f"{policy}@{saved:.2f}"
+    return policy if policy == "static" or policy in PRESETS else f"{policy}@{saved:.2f}"
 
 
 def cells_for(policies: list[str], saved: list[float]) -> list[tuple[str, float]]:
-    return [("static", 0.0)] * ("static" in policies) + [(p, s) for p in policies if p != "static" for s in saved]
+    """static once, each preset once (it saves what its dials save), every other policy at each target."""
+    fixed = [(p, 0.0) for p in policies if p == "static" or p in PRESETS]
+    return fixed + [(p, s) for p in policies if p != "static" and p not in PRESETS for s in saved]
 
 
 # ---------------------------------------------------------------- output
@@ -312,7 +324,8 @@ def markdown(result: dict) -> str:
     for cell in cells:
         row = [result["tasks"][t]["cells"][cell] for t in tasks]
         gold = f" {result['tasks']['mc']['cells'][cell]['gold_logprob']:.3f} |" if "mc" in tasks else ""
-        lines.append(f"| {row[0]['policy']} | {row[0]['target_saved']:.0%} | "
+        target = "(its own)" if row[0]["policy"] in PRESETS else f"{row[0]['target_saved']:.0%}"
+        lines.append(f"| {row[0]['policy']} | {target} | "
                      + " | ".join(f"{r['score']:.3f} ({r['kv_saved']:.0%})" for r in row) + " |" + gold)
     lines.append("")
     for t in tasks:
@@ -334,6 +347,10 @@ def plot(result: dict, path: Path) -> None:
             rows = sorted((r for r in cells if r["policy"] == policy), key=lambda r: r["kv_saved"])
             if policy == "static":
                 ax.axhline(rows[0]["score"], color="black", linestyle="--", label="static")
+                continue
+            if policy in PRESETS:
+                ax.plot([100 * rows[0]["kv_saved"]], [rows[0]["score"]], marker="*", markersize=12, linestyle="",
+                        label=policy)
                 continue
             ax.plot([100 * r["kv_saved"] for r in rows], [r["score"] for r in rows], marker="o", label=policy)
         ax.set_title(task + (" (÷ static, lower better)" if task in LOWER_IS_BETTER else ""))
@@ -360,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", type=Path, default=None, help="model dir (default: the bundled model)")
     parser.add_argument("--tasks", default=",".join(TASKS))
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICIES + PRESETS))
     parser.add_argument("--saved", default=",".join(str(s) for s in SAVED), help="target fractions of KV freed")
     parser.add_argument("--quick", action="store_true", help="8 examples per task (24 for mc), short prompts")
     parser.add_argument("--seed", type=int, default=0)
@@ -381,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in TASKS:
             parser.error(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     for name in policies:
-        if name not in POLICIES:
-            parser.error(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        if name not in POLICIES + PRESETS:
+            parser.error(f"unknown policy {name!r}; known: {', '.join(POLICIES + PRESETS)}")
     saved = [float(s) for s in args.saved.split(",")]
     model = args.model or bundled_model_dir()
     longest = max(size["copy_span"] + size["filler"] + 16, 2 * size["mqar_pairs"] + size["filler"]

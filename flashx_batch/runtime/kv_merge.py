@@ -25,21 +25,22 @@ import torch
 
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.layers import RotaryTable
+from flashx_batch.runtime.options import KV_PRESETS
 
 GROUP = 4
 
 
 @dataclass(frozen=True)
 class MergeSettings:
-    # fraction and evict_share defaults: picked with `python -m flashx_batch.quality`; the sweeps that
-    # chose them are in docs/benchmarks.md ("Segment-sparse KV")
-    fraction: float = 0.8  # of eligible groups
+    # fraction and evict_share defaults: the balanced preset (`runtime.kv_preset`), picked from the
+    # task curves of `python -m flashx_batch.quality.kv_tasks` (docs/benchmarks.md, "Segment-sparse KV")
+    fraction: float = KV_PRESETS["balanced"][0]  # of eligible groups
     sinks: int = 4  # first tokens never merged (attention sinks)
     window: int = 32  # last tokens: the observation window, never merged
     rerotate: bool = True  # merge keys before RoPE and rotate to the group's mean position
     # of the slots the fraction frees, the share freed by evicting the least attended groups outright;
     # the rest by 4:1 merges of the next least attended (0 = merge only, 1 = evict only)
-    evict_share: float = 0.8
+    evict_share: float = KV_PRESETS["balanced"][1]
     # rank groups by what their tokens told the model (surprisal) as well as by the window's
     # attention (`group_importance`); off: attention only, the research baseline
     surprisal: bool = True

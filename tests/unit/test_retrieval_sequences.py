@@ -65,3 +65,27 @@ def test_mqar_mask_is_the_queried_values(job):
         assert sorted(e.ids[query : query + 2 * n : 2]) == sorted(pairs)  # every key queried once
         assert all(e.ids[t] == pairs[e.ids[t - 1]] for t in e.targets)
         assert [i for i, t in enumerate(e.labels()) if t != job.IGNORE] == e.targets
+
+
+def test_repeat_rows_target_every_token_after_the_first_copy(job):
+    rng = random.Random(2)
+    for _ in range(20):
+        e = job.repeat_example(rng, 256)
+        assert len(e.ids) == 256 and e.ids[0] == job.MARK_SPAN
+        span = e.targets[0] - 1
+        assert e.targets == list(range(1 + span, 256))
+        assert all(e.ids[t] == e.ids[t - span] for t in e.targets)
+
+
+def test_induction_targets_point_after_the_previous_occurrence(job):
+    import torch
+
+    ids = torch.tensor([[9, 5, 6, 7, 5, 6, 8, 8, 5]])
+    # 5 at t=4 last seen at 1 -> look at 2; 6 at 5 -> 3; the second 8 follows the first directly: none;
+    # 5 at 8 last seen at 4 -> 5
+    assert job.induction_targets(ids).tolist() == [[-1, -1, -1, -1, 2, 3, -1, -1, 5]]
+    rng = random.Random(4)
+    e = job.repeat_example(rng, 64)
+    target = job.induction_targets(torch.tensor([e.ids]))[0]
+    # in a repeated span, the key after the previous occurrence holds the token that comes next
+    assert all(e.ids[int(target[t])] == e.ids[t + 1] for t in e.targets[:-1] if target[t] >= 0)
