@@ -4,10 +4,13 @@
 # 1. the GPU tests (tests/device: parity with CPU, bf16 agreement, CUDA-graph decode = eager tokens),
 # 2. the GPU protocol (python -m flashx_batch.bench.gpu_protocol: Llama-3.2-1B-shaped bf16 model,
 #    ours vs transformers on W1, decode step times with and without CUDA graphs), its budget cut to
-#    6 minutes so that the whole script ends within 9 (a device call may run 10).
+#    5 minutes so that the whole script ends within 9 (a device call may run 10),
+# 3. segment-sparse KV at a fixed KV budget (python -m flashx_batch.bench.kv_sparse on cuda, bf16:
+#    the bundled model, 32 static rows' worth of arena, rows admitted and output tok/s against static).
 # Needs torch with CUDA, transformers, safetensors, tokenizers, pytest (no Ray, Hydra or network: the
 # runtime and these checks do not import them). Writes DIR/device_tests.txt, DIR/gpu_protocol.log,
-# DIR/gpu_protocol.json and DIR/gpu.txt; the exit status is the first failure's (0: all passed).
+# DIR/gpu_protocol.json, DIR/kv_sparse/kv_sparse.json, DIR/kv_sparse.log and DIR/gpu.txt; the exit
+# status is the first failure's (0: all passed).
 set -u
 OUT=${OUT:-results/gpu}
 PY=${PY:-python3}
@@ -20,9 +23,14 @@ cat "$OUT/gpu.txt"
 timeout 120 $PY -m pytest -q -s -p no:cacheprovider tests/device > "$OUT/device_tests.txt" 2>&1
 tests=$?
 tail -n 5 "$OUT/device_tests.txt"
-timeout 420 $PY -m flashx_batch.bench.gpu_protocol --out "$OUT" --budget-s 360 > "$OUT/gpu_protocol.log" 2>&1
+timeout 360 $PY -m flashx_batch.bench.gpu_protocol --out "$OUT" --budget-s 300 > "$OUT/gpu_protocol.log" 2>&1
 protocol=$?
 grep -E "INFO flashx_batch.bench.gpu_protocol|ERROR|Traceback" "$OUT/gpu_protocol.log" | tail -n 20
-echo "device tests: exit $tests; protocol: exit $protocol"
+timeout 90 $PY -m flashx_batch.bench.kv_sparse --out "$OUT/kv_sparse" --backend cuda --dtype bfloat16 \
+    --static-rows 32 --repeats 3 > "$OUT/kv_sparse.log" 2>&1
+sparse=$?
+grep -E "INFO flashx_batch.bench.kv_sparse|ERROR|Traceback" "$OUT/kv_sparse.log" | tail -n 5
+echo "device tests: exit $tests; protocol: exit $protocol; kv_sparse: exit $sparse"
 [ "$tests" -ne 0 ] && exit "$tests"
-exit "$protocol"
+[ "$protocol" -ne 0 ] && exit "$protocol"
+exit "$sparse"

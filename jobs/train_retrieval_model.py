@@ -441,7 +441,8 @@ def train(args: argparse.Namespace) -> None:
         if step % cfg.log_every == 0 or step == 1:
             n = run.pop("n")
             print(f"step {step:5d}  loss {run['loss'] / n:.4f}  lm {run['lm'] / n:.4f}  "
-                  f"retrieval {run['ret'] / n:.4f}  attention {run['att'] / n:.4f}  lr {lr:.2e}  elapsed {(time.monotonic() - start) / 60:.1f} min",
+                  f"retrieval {run['ret'] / n:.4f}  attention {run['att'] / n:.4f}  lr {lr:.2e}  "
+                  f"elapsed {(time.monotonic() - start) / 60:.1f} min",
                   flush=True)
             run = {"loss": 0.0, "lm": 0.0, "ret": 0.0, "att": 0.0, "n": 0}
         if time.monotonic() - last_eval >= args.eval_every_min * 60 and time.monotonic() - start < budget:

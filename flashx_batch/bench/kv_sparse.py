@@ -2,9 +2,9 @@
 
     python -m flashx_batch.bench.kv_sparse --out results/kv_sparse [--rows N] [--repeats 3]
 
-Both engines get `--static-rows` (8) full-length rows' worth of arena bytes (the KV budget); segment_sparse merges prompt KV and so
-admits more rows per static batch. Workload: prompts of `max_input_len` held-out tokens, 64 new
-tokens each, EOS ignored, greedy. Runs interleaved; medians, and the ratio of each back-to-back pair
+Both engines get `--static-rows` (8) full-length rows' worth of arena bytes (the KV budget);
+segment_sparse merges prompt KV and so admits more rows per static batch. Workload: prompts of
+`max_input_len` held-out tokens, 64 new tokens each, EOS ignored, greedy. Runs interleaved; medians, and the ratio of each back-to-back pair
 (median / min / max: on a shared machine a pair sees the same load); writes OUT/kv_sparse.json.
 
 Rows: by default the least common multiple of the two engines' batch sizes (56 for 8 and 14 at the
@@ -32,8 +32,9 @@ log = logging.getLogger("flashx_batch.bench.kv_sparse")
 
 
 def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, repeats: int,
-        static_rows: int = 8, preset: str | None = None, threads: int | None = None) -> dict:
-    common = dict(backend="cpu", dtype="float32", max_batch_size=static_rows, max_input_len=prompt_len,
+        static_rows: int = 8, preset: str | None = None, threads: int | None = None, backend: str = "cpu",
+        dtype: str = "float32") -> dict:
+    common = dict(backend=backend, dtype=dtype, max_batch_size=static_rows, max_input_len=prompt_len,
                   max_output_len=new_tokens, segment_size=16, num_threads=threads)
     sparse = dict(cache_policy="segment_sparse", **({"kv_preset": preset} if preset else {}))
     engines = {"static": Engine.from_pretrained(model_dir, **common),
@@ -58,13 +59,15 @@ def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, rep
                 values.append(stats[name][phase])
     tok_s = {name: len(prompts) * new_tokens / statistics.median(s) for name, s in seconds.items()}
     return {
-        "model": str(model_dir), "rows": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "model": str(model_dir), "backend": backend, "dtype": dtype,
+        "rows": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens,
         "arena_bytes": {n: e.runner.arena.nbytes for n, e in engines.items()},
         "admitted_batch_size": {n: e.admitted_batch_size for n, e in engines.items()},
         "kv_preset": engines["segment_sparse"].options.kv_preset,
         "kv_bytes_peak": {n: s["kv_bytes_peak"] for n, s in stats.items()},
         # KV held at the fullest moment ÷ what a static cache would hold for the same rows
-        "kv_bytes_saved": 1 - stats["segment_sparse"]["kv_bytes_peak"] / stats["segment_sparse"]["kv_bytes_static_peak"],
+        "kv_bytes_saved": 1 - stats["segment_sparse"]["kv_bytes_peak"]
+        / stats["segment_sparse"]["kv_bytes_static_peak"],
         "output_tok_per_s": tok_s, "seconds": seconds, "phases": phases,  # per repeat, from `generate` stats
         "ratio_admitted_rows": engines["segment_sparse"].admitted_batch_size / engines["static"].admitted_batch_size,
         "ratio_output_tok_per_s": tok_s["segment_sparse"] / tok_s["static"],
@@ -86,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the KV budget, in full-length rows: both engines get the arena bytes of this many")
     parser.add_argument("--preset", default=None, help="segment_sparse's kv_preset (default: the engine's)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: all)")
+    parser.add_argument("--backend", default="cpu", help="cpu (default), cuda, rocm, npu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     result = run(args.model or bundled_model_dir(), args.rows, args.prompt_len, args.new_tokens, args.repeats,
-                 args.static_rows, args.preset, args.threads)
+                 args.static_rows, args.preset, args.threads, args.backend, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_sparse.json").write_text(json.dumps(result, indent=2))
     paired = result["ratio_output_tok_per_s_paired"]

@@ -69,6 +69,7 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
     weights = {n: v[2] for n, v in model_stats.items() if n not in TOKENIZER_FILES}
     tokenizer = {n: v[2] for n, v in model_stats.items() if n in TOKENIZER_FILES}
     r, d = job.runtime, job.data
+    sparse = r.cache_policy == "segment_sparse"
     fp: dict[str, Any] = {
         "code_version": flashx_batch.__version__,
         "model.files": _digest(weights),
@@ -80,7 +81,7 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         "runtime.cache_policy": r.cache_policy,
         "runtime.segment_size": r.segment_size,
         # the resolved dials, not the preset's name: a preset and the same values spelled out resume each other
-        "runtime.kv_merge_fraction": job.engine_options().merge_fraction if r.cache_policy == "segment_sparse" else None,
+        "runtime.kv_merge_fraction": job.engine_options().merge_fraction if sparse else None,
         "runtime.kv_observe_window": r.kv_observe_window if r.cache_policy == "segment_sparse" else None,
         "runtime.prefix_reuse": bool(r.prefix_cache_tokens),  # regroups rows into shards: new shard ids
         "runtime.precision_map": _file_digest(r.precision_map) if r.precision_map else None,
