@@ -4,8 +4,9 @@
 
 Both engines get `--static-rows` (8) full-length rows' worth of arena bytes (the KV budget);
 segment_sparse merges prompt KV and so admits more rows per static batch. Workload: prompts of
-`max_input_len` held-out tokens, 64 new tokens each, EOS ignored, greedy. Runs interleaved; medians, and the ratio of each back-to-back pair
-(median / min / max: on a shared machine a pair sees the same load); writes OUT/kv_sparse.json.
+`max_input_len` held-out tokens, 64 new tokens each, EOS ignored, greedy. Runs interleaved;
+medians, and the ratio of each back-to-back pair (median / min / max: on a shared machine a pair
+sees the same load); writes OUT/kv_sparse.json.
 
 Rows: by default the least common multiple of the two engines' batch sizes (56 for 8 and 14 at the
 defaults), so neither runs a part-empty last batch: the steady state of a long job. A row count that
