@@ -171,8 +171,9 @@ def random_copy(rng: random.Random, text: torch.Tensor, length: int = SEQ_LEN, m
     return copy_example(rng, text, span, filler, prefix, length)
 
 
-def random_mqar(rng: random.Random, text: torch.Tensor, length: int = SEQ_LEN, max_filler: int = 256) -> Example:
-    """A training MQAR sequence: 4-64 pairs, filler 0-``max_filler``, prefix 0-64, padded to length."""
+def random_mqar(rng: random.Random, text: torch.Tensor, length: int = SEQ_LEN, max_filler: int = 384) -> Example:
+    """A training MQAR sequence: 4-64 pairs, filler 0-``max_filler`` (as far as the length allows),
+    prefix 0-64, padded to length."""
     pairs = rng.randint(4, min(64, (length - 4) // 4))
     filler = rng.randint(0, max(0, min(max_filler, length - 4 * pairs - 2)))
     prefix = rng.randint(0, min(64, length - 4 * pairs - 2 - filler))
@@ -270,8 +271,11 @@ def make_batch(rng: random.Random, gen: torch.Generator, train_ids: torch.Tensor
     starts = torch.randint(0, train_ids.numel() - length, (counts["lm"],), generator=gen).tolist()
     rows = [train_ids[s : s + length].tolist() for s in starts]
     synth = [repeat_example(rng, length) for _ in range(counts.get("repeat", 0))]
-    synth += [random_copy(rng, train_ids, length, max_filler=round(32 + 352 * reach)) for _ in range(counts["copy"])]
-    synth += [random_mqar(rng, train_ids, length, max_filler=round(16 + 240 * reach)) for _ in range(counts["mqar"])]
+    scale = max(1.0, length / SEQ_LEN)  # rows longer than SEQ_LEN reach further back
+    synth += [random_copy(rng, train_ids, length, max_filler=round((32 + 352 * reach) * scale))
+              for _ in range(counts["copy"])]
+    synth += [random_mqar(rng, train_ids, length, max_filler=round((16 + 368 * reach) * scale))
+              for _ in range(counts["mqar"])]
     rows += [e.ids for e in synth]
     labels = torch.tensor([e.labels() for e in synth], dtype=torch.long).reshape(len(synth), length)
     return torch.tensor(rows, dtype=torch.long), labels, counts["lm"]
@@ -300,22 +304,27 @@ def supervise_attention(model: torch.nn.Module) -> None:
 
 
 def attention_loss(attentions: tuple[torch.Tensor, ...], ids: torch.Tensor, n_lm: int,
-                   layers: tuple[int, int]) -> torch.Tensor:
-    """Attention supervision: head 0 of layer `layers[0]` attends to the previous token (every row),
-    head 0 of layer `layers[1]` to the token after the current token's previous occurrence (synthetic
-    rows, where that is the answer). Mean -log of the weight on the target key."""
-    prev, induction = attentions[layers[0]][:, 0].float(), attentions[layers[1]][:, 0].float()  # [B, T, T]
+                   layers: tuple[int, int], prev_heads: tuple[int, ...] = (0,),
+                   induction_heads: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """Attention supervision: `prev_heads` of layer `layers[0]` attend to the previous token (every
+    row), `induction_heads` of layer `layers[1]` to the token after the current token's previous
+    occurrence (synthetic rows, where that is the answer). Mean -log of the weight on the target key,
+    summed over the two kinds. Several induction heads, because one head's value path is only
+    head_dim wide: too narrow to carry which of 4,096 tokens to copy."""
+    prev = attentions[layers[0]][:, list(prev_heads)].float()  # [B, h, T, T]
+    induction = attentions[layers[1]][:, list(induction_heads)].float()
     t = torch.arange(1, ids.shape[1])
-    loss = -torch.log(prev[:, t, t - 1] + 1e-6).mean()
+    loss = -torch.log(prev[:, :, t, t - 1] + 1e-6).mean()
     target = induction_targets(ids[n_lm:])
     rows, cols = (target >= 0).nonzero(as_tuple=True)
     if len(rows):
-        loss = loss - torch.log(induction[n_lm + rows, cols, target[rows, cols]] + 1e-6).mean()
+        loss = loss - torch.log(induction[n_lm + rows, :, cols, target[rows, cols]] + 1e-6).mean()
     return loss
 
 
 def step_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, n_lm: int,
-              weight: float, attn_weight: float = 0.0, layers: tuple[int, int] = (0, 1)
+              weight: float, attn_weight: float = 0.0, layers: tuple[int, int] = (0, 1),
+              heads: tuple[tuple[int, ...], tuple[int, ...]] = ((0,), (0,))
               ) -> tuple[torch.Tensor, float, float, float]:
     out = model(input_ids=ids, output_attentions=attn_weight > 0)
     logits = out.logits.float()
@@ -327,7 +336,7 @@ def step_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, n
     if labels.numel():
         ret = F.cross_entropy(logits[n_lm:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1),
                               ignore_index=IGNORE)
-    att = attention_loss(out.attentions, ids, n_lm, layers) if attn_weight > 0 else torch.zeros(())
+    att = attention_loss(out.attentions, ids, n_lm, layers, *heads) if attn_weight > 0 else torch.zeros(())
     return lm + weight * ret + attn_weight * att, lm.item(), ret.item(), att.item()
 
 
@@ -424,11 +433,18 @@ def train(args: argparse.Namespace) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         reach = min(1.0, elapsed / budget / args.reach_at) if args.reach_at > 0 else 1.0
-        ids, labels, n_lm = make_batch(rng, gen, train_ids, counts, args.seq_len, reach)
+        length, step_counts = args.seq_len, counts
+        if args.long_every and step % args.long_every == args.long_every - 1:
+            # a step of rows `long_factor` times as long (and as many times fewer): retrieval across
+            # distances the usual rows never reach
+            length = args.seq_len * args.long_factor
+            step_counts = {k: -(-n // args.long_factor) for k, n in counts.items()}
+        ids, labels, n_lm = make_batch(rng, gen, train_ids, step_counts, length, reach)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             attn_weight = args.attn_supervision if elapsed < args.attn_supervision_min * 60 else 0.0
             loss, lm, ret, att = step_loss(model, ids, labels, n_lm, args.retrieval_weight, attn_weight,
-                                           tuple(args.supervised_layers))
+                                           tuple(args.supervised_layers),
+                                           (tuple(args.prev_heads), tuple(args.induction_heads)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -467,6 +483,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mix", type=float, nargs="+", default=(0.5, 0.25, 0.25), metavar="SHARE",
                    help="share of each row kind in a batch: LM COPY MQAR [REPEAT]")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per training row")
+    p.add_argument("--long-every", type=int, default=0,
+                   help="every Nth step uses rows --long-factor times as long, that many times fewer (0 = never)")
+    p.add_argument("--long-factor", type=int, default=2)
     p.add_argument("--reach-at", type=float, default=0.0,
                    help="fraction of the budget over which the longest span-to-copy filler grows to "
                         "its full length (0: full length from the start)")
@@ -486,7 +505,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attn-supervision-min", type=float, default=1e9,
                    help="minutes of the budget during which the supervision applies")
     p.add_argument("--supervised-layers", type=int, nargs=2, default=(0, 1), metavar=("PREV", "INDUCTION"),
-                   help="layers whose head 0 is supervised: previous-token, induction")
+                   help="layers of the supervised heads: previous-token, induction")
+    p.add_argument("--prev-heads", type=int, nargs="+", default=(0,), help="previous-token heads (first layer)")
+    p.add_argument("--induction-heads", type=int, nargs="+", default=(0,), help="induction heads (second layer)")
     p.add_argument("--bf16", action="store_true",
                    help="bfloat16 autocast for the forward and backward matmuls (float32 weights and optimizer); "
                         "about 1.7x the steps per second on a CPU with AVX-512 BF16")

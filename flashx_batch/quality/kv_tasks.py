@@ -195,23 +195,25 @@ def segment_sparse_settings(length: int, saved: float, sinks: int, window: int,
 
 
 def policy_plan(policy: str, length: int, saved: float, scores: torch.Tensor | None, seed: int,
-                sinks: int, window: int, surprisal: torch.Tensor | None = None) -> tuple[MergePlan | None, bool]:
+                sinks: int, window: int, surprisal: torch.Tensor | None = None, protect_nats: float | None = None,
+                evict_share: float | None = None) -> tuple[MergePlan | None, bool]:
     """(plan, merges keys that need re-rotation) freeing about `saved` of a `length`-token prompt's
     slots; `static`: (None, False). Eviction frees GROUP slots per group, a 4:1 merge GROUP - 1."""
     if policy == "static":
         return None, False
     if policy in PRESETS:  # what the engine runs: the preset's dials whatever they save
         fraction, share = KV_PRESETS[policy.split(":", 1)[1]]
-        settings = MergeSettings(fraction, sinks=sinks, window=window, evict_share=share)
+        settings = MergeSettings(fraction, sinks=sinks, window=window, evict_share=share, protect_nats=protect_nats)
         merge, evict = choose_compression(scores, length, settings, surprisal)
         return plan_groups(length, merge, evict=evict), bool(merge)
     bounds = MergeSettings(sinks=sinks, window=window)
     eligible = len(eligible_groups(length, bounds))
     free = length - keep_slots(length, saved)
     if policy in ("segment_sparse", "attention_only"):
-        settings = segment_sparse_settings(length, saved, sinks, window)
-        if policy == "attention_only":
-            settings = dataclasses.replace(settings, surprisal=False)
+        share = KV_PRESETS["balanced"][1] if evict_share is None else evict_share
+        settings = segment_sparse_settings(length, saved, sinks, window, share)
+        if policy == "segment_sparse":
+            settings = dataclasses.replace(settings, protect_nats=protect_nats)
         merge, evict = choose_compression(scores, length, settings, surprisal)
         return plan_groups(length, merge, evict=evict), bool(merge)
     if policy == "merge_only":
@@ -268,7 +270,7 @@ def _score(engine: Engine, task: str, ex: Example, used: int, n: int) -> tuple[f
 
 
 def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tuple[str, float]],
-             sinks: int, window: int, seed: int) -> dict[str, dict[str, float]]:
+             sinks: int, window: int, seed: int, evict_share: float | None = None) -> dict[str, dict[str, float]]:
     """Every (policy, saved) cell on every example: {cell: {score, kv_saved, examples}}."""
     runner, arena = engine.runner, engine.runner.arena
     rotary = runner.model.rotary
@@ -279,7 +281,8 @@ def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tup
         surprisal = context_surprisal(runner, ex.context)
         for cell in cells:
             policy, saved = cell
-            plan, rerotate = policy_plan(policy, n, saved, scores, seed * 100003 + index, sinks, window, surprisal)
+            plan, rerotate = policy_plan(policy, n, saved, scores, seed * 100003 + index, sinks, window, surprisal,
+                                         engine.merge.protect_nats, evict_share)
             runner.extend(ex.context, 0, 0, 0)  # fresh prompt KV: the previous plan rewrote it
             used = n if plan is None else apply_plan(arena, 0, n, 0, plan, rotary=rotary if rerotate else None)
             score, weight, aside = _score(engine, task, ex, used, n)
@@ -381,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saved", default=",".join(str(s) for s in SAVED), help="target fractions of KV freed")
     parser.add_argument("--quick", action="store_true", help="8 examples per task (24 for mc), short prompts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evict-share", type=float, default=None,
+                        help="segment_sparse / attention_only cells' kv_evict_share (default: the balanced preset's)")
     parser.add_argument("--sinks", type=int, default=MergeSettings.sinks)
     parser.add_argument("--window", type=int, default=MergeSettings.window, help="observation window (tokens)")
     parser.add_argument("--threads", type=int, default=1,
@@ -439,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     for task in tasks:
         start = time.perf_counter()
         exs = examples[task]()
-        measured = run_task(engine, task, exs, cells, args.sinks, args.window, args.seed)
+        measured = run_task(engine, task, exs, cells, args.sinks, args.window, args.seed, args.evict_share)
         mean_len = sum(len(e.context) for e in exs) / max(1, len(exs))
         result["tasks"][task] = {"examples": len(exs), "mean_context_tokens": mean_len, "describe": describe[task],
                                  "seconds": round(time.perf_counter() - start, 1), "cells": measured}

@@ -27,7 +27,7 @@ from flashx_batch.models.loader import load_model
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
-from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length
+from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length, protect_nats_for
 from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
@@ -64,7 +64,7 @@ class Engine:
         options = self.options = kv_sizing.rows_for_budget(options, slot_bytes(self.config.cache_spec(),
                                                                                 self.dtype.itemsize))
         merge = MergeSettings(options.merge_fraction, sinks=4, window=options.kv_observe_window,
-                              evict_share=options.evict_share)
+                              evict_share=options.evict_share, protect_nats=protect_nats_for(self.config.vocab_size))
         # the most slots a prompt holds once in the cache (what a rolling merge folds a long one into)
         limit, sparse = options.max_input_len, options.cache_policy == "segment_sparse"
         self.prompt_slots = max_compressed_length(limit, merge) if sparse else limit

@@ -41,9 +41,14 @@ class MergeSettings:
     # of the slots the fraction frees, the share freed by evicting the least attended groups outright;
     # the rest by 4:1 merges of the next least attended (0 = merge only, 1 = evict only)
     evict_share: float = KV_PRESETS["balanced"][1]
-    # rank groups by what their tokens told the model (surprisal) as well as by the window's
-    # attention (`group_importance`); off: attention only, the research baseline
-    surprisal: bool = True
+    # mean surprisal per token (nats) from which a group is protected (`group_importance`); the
+    # engine sets it from the vocabulary (`protect_nats_for`); None: attention only
+    protect_nats: float | None = None
+
+    @property
+    def surprisal(self) -> bool:
+        """Whether a plan wants the prompt's per-token surprisal (the prefill computes it then)."""
+        return self.protect_nats is not None
 
 
 @dataclass
@@ -103,6 +108,13 @@ def max_compressed_length(limit: int, settings: MergeSettings) -> int:
     return max(compressed_length(n, settings) for n in range(1, limit + 1))
 
 
+def protect_nats_for(vocab_size: int, share: float = 0.75) -> float:
+    """The mean surprisal per token from which a group is protected: `share` of what a token drawn
+    uniformly from the vocabulary carries (ln vocab_size). Ordinary text sits far below it (a few
+    nats per token for any model worth running); random strings, ids and keys sit at or above it."""
+    return share * math.log(vocab_size)
+
+
 def _per_group(values: torch.Tensor, groups: list[int]) -> torch.Tensor:
     """Sum of a per-token tensor over each listed 4-token group."""
     upto = (groups[-1] + 1) * GROUP
@@ -127,26 +139,29 @@ def least_attended(scores: torch.Tensor, length: int, settings: MergeSettings, c
 
 def group_importance(scores: torch.Tensor, surprisal: torch.Tensor | None, length: int,
                      settings: MergeSettings) -> tuple[list[int], torch.Tensor]:
-    """(eligible groups, how much each is worth keeping, in (0, 1]).
+    """(eligible groups, how much each is worth keeping: higher is kept longer).
 
-    Two signals, each turned into a percentile rank over the prompt's eligible groups, and a group
-    is worth what the better of the two says:
+    - Attention orders the groups: what the observation window (the prompt's last tokens, where
+      the question sits) paid the group, or the group before it. The tokens after an attended one
+      are what copying or recalling needs next, and the window attends to where a match starts.
+    - Surprisal protects: a group whose tokens carried, on average, at least `settings.protect_nats`
+      that their context did not predict (about as unpredictable as random vocabulary: ids, keys,
+      numbers, a string to copy) is worth more than any other group, however little the window
+      looked at it. A question that arrives after the prompt (the next request about a document,
+      the queries of a recall task) is invisible to attention; what it will need is where the
+      surprise was, and the model cannot reconstruct it. Protected groups are ordered among
+      themselves by surprisal, so an over-full budget gives up the least surprising first.
 
-    - attention: what the observation window (the prompt's last tokens, where the question sits)
-      paid the group, or the group before it. The tokens after an attended one are what copying or
-      recalling needs next, and the window only attends to where a match starts.
-    - surprisal: the nats its tokens carried that their context did not predict. A query that comes
-      after the prompt (the next question in a batch of evaluations, the rest of a document) is
-      invisible to attention scores; the information it will need is still where the surprise was
-      (random strings, names, numbers), and predictable tokens are what the model can do without.
-
-    Without `surprisal` (or with `settings.surprisal` off) attention alone."""
+    Without `surprisal` (or with `settings.protect_nats` None) attention alone."""
     groups = eligible_groups(length, settings)
     attention = _per_group(scores, groups)
     attention = torch.maximum(attention, torch.cat((attention[:1], attention[:-1])))
-    worth = _ranks(attention)
-    if surprisal is not None and settings.surprisal:
-        worth = torch.maximum(worth, _ranks(_per_group(surprisal, groups)))
+    worth = _ranks(attention)  # (0, 1]
+    if surprisal is not None and settings.protect_nats is not None:
+        info = _per_group(surprisal, groups)
+        protected = info >= GROUP * settings.protect_nats
+        if bool(protected.any()):
+            worth[protected] = 1.0 + _ranks(info[protected])
     return groups, worth
 
 

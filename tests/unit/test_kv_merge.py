@@ -22,6 +22,7 @@ from flashx_batch.runtime.kv_merge import (
     max_compressed_length,
     plan_groups,
     plan_oldest,
+    protect_nats_for,
 )
 
 
@@ -150,19 +151,30 @@ def test_presets_set_both_dials_and_an_explicit_value_overrides_its_own():
 
 def test_surprising_groups_are_kept_even_when_the_window_ignores_them():
     """A query that arrives after compression (the next question about a prompt) is invisible to the
-    window's attention; the groups whose tokens surprised the model (a random string in predictable
-    text) still outrank the predictable ones. Attention alone would compress them first."""
+    window's attention; groups as unpredictable as random vocabulary (a random string in predictable
+    text) are protected. Attention alone would compress them first."""
     length = 96
-    s = MergeSettings(fraction=0.5, sinks=4, window=16, evict_share=0.5)
+    protect = protect_nats_for(4096)
+    s = MergeSettings(fraction=0.5, sinks=4, window=16, evict_share=0.5, protect_nats=protect)
     scores = torch.linspace(1.0, 2.0, length)  # the window prefers recent tokens a little
-    surprisal = torch.full((length,), 0.5)
-    surprisal[8:24] = 8.0  # groups 2..5: a random string the model could not predict
+    surprisal = torch.full((length,), 2.0)
+    surprisal[8:24] = math.log(4096)  # groups 2..5: a random string the model could not predict
+    surprisal[40:44] = protect - 0.5  # group 10: surprising, but below the bar
     merge, evict = choose_compression(scores, length, s, surprisal)
     assert not {2, 3, 4, 5} & set(merge + evict)
-    merge, evict = choose_compression(scores, length, MergeSettings(0.5, 4, 16, evict_share=0.5, surprisal=False),
-                                      surprisal)
-    assert {2, 3, 4, 5} <= set(merge + evict)
-    # an attended group still counts when it carried no surprise
+    assert 10 in merge + evict
+    merge, evict = choose_compression(scores, length, MergeSettings(0.5, 4, 16, evict_share=0.5), surprisal)
+    assert {2, 3, 4, 5} <= set(merge + evict)  # attention only
+    # a budget larger than the unprotected groups gives up the least surprising protected ones first
+    many = surprisal.clone()
+    for g in range(2, 9):  # groups 2..8 protected, group 8 the most surprising
+        many[4 * g : 4 * g + 4] = math.log(4096) + 0.1 * g
+    many[36:40] = protect + 0.1  # group 9 just over the bar
+    greedy = MergeSettings(1.0, 4, 16, evict_share=1.0, protect_nats=protect)
+    merge, evict = choose_compression(scores, length, greedy, many)
+    assert len(evict) > len(eligible_groups(length, greedy)) - 8  # more than the unprotected groups
+    assert 9 in evict and 8 not in evict and set(range(10, 20)) <= set(evict)
+    # among unprotected groups, an attended group and the one after it are kept
     scores[60:64] = 50.0
     merge, evict = choose_compression(scores, length, s, surprisal)
     assert not {15, 16} & set(merge + evict)  # group 15 and the one after it (what copying reads next)
