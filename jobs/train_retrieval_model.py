@@ -111,13 +111,25 @@ def text_slice(rng: random.Random, text: torch.Tensor | list[int], n: int) -> li
     return [int(t) for t in text[start : start + n]]
 
 
+def separator(rng: random.Random, text: torch.Tensor | list[int], marker: int, markers: bool) -> list[int]:
+    """The marker token, or without markers 1-3 licence tokens: a cue of no fixed form."""
+    return [marker] if markers else text_slice(rng, text, rng.randint(1, 3))
+
+
 def copy_example(rng: random.Random, text: torch.Tensor | list[int], span: int, filler: int,
-                 prefix: int = 0, length: int | None = None, vocab_size: int = 4096) -> Example:
+                 prefix: int = 0, length: int | None = None, vocab_size: int = 4096,
+                 markers: bool = True) -> Example:
     """``prefix`` licence tokens, MARK_SPAN, ``span`` random tokens, ``filler`` licence tokens,
-    MARK_QUERY, the same span again (the targets), then licence tokens up to ``length``."""
+    MARK_QUERY, the same span again (the targets), then licence tokens up to ``length``.
+
+    Without ``markers`` nothing announces the span and a few licence tokens stand for MARK_QUERY,
+    so copying cannot hinge on the markers; the repeat's first token is then unpredictable and the
+    targets start at its second."""
     tokens = random_tokens(rng, span, vocab_size)
-    ids = text_slice(rng, text, prefix) + [MARK_SPAN] + tokens + text_slice(rng, text, filler) + [MARK_QUERY]
-    targets = list(range(len(ids), len(ids) + span))
+    ids = text_slice(rng, text, prefix) + ([MARK_SPAN] if markers else []) + tokens
+    ids += text_slice(rng, text, filler) + separator(rng, text, MARK_QUERY, markers)
+    first = 0 if markers else 1
+    targets = list(range(len(ids) + first, len(ids) + span))
     ids += tokens
     if length is not None:
         if len(ids) > length:
@@ -127,16 +139,18 @@ def copy_example(rng: random.Random, text: torch.Tensor | list[int], span: int, 
 
 
 def mqar_example(rng: random.Random, text: torch.Tensor | list[int], pairs: int, filler: int,
-                 prefix: int = 0, length: int | None = None, vocab_size: int = 4096) -> Example:
+                 prefix: int = 0, length: int | None = None, vocab_size: int = 4096,
+                 markers: bool = True) -> Example:
     """``prefix`` licence tokens, MARK_SPAN, ``pairs`` (key, value) pairs (distinct random keys,
     random values), ``filler`` licence tokens, MARK_QUERY, every key again in a random order each
-    followed by its value (the values are the targets), then licence tokens up to ``length``."""
+    followed by its value (the values are the targets), then licence tokens up to ``length``.
+    Without ``markers``: no MARK_SPAN, and 1-3 licence tokens instead of MARK_QUERY."""
     keys = rng.sample(range(FIRST_RANDOM_ID, vocab_size), pairs)
     values = random_tokens(rng, pairs, vocab_size)
-    ids = text_slice(rng, text, prefix) + [MARK_SPAN]
+    ids = text_slice(rng, text, prefix) + ([MARK_SPAN] if markers else [])
     for k, v in zip(keys, values):
         ids += [k, v]
-    ids += text_slice(rng, text, filler) + [MARK_QUERY]
+    ids += text_slice(rng, text, filler) + separator(rng, text, MARK_QUERY, markers)
     order = list(range(pairs))
     rng.shuffle(order)
     targets = []
@@ -162,22 +176,26 @@ def repeat_example(rng: random.Random, length: int, vocab_size: int = 4096) -> E
     return Example(ids, list(range(1 + span, length)))
 
 
-def random_copy(rng: random.Random, text: torch.Tensor, length: int = SEQ_LEN, max_filler: int = 384) -> Example:
+def random_copy(rng: random.Random, text: torch.Tensor, length: int = SEQ_LEN, max_filler: int = 384,
+                markers_share: float = 1.0) -> Example:
     """A training copy sequence: span 8-64 tokens, filler 0-``max_filler``, prefix 0-64, padded to
-    length."""
+    length; with the markers in ``markers_share`` of the rows."""
+    markers = rng.random() < markers_share
     span = rng.randint(8, 64)
-    filler = rng.randint(0, max(0, min(max_filler, length - 2 * span - 2)))
-    prefix = rng.randint(0, min(64, length - 2 * span - 2 - filler))
-    return copy_example(rng, text, span, filler, prefix, length)
+    filler = rng.randint(0, max(0, min(max_filler, length - 2 * span - 4)))
+    prefix = rng.randint(0, min(64, length - 2 * span - 4 - filler))
+    return copy_example(rng, text, span, filler, prefix, length, markers=markers)
 
 
-def random_mqar(rng: random.Random, text: torch.Tensor, length: int = SEQ_LEN, max_filler: int = 384) -> Example:
+def random_mqar(rng: random.Random, text: torch.Tensor, length: int = SEQ_LEN, max_filler: int = 384,
+                markers_share: float = 1.0) -> Example:
     """A training MQAR sequence: 4-64 pairs, filler 0-``max_filler`` (as far as the length allows),
-    prefix 0-64, padded to length."""
-    pairs = rng.randint(4, min(64, (length - 4) // 4))
-    filler = rng.randint(0, max(0, min(max_filler, length - 4 * pairs - 2)))
-    prefix = rng.randint(0, min(64, length - 4 * pairs - 2 - filler))
-    return mqar_example(rng, text, pairs, filler, prefix, length)
+    prefix 0-64, padded to length; with the markers in ``markers_share`` of the rows."""
+    markers = rng.random() < markers_share
+    pairs = rng.randint(4, min(64, (length - 8) // 4))
+    filler = rng.randint(0, max(0, min(max_filler, length - 4 * pairs - 4)))
+    prefix = rng.randint(0, min(64, length - 4 * pairs - 4 - filler))
+    return mqar_example(rng, text, pairs, filler, prefix, length, markers=markers)
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -191,14 +209,25 @@ def eval_sets(heldout: torch.Tensor) -> tuple[list[Example], list[Example]]:
     return copies, mqars
 
 
+def plain_eval_sets(heldout: torch.Tensor) -> tuple[list[Example], list[Example]]:
+    """The same sizes without the marker tokens (cues of 1-3 licence tokens), span and pairs at the
+    very start of the sequence: retrieval that does not lean on the training format."""
+    rng = random.Random(EVAL_SEED + 1)
+    copies = [copy_example(rng, heldout, EVAL_COPY["span"], EVAL_COPY["filler"], markers=False)
+              for _ in range(EVAL_COPY["n"])]
+    mqars = [mqar_example(rng, heldout, EVAL_MQAR["pairs"], EVAL_MQAR["filler"], markers=False)
+             for _ in range(EVAL_MQAR["n"])]
+    return copies, mqars
+
+
 @torch.no_grad()
 def target_accuracy(model: torch.nn.Module, examples: list[Example], batch_size: int = 16) -> float:
-    """Fraction of target tokens that are the argmax of the logits at the previous position (all
-    examples of one set share a length)."""
+    """Fraction of target tokens that are the argmax of the logits at the previous position."""
     hit = total = 0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
-        ids = torch.tensor([e.ids for e in chunk])
+        width = max(len(e.ids) for e in chunk)
+        ids = torch.tensor([e.ids + [0] * (width - len(e.ids)) for e in chunk])  # right padding: causal, harmless
         pred = model(input_ids=ids).logits.argmax(-1)
         for row, e in enumerate(chunk):
             pos = torch.tensor(e.targets)
@@ -225,7 +254,8 @@ def greedy_copy_accuracy(model: torch.nn.Module, examples: list[Example], batch_
 
 
 def evaluate(model: torch.nn.Module, copies: list[Example], mqars: list[Example], ppl_ids: torch.Tensor,
-             full_ids: torch.Tensor | None = None, greedy: bool = True) -> dict[str, float]:
+             full_ids: torch.Tensor | None = None, greedy: bool = True,
+             plain: tuple[list[Example], list[Example]] | None = None) -> dict[str, float]:
     model.eval()
     t0 = time.monotonic()
     res = {
@@ -233,6 +263,9 @@ def evaluate(model: torch.nn.Module, copies: list[Example], mqars: list[Example]
         "mqar": target_accuracy(model, mqars),
         "ppl_subset": math.exp(heldout_loss(model, ppl_ids)),
     }
+    if plain is not None:
+        res["copy_plain_tf"] = target_accuracy(model, plain[0])
+        res["mqar_plain"] = target_accuracy(model, plain[1])
     if greedy:
         res["copy_greedy"] = greedy_copy_accuracy(model, copies)
     if full_ids is not None:
@@ -264,7 +297,7 @@ def load_corpus(corpus: Path, tokenizer_dir: Path) -> tuple[torch.Tensor, torch.
 
 def make_batch(rng: random.Random, gen: torch.Generator, train_ids: torch.Tensor,
                counts: dict[str, int], length: int = SEQ_LEN,
-               reach: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
+               reach: float = 1.0, markers_share: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Rows: counts['lm'] licence windows, then repeat, copy and MQAR rows, each ``length`` tokens.
     ``reach`` (0-1) scales the longest filler between a span and its copy (the distance
     curriculum). Returns (ids, labels for the retrieval rows, number of lm rows)."""
@@ -272,9 +305,9 @@ def make_batch(rng: random.Random, gen: torch.Generator, train_ids: torch.Tensor
     rows = [train_ids[s : s + length].tolist() for s in starts]
     synth = [repeat_example(rng, length) for _ in range(counts.get("repeat", 0))]
     scale = max(1.0, length / SEQ_LEN)  # rows longer than SEQ_LEN reach further back
-    synth += [random_copy(rng, train_ids, length, max_filler=round((32 + 352 * reach) * scale))
+    synth += [random_copy(rng, train_ids, length, round((32 + 352 * reach) * scale), markers_share)
               for _ in range(counts["copy"])]
-    synth += [random_mqar(rng, train_ids, length, max_filler=round((16 + 368 * reach) * scale))
+    synth += [random_mqar(rng, train_ids, length, round((16 + 368 * reach) * scale), markers_share)
               for _ in range(counts["mqar"])]
     rows += [e.ids for e in synth]
     labels = torch.tensor([e.labels() for e in synth], dtype=torch.long).reshape(len(synth), length)
@@ -371,6 +404,7 @@ def train(args: argparse.Namespace) -> None:
     train_ids, heldout_ids = load_corpus(args.corpus, BUNDLED)
     ppl_ids = heldout_ids[: args.ppl_windows * SEQ_LEN]
     copies, mqars = eval_sets(heldout_ids)
+    plain = plain_eval_sets(heldout_ids)
     counts = mix_counts(cfg.batch_size, tuple(args.mix))
     print(f"train tokens {train_ids.numel():,}  held-out {heldout_ids.numel():,}  rows/step {counts}", flush=True)
 
@@ -401,7 +435,7 @@ def train(args: argparse.Namespace) -> None:
         print(f"resumed at step {step}, {prior_s / 60:.1f} of {cfg.minutes:g} min used", flush=True)
     else:
         record = {"step": 0, "elapsed_min": 0.0, "train_min": 0.0,
-                  **evaluate(model, copies, mqars, ppl_ids, greedy=args.greedy_eval)}
+                  **evaluate(model, copies, mqars, ppl_ids, greedy=args.greedy_eval, plain=plain)}
         log_eval(args.out, record)
 
     budget = cfg.minutes * 60.0
@@ -413,7 +447,7 @@ def train(args: argparse.Namespace) -> None:
         elapsed = time.monotonic() - start
         record = {"step": step, "elapsed_min": round(elapsed / 60, 2), "train_min": round(train_s / 60, 2),
                   **evaluate(model, copies, mqars, ppl_ids, heldout_ids if final else None,
-                             greedy=args.greedy_eval)}
+                             greedy=args.greedy_eval, plain=plain)}
         if final:
             record["final"] = True
         log_eval(args.out, record)
@@ -439,7 +473,7 @@ def train(args: argparse.Namespace) -> None:
             # distances the usual rows never reach
             length = args.seq_len * args.long_factor
             step_counts = {k: -(-n // args.long_factor) for k, n in counts.items()}
-        ids, labels, n_lm = make_batch(rng, gen, train_ids, step_counts, length, reach)
+        ids, labels, n_lm = make_batch(rng, gen, train_ids, step_counts, length, reach, args.markers_share)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             attn_weight = args.attn_supervision if elapsed < args.attn_supervision_min * 60 else 0.0
             loss, lm, ret, att = step_loss(model, ids, labels, n_lm, args.retrieval_weight, attn_weight,
@@ -483,6 +517,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mix", type=float, nargs="+", default=(0.5, 0.25, 0.25), metavar="SHARE",
                    help="share of each row kind in a batch: LM COPY MQAR [REPEAT]")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per training row")
+    p.add_argument("--markers-share", type=float, default=1.0,
+                   help="share of copy / MQAR rows announced by the marker tokens; the rest use a few licence "
+                        "tokens as the cue, so retrieval does not hinge on the markers")
     p.add_argument("--long-every", type=int, default=0,
                    help="every Nth step uses rows --long-factor times as long, that many times fewer (0 = never)")
     p.add_argument("--long-factor", type=int, default=2)
@@ -526,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
         copies, mqars = eval_sets(heldout_ids)
         model = load_model(args.eval_only)
         res = evaluate(model, copies, mqars, heldout_ids[: args.ppl_windows * SEQ_LEN], heldout_ids,
-                       greedy=args.greedy_eval)
+                       greedy=args.greedy_eval, plain=plain_eval_sets(heldout_ids))
         print(json.dumps({"model": str(args.eval_only), **res}))
         return
     train(args)

@@ -24,15 +24,16 @@ prediction reads the compressed KV.
 
 Policies, each at `--saved` fractions of the prompt's slots freed (default 25 / 50 / 75 %):
 `static` (no compression), `segment_sparse` (the production plan, `kv_merge.choose_compression`:
-groups ranked by the better of their observation-window attention and their surprisal, at the
-`kv_merge_fraction` whose compressed length is nearest the budget, with the default preset's evict
-share; 75 % may need a fraction above 1, which the harness allows: the same split of evictions and
-merges, more slots freed), `attention_only` (the same plan ranked by attention alone: the production
-policy before surprisal), `merge_only` (the harness's best merge-only scheme, `ablations.choose_groups(...,
-"merge")` with sharpened score weights), `evict_only` (SnapKV-like: the least attended 4-token
-groups by observation-window attention evicted), `streaming` (StreamingLLM: sinks + recent window)
-and `random` (random groups evicted). `preset:balanced` and `preset:aggressive` run the engine's
-presets as they are (`runtime.kv_preset`) and report what they save. Sinks and the observation
+groups as unpredictable as random vocabulary protected, the rest ordered by observation-window
+attention, at the `kv_merge_fraction` whose compressed length is nearest the budget, with the
+balanced preset's evict share or `--evict-share`; 75 % may need a fraction above 1, which the
+harness allows: the same split of evictions and merges, more slots freed), `attention_only` (the
+same plan without the surprisal protection), `merge_only` (the harness's best merge-only scheme,
+`ablations.choose_groups(..., "merge")` with sharpened score weights), `evict_only` (SnapKV-like:
+the least attended 4-token groups by observation-window attention evicted), `streaming`
+(StreamingLLM: sinks + recent window) and `random` (random groups evicted). `preset:balanced` and
+`preset:aggressive` run the engine's presets as they are (`runtime.kv_preset`) and report what
+they save. Sinks and the observation
 window are never compressed, so a policy that cannot free the asked slots (merge-only frees at most
 3/4 of the eligible groups' slots) reports the fraction it did free: results carry the measured
 `kv_saved` next to the target.

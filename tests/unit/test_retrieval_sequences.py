@@ -89,3 +89,18 @@ def test_induction_targets_point_after_the_previous_occurrence(job):
     target = job.induction_targets(torch.tensor([e.ids]))[0]
     # in a repeated span, the key after the previous occurrence holds the token that comes next
     assert all(e.ids[int(target[t])] == e.ids[t + 1] for t in e.targets[:-1] if target[t] >= 0)
+
+
+def test_plain_rows_carry_no_marker_and_skip_the_unpredictable_first_token(job):
+    rng = random.Random(6)
+    for _ in range(20):
+        c = job.random_copy(rng, TEXT, markers_share=0.0)
+        m = job.random_mqar(rng, TEXT, markers_share=0.0)
+        for e in (c, m):
+            assert len(e.ids) == job.SEQ_LEN
+            assert job.MARK_SPAN not in e.ids and job.MARK_QUERY not in e.ids
+        first = c.targets[0] - 1  # the repeat's first token is not a target
+        repeat = c.ids[first : c.targets[-1] + 1]
+        assert c.targets == list(range(first + 1, first + len(repeat)))
+        assert any(c.ids[i : i + len(repeat)] == repeat for i in range(first - len(repeat) + 1))  # seen before
+        assert all(m.ids[t] in m.ids[: t - 2] for t in m.targets)  # each value was seen after its key
