@@ -315,22 +315,41 @@ def cells_for(policies: list[str], saved: list[float]) -> list[tuple[str, float]
 
 # ---------------------------------------------------------------- output
 
+def relative_scores(result: dict) -> dict[str, dict[str, float]]:
+    """{cell: {task: score as a fraction of static's, ..., "average": their mean}}. Higher is better
+    everywhere: perplexity enters as static ÷ policy. A task whose static score is 0 has no ratio
+    (left out). Needs the static cell."""
+    out: dict[str, dict[str, float]] = {}
+    for task, t in result["tasks"].items():
+        static = t["cells"]["static"]["score"]
+        for cell, r in t["cells"].items():
+            if task in LOWER_IS_BETTER:
+                out.setdefault(cell, {})[task] = 1.0 / r["score"]  # score is already policy ÷ static
+            elif static > 0:
+                out.setdefault(cell, {})[task] = r["score"] / static
+    for values in out.values():
+        values["average"] = sum(values.values()) / len(values)
+    return out
+
+
 def markdown(result: dict) -> str:
     tasks = list(result["tasks"])
     heads = {"copy": "copy (fraction)", "mqar": "MQAR recall", "ppl": "ppl ÷ static (lower better)",
              "mc": "MC accuracy"}
+    relative = result.get("relative", {})
     lines = [f"# KV compression on tasks that can fail ({result['model_name']})", "",
              "Each cell: score (KV saved measured). " + result["command"], "",
              "| policy | target KV saved | " + " | ".join(heads[t] for t in tasks)
-             + " | MC right choice's log-likelihood |" * ("mc" in tasks),
-             "|---|---|" + "---|" * (len(tasks) + ("mc" in tasks))]
+             + " | MC right choice's log-likelihood |" * ("mc" in tasks) + " ÷ static, average of tasks |",
+             "|---|---|" + "---|" * (len(tasks) + ("mc" in tasks) + 1)]
     cells = list(next(iter(result["tasks"].values()))["cells"])
     for cell in cells:
         row = [result["tasks"][t]["cells"][cell] for t in tasks]
         gold = f" {result['tasks']['mc']['cells'][cell]['gold_logprob']:.3f} |" if "mc" in tasks else ""
         target = "(its own)" if row[0]["policy"] in PRESETS else f"{row[0]['target_saved']:.0%}"
+        average = f" {relative[cell]['average']:.3f} |" if cell in relative else " |"
         lines.append(f"| {row[0]['policy']} | {target} | "
-                     + " | ".join(f"{r['score']:.3f} ({r['kv_saved']:.0%})" for r in row) + " |" + gold)
+                     + " | ".join(f"{r['score']:.3f} ({r['kv_saved']:.0%})" for r in row) + " |" + gold + average)
     lines.append("")
     for t in tasks:
         lines.append(f"- {t}: {result['tasks'][t]['examples']} examples, {result['tasks'][t]['describe']}")
@@ -451,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "seconds": round(time.perf_counter() - start, 1), "cells": measured}
         log.info("%s: %d examples (mean context %.0f tokens) in %.1f s", task, len(exs), mean_len,
                  result["tasks"][task]["seconds"])
+    if "static" in policies:
+        result["relative"] = relative_scores(result)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_tasks.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

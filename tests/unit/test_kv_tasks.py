@@ -7,6 +7,7 @@ import torch
 
 from flashx_batch.quality.kv_tasks import (
     POLICIES,
+    PRESETS,
     cells_for,
     copy_examples,
     copy_score,
@@ -108,3 +109,27 @@ def test_entry_point_on_the_bundled_model(tmp_path):
         for name in ("segment_sparse@0.50", "evict_only@0.50", "streaming@0.50"):
             assert abs(task["cells"][name]["kv_saved"] - 0.5) < 0.05
     assert (tmp_path / "kv_tasks.md").exists() and (tmp_path / "kv_tasks.png").stat().st_size > 0
+
+
+def test_relative_scores_put_every_task_on_higher_is_better():
+    from flashx_batch.quality.kv_tasks import relative_scores
+
+    result = {"tasks": {
+        "copy": {"cells": {"static": {"score": 0.8}, "a@0.50": {"score": 0.4}}},
+        "ppl": {"cells": {"static": {"score": 1.0}, "a@0.50": {"score": 1.25}}},  # policy ÷ static perplexity
+        "mqar": {"cells": {"static": {"score": 0.0}, "a@0.50": {"score": 0.0}}},  # no ratio without a static score
+    }}
+    rel = relative_scores(result)
+    assert rel["a@0.50"] == {"copy": 0.5, "ppl": 0.8, "average": pytest.approx(0.65)}
+    assert rel["static"]["average"] == 1.0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_run_the_engines_dials(preset):
+    from flashx_batch.runtime.kv_merge import MergeSettings, compressed_length
+    from flashx_batch.runtime.options import KV_PRESETS
+
+    length = 400
+    plan, _ = policy_plan(preset, length, 0.0, torch.rand(length), 0, 4, 32, torch.zeros(length), 6.0)
+    fraction, share = KV_PRESETS[preset.split(":")[1]]
+    assert plan.num_slots == compressed_length(length, MergeSettings(fraction, 4, 32, evict_share=share))
