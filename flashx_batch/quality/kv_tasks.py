@@ -233,12 +233,9 @@ def policy_plan(policy: str, length: int, saved: float, scores: torch.Tensor | N
 # ---------------------------------------------------------------- running
 
 def context_surprisal(runner, context: list[int]) -> torch.Tensor:
-    """Each context token's -log p given the tokens before it (0 for the first): what the engine's
-    packed prefill computes for segment-sparse rows (`TorchRunner.token_surprisal`)."""
-    logprobs = torch.log_softmax(runner.score([context])[0][:-1].float(), -1)
-    out = torch.zeros(len(context))
-    out[1:] = -logprobs.gather(1, torch.tensor(context[1:])[:, None])[:, 0].cpu()
-    return out
+    """Each context token's -log p given the tokens before it (0 for the first), as the engine's
+    packed prefill computes it for segment-sparse rows (`TorchRunner.token_surprisal`)."""
+    return runner.prompt_surprisal(context)
 
 
 def _score(engine: Engine, task: str, ex: Example, used: int, n: int) -> tuple[float, float, float]:

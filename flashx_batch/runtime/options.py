@@ -20,8 +20,8 @@ CUDA_GRAPHS = ("auto", "on", "off")
 # segment_sparse presets: (kv_merge_fraction, kv_evict_share). What each saves and costs, per task, is
 # measured in docs/benchmarks.md ("Segment-sparse KV"); `python -m flashx_batch.quality.kv_tasks` reruns it.
 KV_PRESETS = {
-    "balanced": (0.6, 0.5),
-    "aggressive": (0.85, 0.8),
+    "balanced": (0.6, 0.8),
+    "aggressive": (0.9, 1.0),
 }
 
 

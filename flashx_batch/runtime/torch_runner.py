@@ -14,11 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from flashx_batch.backends import Backend
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.forward import Decode, Extend, Packed, PackedTrees, Paged, TeacherForced
+from flashx_batch.models.layers import Linear
 from flashx_batch.runtime.compressed_prefill import CompressedPrefill
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.kv_merge import MergeSettings
@@ -89,6 +91,7 @@ class TorchRunner(ModelRunner):
         self.graphs: DecodeGraphs | None = None  # striped decode steps from CUDA graphs (the engine sets it)
         self.live = _LiveRows(self.device)
         self.compress = CompressedPrefill(self)
+        self._bf16_head: torch.Tensor | None = None  # `_surprisal_head`, made on first use
 
     # ---- the ModelRunner interface ----------------------------------------------------------
     @property
@@ -150,6 +153,15 @@ class TorchRunner(ModelRunner):
         cos, sin = self.model.rotary.lookup(self._range(width)[None, :])  # [1, T], broadcast over rows
         hidden = self.model.hidden_states(ids.to(self.device), TeacherForced(cos, sin))
         return [self.model.logits(hidden[i, : len(p)]) for i, p in enumerate(prompts)]
+
+    @torch.inference_mode()
+    def prompt_surprisal(self, prompt: list[int]) -> torch.Tensor:
+        """`token_surprisal` of one prompt from a plain teacher-forced pass (no cache): what the
+        packed segment-sparse prefill computes for it (the quality harness's entry point)."""
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        cos, sin = self.model.rotary.lookup(self._range(len(prompt))[None, :])
+        hidden = self.model.hidden_states(ids, TeacherForced(cos, sin))
+        return self.token_surprisal(hidden[0], ids[0], [len(prompt)])
 
     @torch.inference_mode()
     def target_logprobs(self, ids: torch.Tensor, pick: torch.Tensor, targets: torch.Tensor,
@@ -263,17 +275,39 @@ class TorchRunner(ModelRunner):
     def token_surprisal(self, hidden: torch.Tensor, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """-log p(token | the tokens before it in its row), in nats, for packed rows: hidden [N, H] and
         ids [N] of rows `lengths` end to end -> [N] float32 on the host. A row's first token has no
-        prediction: 0. How much a token tells that its context did not: segment-sparse keeps the
-        surprising tokens (random strings, names, numbers) and compresses the predictable ones."""
+        prediction: 0. How much a token tells that its context did not: segment-sparse protects the
+        surprising tokens (random strings, ids, keys) and compresses the predictable ones.
+
+        Only a ranking signal, so on a float32 CPU model the LM head runs in bfloat16 (a cached
+        bfloat16 copy of its weight): the LM head over every prompt token is most of what this costs."""
         ends = torch.tensor(lengths).cumsum(0)
-        starts = ends - torch.tensor(lengths)
         predicted = torch.ones(len(ids), dtype=torch.bool)
-        predicted[starts] = False  # a row's first token
+        predicted[ends - torch.tensor(lengths)] = False  # a row's first token
         at = predicted.nonzero().squeeze(1)
-        logprobs, _ = self._picked_logprobs(hidden, at - 1, ids[at.to(ids.device)])
+        picked = hidden[(at - 1).to(self.device)]
+        targets = ids[at.to(ids.device)]
+        head = self._surprisal_head()
+        chunk = max(1, (1 << 24) // max(1, self.model.config.vocab_size))  # 64 MiB of float32 logits at a time
+        values = []
+        for a in range(0, len(picked), chunk):
+            h = picked[a : a + chunk]
+            logits = (F.linear(h.to(head.dtype), head) if head is not None else self.model.logits(h)).float()
+            t = targets[a : a + chunk, None]
+            values.append(torch.logsumexp(logits, -1) - logits.gather(1, t)[:, 0])
         out = torch.zeros(len(ids), dtype=torch.float32)
-        out[at] = -logprobs
+        if values:
+            out[at] = torch.cat(values).cpu()
         return out
+
+    def _surprisal_head(self) -> torch.Tensor | None:
+        """The bfloat16 LM-head weight surprisal uses on a float32 CPU model (plain `Linear` heads
+        only: a quantized head keeps its own forward); None elsewhere."""
+        head = self.model.lm_head
+        if self.device.type != "cpu" or type(head) is not Linear or head.weight.dtype != torch.float32:
+            return None
+        if self._bf16_head is None:
+            self._bf16_head = head.weight.detach().to(torch.bfloat16)
+        return self._bf16_head
 
     def _fill_stripes(self, p: StripePrefill) -> tuple[torch.Tensor, list[int], int]:
         """Prompts into stripes p.first, p.first + 1, ... -> (last-token logits [B, V], cache slots per

