@@ -460,7 +460,7 @@ def train(args: argparse.Namespace) -> None:
     model.train()
     while True:
         elapsed = time.monotonic() - start
-        if elapsed >= budget:
+        if elapsed >= min(budget, args.stop_min * 60):
             break
         t_step = time.monotonic()
         lr = lr_at(step, elapsed / budget, cfg)
@@ -513,6 +513,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-only", type=Path, metavar="MODEL_DIR", help="print copy / MQAR / perplexity and exit")
     p.add_argument("--resume", action="store_true", help="continue from <out>/train_state.pt with the remaining budget")
     p.add_argument("--minutes", type=float, default=40.0, help="wall-clock budget (training + evaluations)")
+    p.add_argument("--stop-min", type=float, default=float("inf"),
+                   help="stop (and checkpoint) once the clock passes this many minutes, the schedule still "
+                        "set by --minutes: a phase of a longer run, continued with --resume")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--mix", type=float, nargs="+", default=(0.5, 0.25, 0.25), metavar="SHARE",
                    help="share of each row kind in a batch: LM COPY MQAR [REPEAT]")
