@@ -1,20 +1,26 @@
 """Continue training the bundled ``legal-tiny`` model so that it can retrieve from its context.
 
-The bundled demo model (``flashx_batch/assets/models/legal-tiny``, trained by
-``jobs/train_demo_model.py``) only ever saw licence text: it does not copy a passage of random
-tokens that appeared earlier in its prompt. This job continues training from its weights (same
-tokenizer and architecture, so the result can later replace it) on a mixture of
+The licence-only demo model (trained by ``jobs/train_demo_model.py``) does not copy a passage of
+random tokens that appeared earlier in its prompt. This job continues training from its weights
+(same tokenizer and architecture; the bundled ``legal-tiny`` is its result, phase by phase as
+``jobs/train_retrieval_recipe.sh`` runs it) on a mixture of
 
-* ``lm``: random ``SEQ_LEN``-token windows of the licence training corpus (loss on every token),
+* ``lm``: random ``--seq-len``-token windows of the licence training corpus (loss on every token),
+* ``repeat``: a span of random tokens repeated back to back (every token after the first copy a
+  target): the densest copy signal,
 * ``copy``: ``[licence prefix] <|user|> SPAN [licence filler] <|assistant|> SPAN [licence suffix]``
   where SPAN is a run of random vocabulary tokens; loss only on the repeated SPAN,
 * ``mqar`` (multi-query associative recall): ``[licence prefix] <|user|> k1 v1 ... kN vN [licence
   filler] <|assistant|> k_p1 v_p1 ... k_pN v_pN [licence suffix]`` with distinct random keys,
   random values and the queries in a random order; loss only on the queried values.
 
-Every training sequence is ``SEQ_LEN`` tokens long. The step loss is the mean token loss of the
+``--markers-share`` of the copy / MQAR rows carry the marker tokens; the rest use 1-3 licence
+tokens as the cue. Every training sequence of a step has the same length (``--seq-len``, or
+``--long-factor`` times it every ``--long-every`` steps). The step loss is the mean token loss of the
 ``lm`` rows plus ``--retrieval-weight`` times the mean loss over the retrieval targets of the
-``copy`` / ``mqar`` rows (so the few target tokens are not drowned by the licence tokens).
+synthetic rows (so the few target tokens are not drowned by the licence tokens), plus
+``--attn-supervision`` times the attention-supervision loss (``attention_loss``: a previous-token
+head and induction heads taught directly).
 AdamW, linear warmup then cosine decay driven by the wall clock (``lr_at`` of the demo script);
 the clock covers training and the periodic evaluations.
 
