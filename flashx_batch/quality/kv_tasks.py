@@ -232,12 +232,6 @@ def policy_plan(policy: str, length: int, saved: float, scores: torch.Tensor | N
 
 # ---------------------------------------------------------------- running
 
-def context_surprisal(runner, context: list[int]) -> torch.Tensor:
-    """Each context token's -log p given the tokens before it (0 for the first), as the engine's
-    packed prefill computes it for segment-sparse rows (`TorchRunner.token_surprisal`)."""
-    return runner.prompt_surprisal(context)
-
-
 def _score(engine: Engine, task: str, ex: Example, used: int, n: int) -> tuple[float, float, float]:
     """(score, weight, aside) of one example through a cache holding `used` slots for its n-token
     context; ppl: (summed NLL, tokens, 0); mc's aside: the right choice's log-likelihood, which moves
@@ -276,7 +270,7 @@ def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tup
     for index, ex in enumerate(examples):
         n = len(ex.context)
         _, scores = runner.extend(ex.context, 0, 0, 0, observe=window)
-        surprisal = context_surprisal(runner, ex.context)
+        surprisal = runner.prompt_surprisal(ex.context)  # what the packed prefill computes
         for cell in cells:
             policy, saved = cell
             plan, rerotate = policy_plan(policy, n, saved, scores, seed * 100003 + index, sinks, window, surprisal,

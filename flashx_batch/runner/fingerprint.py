@@ -70,6 +70,7 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
     tokenizer = {n: v[2] for n, v in model_stats.items() if n in TOKENIZER_FILES}
     r, d = job.runtime, job.data
     sparse = r.cache_policy == "segment_sparse"
+    engine = job.engine_options() if sparse else None  # the resolved dials (a preset, or values spelled out)
     fp: dict[str, Any] = {
         "code_version": flashx_batch.__version__,
         "model.files": _digest(weights),
@@ -81,8 +82,8 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         "runtime.cache_policy": r.cache_policy,
         "runtime.segment_size": r.segment_size,
         # the resolved dials, not the preset's name: a preset and the same values spelled out resume each other
-        "runtime.kv_merge_fraction": job.engine_options().merge_fraction if sparse else None,
-        "runtime.kv_observe_window": r.kv_observe_window if r.cache_policy == "segment_sparse" else None,
+        "runtime.kv_merge_fraction": engine.merge_fraction if engine else None,
+        "runtime.kv_observe_window": r.kv_observe_window if sparse else None,
         "runtime.prefix_reuse": bool(r.prefix_cache_tokens),  # regroups rows into shards: new shard ids
         "runtime.precision_map": _file_digest(r.precision_map) if r.precision_map else None,
         "runtime.shard_size": r.shard_size,
@@ -90,8 +91,8 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
         "input.files": _digest([f.manifest() for f in plan.files]),
         "input.num_files": len(plan.files),
     }
-    if r.cache_policy == "segment_sparse":  # only here: static jobs written before this key existed still resume
-        fp["runtime.kv_evict_share"] = job.engine_options().evict_share
+    if engine:  # only here: static jobs written before this key existed still resume
+        fp["runtime.kv_evict_share"] = engine.evict_share
     # logprobs / n / from_columns only when set: jobs written before these keys existed still resume
     optional = {"logprobs": (None, 0), "n": (1,), "from_columns": ({},)}
     fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items() if v not in optional.get(k, ())})

@@ -220,7 +220,7 @@ class TorchRunner(ModelRunner):
         and whether each is the argmax (the LM head on the picked positions only, in chunks)."""
         picked = hidden.reshape(-1, hidden.shape[-1])[pick.to(self.device)]
         targets = targets.to(self.device)
-        chunk = max(1, (1 << 24) // max(1, self.model.config.vocab_size))  # 64 MiB of float32 logits at a time
+        chunk = self._logit_rows
         values, greedy = [], []
         for a in range(0, len(picked), chunk):
             logprobs = self.model.logits(picked[a : a + chunk]).log_softmax(dim=-1)
@@ -287,7 +287,7 @@ class TorchRunner(ModelRunner):
         picked = hidden[(at - 1).to(self.device)]
         targets = ids[at.to(ids.device)]
         head = self._surprisal_head()
-        chunk = max(1, (1 << 24) // max(1, self.model.config.vocab_size))  # 64 MiB of float32 logits at a time
+        chunk = self._logit_rows
         values = []
         for a in range(0, len(picked), chunk):
             h = picked[a : a + chunk]
@@ -298,6 +298,12 @@ class TorchRunner(ModelRunner):
         if values:
             out[at] = torch.cat(values).cpu()
         return out
+
+    @property
+    def _logit_rows(self) -> int:
+        """Positions whose full-vocabulary logits are computed at once: 64 MiB of float32 logits (a
+        150k vocabulary never makes an [N, V] tensor of every position)."""
+        return max(1, (1 << 24) // max(1, self.model.config.vocab_size))
 
     def _surprisal_head(self) -> torch.Tensor | None:
         """The bfloat16 LM-head weight surprisal uses on a float32 CPU model (plain `Linear` heads

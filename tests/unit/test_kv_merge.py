@@ -320,7 +320,6 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
     merged down in stripe order; outputs must equal prefilling and merging each row alone. (Exact
     tokens rely on CPU float32 sgemm giving the same window scores for a packed and a lone row, as it
     does here; another BLAS could flip a near-tie between two groups.)"""
-    from flashx_batch.quality.kv_tasks import context_surprisal
     from flashx_batch.runtime.compressed_prefill import CompressedPrefill, staged_rows
 
     engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8)
@@ -337,7 +336,7 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
         for i, prompt in enumerate(rows):
             start = (first + i) * capacity
             last, scores = self.runner.extend(prompt, start, 0, 0, observe=self.merge.window)
-            merge, evict = choose_compression(scores, len(prompt), self.merge, context_surprisal(self.runner, prompt))
+            merge, evict = choose_compression(scores, len(prompt), self.merge, self.runner.prompt_surprisal(prompt))
             plan = plan_groups(len(prompt), merge, evict=evict)
             used.append(apply_plan(self.runner.arena, start, len(prompt), start, plan, rotary=self.rotary))
             logits.append(last[-1])
