@@ -72,6 +72,10 @@ def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, rep
         "output_tok_per_s": tok_s, "seconds": seconds, "phases": phases,  # per repeat, from `generate` stats
         "ratio_admitted_rows": engines["segment_sparse"].admitted_batch_size / engines["static"].admitted_batch_size,
         "ratio_output_tok_per_s": tok_s["segment_sparse"] / tok_s["static"],
+        # the two phases apart (static's median seconds ÷ segment_sparse's): decode gains from the extra
+        # rows, prefill pays for scoring and merging; the whole-job ratio lies between them
+        "ratio_phase_speed": {phase: statistics.median(phases["static"][phase])
+                              / statistics.median(phases["segment_sparse"][phase]) for phase in ("prefill_s", "decode_s")},
         # each repeat runs static then segment_sparse back to back: a pair shares the machine's mood
         "ratio_output_tok_per_s_paired": spread([a / b for a, b in zip(seconds["static"], seconds["segment_sparse"])]),
     }
@@ -99,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_sparse.json").write_text(json.dumps(result, indent=2))
     paired = result["ratio_output_tok_per_s_paired"]
-    log.info("admitted rows %s (ratio %.2f); output tok/s %s (ratio %.2f; paired repeats: median %.2f, %.2f-%.2f)",
+    log.info("admitted rows %s (ratio %.2f); output tok/s %s (ratio %.2f; paired repeats: median %.2f, %.2f-%.2f); "
+             "phase speed ratios: prefill %.2f, decode %.2f",
              result["admitted_batch_size"], result["ratio_admitted_rows"],
              {k: round(v, 1) for k, v in result["output_tok_per_s"].items()}, result["ratio_output_tok_per_s"],
-             paired["median"], paired["min"], paired["max"])
+             paired["median"], paired["min"], paired["max"], result["ratio_phase_speed"]["prefill_s"],
+             result["ratio_phase_speed"]["decode_s"])
     return 0
 
 

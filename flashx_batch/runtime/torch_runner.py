@@ -301,9 +301,13 @@ class TorchRunner(ModelRunner):
 
     @property
     def _logit_rows(self) -> int:
-        """Positions whose full-vocabulary logits are computed at once: 64 MiB of float32 logits (a
-        150k vocabulary never makes an [N, V] tensor of every position)."""
-        return max(1, (1 << 24) // max(1, self.model.config.vocab_size))
+        """Positions whose full-vocabulary logits are computed at once: about 4 MiB of float32 logits,
+        so a chunk is still in cache when the softmax reads it back (on a CPU, chunks of 64 MiB took
+        several times longer per position); never fewer than 64 positions (each chunk reads the whole
+        LM head) nor more than 64 MiB of logits (a 150k vocabulary never makes an [N, V] tensor of
+        every position)."""
+        vocab = max(1, self.model.config.vocab_size)
+        return max(1, min(max(64, (1 << 20) // vocab), (1 << 24) // vocab))
 
     def _surprisal_head(self) -> torch.Tensor | None:
         """The bfloat16 LM-head weight surprisal uses on a float32 CPU model (plain `Linear` heads
