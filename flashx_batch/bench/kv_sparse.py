@@ -75,7 +75,8 @@ def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, rep
         # the two phases apart (static's median seconds ÷ segment_sparse's): decode gains from the extra
         # rows, prefill pays for scoring and merging; the whole-job ratio lies between them
         "ratio_phase_speed": {phase: statistics.median(phases["static"][phase])
-                              / statistics.median(phases["segment_sparse"][phase]) for phase in ("prefill_s", "decode_s")},
+                              / statistics.median(phases["segment_sparse"][phase])
+                              for phase in ("prefill_s", "decode_s")},
         # each repeat runs static then segment_sparse back to back: a pair shares the machine's mood
         "ratio_output_tok_per_s_paired": spread([a / b for a, b in zip(seconds["static"], seconds["segment_sparse"])]),
     }
