@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flashx_batch.errors import ConfigError
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
+from flashx_batch.storage import StorageSettings, is_remote
 
 BUNDLED_PREFIX = "bundled://"
 PRIMARY_CONFIG = "flashx_job"
@@ -137,6 +138,24 @@ class OutputSection:
 
 
 @dataclass
+class StorageSection:
+    """Object-store access (flashx_batch/storage.py): unset keys fall back to the environment
+    (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, ...) and config files."""
+
+    endpoint_url: str | None = None  # an S3-compatible store: http(s)://host:port (MinIO, OSS, Ceph)
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None  # recorded as *** in job.json, never logged
+    session_token: str | None = None
+    anonymous: bool = False
+    conditional_put: bool = True  # If-None-Match manifests where the store honours them
+    lease_ttl_s: float = 60.0  # the object-store run lock's lease
+
+    def settings(self) -> StorageSettings:
+        return StorageSettings(**dataclasses.asdict(self))
+
+
+@dataclass
 class JobConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -144,6 +163,7 @@ class JobConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     executor: ExecutorSection = field(default_factory=ExecutorSection)
     output: OutputSection = field(default_factory=OutputSection)
+    storage: StorageSection = field(default_factory=StorageSection)
     eval: EvalSection = field(default_factory=EvalSection)
     task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity
     dry_run: bool = False
@@ -169,13 +189,20 @@ def resolve_model_dir(path: str) -> Path:
     """`model.path` → a directory (bundled://legal-tiny = the demo model inside the package)."""
     if path.startswith(BUNDLED_PREFIX):
         return bundled_model_dir().parent / path[len(BUNDLED_PREFIX):]
+    if is_remote(path):  # weights are memory-mapped from a local file on every node
+        raise ConfigError(f"model.path={path}: models are read from a local directory on every node; copy it there "
+                          "first (e.g. `aws s3 sync` / `gsutil rsync` into the same path on each node) and pass that "
+                          "path.")
     return Path(path).expanduser()
 
 
 def resolve_data_path(path: str) -> str:
-    """`data.path` → a filesystem path or glob (bundled://x = flashx_batch/assets/data/x)."""
+    """`data.path` → a filesystem path or glob, or an object-store URI as given (bundled://x =
+    flashx_batch/assets/data/x)."""
     if path.startswith(BUNDLED_PREFIX):
         return str(bundled_model_dir().parent.parent / "data" / path[len(BUNDLED_PREFIX):])
+    if is_remote(path):
+        return path
     return str(Path(path).expanduser())
 
 
@@ -203,6 +230,7 @@ def validate(job: JobConfig) -> None:
         (job.data.max_row_bytes >= 1, f"data.max_row_bytes must be >= 1, got {job.data.max_row_bytes}"),
         (all(e >= 1 for e in job.runtime.bucket_edges), "runtime.bucket_edges must be positive token counts"),
         (bool(job.output.dir), "output.dir must be set"),
+        (job.storage.lease_ttl_s >= 5, f"storage.lease_ttl_s must be >= 5 s, got {job.storage.lease_ttl_s}"),
         (job.sampling.max_new_tokens <= job.runtime.max_output_len,
          f"sampling.max_new_tokens={job.sampling.max_new_tokens} exceeds runtime.max_output_len="
          f"{job.runtime.max_output_len}"),

@@ -51,3 +51,11 @@ class InputUnavailableError(FlashxError):
 
 class ModelChangedError(ConfigError):
     """A model file changed (size or mtime) after the job fingerprinted it."""
+
+
+class ZombieAttemptError(FlashxError):
+    """An attempt started after its job finished (the driver gave up on it long ago): refused, harmless."""
+
+
+class TornJobJsonError(OutputDirError):
+    """job.json exists but is not a JSON object (a torn write by a tool without atomic writes, an edit)."""

@@ -22,8 +22,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from flashx_batch import storage
 from flashx_batch.job_errors import InputChangedError, InputError, InputUnavailableError
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,10 @@ class Frame:
 
 
 def resolve_inputs(path: str, fmt: str = "auto") -> list[InputFile]:
-    """Expand `data.path` into a sorted list of files; raises InputError when nothing usable is there."""
+    """Expand `data.path` into a sorted list of files; raises InputError when nothing usable is there.
+    An object-store URI (s3://, gs://, hdfs://) is a file, a prefix read recursively, or a glob."""
+    if storage.is_remote(path):
+        return _resolve_remote(path, fmt)
     p = Path(path)
     if any(ch in path for ch in "*?["):
         files = [Path(f) for f in sorted(glob.glob(path, recursive=True)) if Path(f).is_file()]
@@ -84,13 +89,47 @@ def resolve_inputs(path: str, fmt: str = "auto") -> list[InputFile]:
     return out
 
 
+def _resolve_remote(path: str, fmt: str) -> list[InputFile]:
+    try:
+        if any(ch in path for ch in "*?["):
+            found = storage.glob_files(path)
+            if not found:
+                raise InputError(f"data.path={path!r}: the glob matches no objects.")
+        else:
+            info = storage.file_info(path)
+            if info.type == pafs.FileType.File:
+                found = [(path, info)]
+            else:
+                base = path.rstrip("/")
+                found = [(u, i) for u, i in storage.list_files(base) if Path(u).suffix.lower() in SUFFIX_FORMATS
+                         and not any(part.startswith((".", "_")) for part in u[len(base) + 1:].split("/"))]
+                if not found:
+                    raise InputError(f"data.path={path!r}: no such object, and no .parquet / .jsonl / .csv / .arrow "
+                                     "objects under that prefix.")
+    except OSError as exc:
+        raise InputError(f"data.path={path!r}: cannot list it ({str(exc).splitlines()[0]}); check the bucket, the "
+                         "credentials (storage.* or the environment) and the endpoint.") from None
+    out = []
+    for uri, info in found:
+        if info.size == 0:
+            raise InputError(f"{uri}: empty object (0 bytes); remove it or regenerate it.")
+        digest = hashlib.sha256(storage.read_bytes(uri)).hexdigest()
+        mtime = info.mtime_ns or 0
+        out.append(InputFile(uri, _format_of(Path(uri), fmt), info.size, digest, mtime))
+    return out
+
+
+def _read_bytes(path: str) -> bytes:
+    return storage.read_bytes(path) if storage.is_remote(path) else Path(path).read_bytes()
+
+
 def read_verified(file: InputFile) -> bytes:
     """The file's bytes, checked to be the bytes planned (size and sha256); InputChangedError if not.
 
     What is parsed is what was hashed, so a file replaced between the check and the parse cannot
     slip through."""
     try:
-        data = Path(file.path).read_bytes()
+        data = _read_bytes(file.path)
     except FileNotFoundError:
         # not a bad job by itself: on a cluster this node may lack the mount (retried elsewhere)
         raise InputUnavailableError(f"{file.path}: not found on {socket.gethostname()} (removed after the job was "
@@ -104,7 +143,8 @@ def read_verified(file: InputFile) -> bytes:
 
 def describe_change(file: InputFile, size: int, sha256: str) -> str:
     try:
-        mtime = os.stat(file.path).st_mtime_ns
+        mtime = (storage.file_info(file.path).mtime_ns or 0) if storage.is_remote(file.path) \
+            else os.stat(file.path).st_mtime_ns
     except OSError:
         mtime = 0
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9)) if mtime else "?"
@@ -118,6 +158,16 @@ def verify_unchanged(files: list[InputFile]) -> None:
     """Every input file still holds what was planned (the driver's last check before `_SUCCESS`;
     streamed, so a large input is hashed without being held in memory)."""
     for f in files:
+        if storage.is_remote(f.path):
+            try:
+                data = storage.read_bytes(f.path)
+            except FileNotFoundError:
+                raise InputChangedError(f"{f.path} was removed while the job ran; the rows committed came from the "
+                                        "planned version. Restore it, or run the job into a new output.dir.") from None
+            size, sha256 = len(data), hashlib.sha256(data).hexdigest()
+            if size != f.size or sha256 != f.sha256:
+                raise InputChangedError(describe_change(f, size, sha256))
+            continue
         path = Path(f.path)
         if not path.is_file():
             raise InputChangedError(f"{f.path} was removed while the job ran; the rows committed came from the "
@@ -188,7 +238,7 @@ def read_frame(file: InputFile, columns: list[str], text_column: str | None = No
     data = read_verified(file)
     try:
         if file.format == "jsonl":
-            return _read_jsonl(Path(file.path), data, columns)
+            return _read_jsonl(file.path, data, columns)
         table = _read_arrow_table(file, data, columns, text_column)
     except (InputError, MemoryError):  # running out of memory is the machine's state, not the file's
         raise
@@ -231,7 +281,7 @@ def _read_arrow_table(file: InputFile, data: bytes, columns: list[str], text_col
     raise InputError(f"{file.path}: unknown format {file.format!r}.")
 
 
-def _read_jsonl(path: Path, data: bytes, columns: list[str]) -> Frame:
+def _read_jsonl(path: str, data: bytes, columns: list[str]) -> Frame:
     values: dict[str, list[Any]] = {c: [] for c in columns}
     seen: set[str] = set()
     if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (editors on Windows write one)

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from flashx_batch.config import JobConfig
 from flashx_batch.evaluation.metrics import summarise
 from flashx_batch.runner.layout import OutputDir
+from flashx_batch.runner.object_layout import ObjectOutputDir
 
 
-def evaluate(job: JobConfig, output: OutputDir, totals: dict[str, Any], stats: Any) -> dict[str, Any]:
+def evaluate(job: JobConfig, output: OutputDir | ObjectOutputDir, totals: dict[str, Any], stats: Any) -> dict[str, Any]:
     """{"overall": summary dict, "buckets": [{"bucket", **summary}]} for `job.eval.metric`."""
     committed = output.committed()
     scores: list[float | None] = []
@@ -22,7 +21,7 @@ def evaluate(job: JobConfig, output: OutputDir, totals: dict[str, Any], stats: A
     for pid, manifest in sorted(committed.items()):
         if "generations" not in manifest["files"]:
             continue
-        table = pq.read_table(output.part("generations", pid), columns=["shard_id", "score"])
+        table = output.read_part("generations", pid, ["shard_id", "score"], committed)
         for shard, score in zip(table.column("shard_id").to_pylist(), table.column("score").to_pylist(),
                                 strict=True):
             scores.append(score)

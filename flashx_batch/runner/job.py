@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import flashx_batch
+from flashx_batch import storage
 from flashx_batch.config import JobConfig, resolve_data_path, resolve_model_dir, validate
 from flashx_batch.data.plan import Plan, build_plan, format_plan
 from flashx_batch.data.preflight import LoadedInput, load_inputs
@@ -42,13 +43,15 @@ from flashx_batch.job_errors import FingerprintMismatchError, LockHeldError, Sha
 from flashx_batch.runner import faults, fingerprint, pieces
 from flashx_batch.runner.executor import ExecResult, run_local
 from flashx_batch.runner.failures import FailedRows
-from flashx_batch.runner.layout import SUCCESS, OutputDir, TornJobJsonError, write_atomic
+from flashx_batch.runner.layout import OutputDir, TornJobJsonError, open_output, write_atomic
+from flashx_batch.runner.object_layout import ObjectOutputDir
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.signals import Interrupted, StopFlag
 from flashx_batch.runner.tables import errors_table, reserved_column_problem
 from flashx_batch.runner.worker import WorkerContext
 
 log = logging.getLogger(__name__)
+Output = OutputDir | ObjectOutputDir  # a local output directory, or one on an object store
 EXIT_OK, EXIT_FAILED, EXIT_BAD_JOB, EXIT_TEMPFAIL = 0, 1, 2, 75
 _FAILURES_KEPT = 20  # failed tries recorded in job.json (the log has them all)
 # OSErrors that are the machine's state, not a bug: reported in one line, not a traceback
@@ -99,6 +102,7 @@ def run(job: JobConfig, *, out: TextIO | None = None,
 def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     """Validate the config, check the model and the input, and build the shard plan (writes nothing)."""
     validate(job)
+    storage.configure(job.storage.settings())
     faults.load(job.executor.faults, quiet=True)  # a malformed fault spec: a bad job (exit 2) before anything runs
     problem = reserved_column_problem(list(job.data.passthrough_columns))
     if problem:
@@ -127,11 +131,12 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
         raise ConfigError(f"data.messages_column={job.data.messages_column} needs a chat template, and "
                           f"{model_dir} has none.")
     data_path = resolve_data_path(job.data.path)
-    out = Path(job.output.dir).expanduser().resolve()
+    out = output_root(job.output.dir)
     if _reads_outputs_of(data_path, out):
         raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}: every rerun would read "
                           "the job's own outputs as input. Put output.dir outside the input.")
-    loaded = load_inputs(job.data, data_path, refuse_under=out, extra_columns=job.extra_columns(),
+    loaded = load_inputs(job.data, data_path, refuse_under=out if isinstance(out, Path) else None,
+                         extra_columns=job.extra_columns(),
                          task=job.task)
     return model_dir, loaded, build_plan(job, loaded, tokenizer)
 
@@ -151,10 +156,21 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
     check_options(options, cfg, get_backend(options.backend) if local else None)
 
 
-def _reads_outputs_of(data_path: str, out: Path) -> bool:
+def output_root(path: str) -> Path | str:
+    """output.dir as the layouts take it: an absolute local path, or an object-store URI as given."""
+    return path.rstrip("/") if storage.is_remote(path) else Path(path).expanduser().resolve()
+
+
+def _reads_outputs_of(data_path: str, out: Path | str) -> bool:
     """Would `data_path` pick up the Parquet files a job writes under `out` (a data.path directory is
     read recursively; a glob is matched as glob.glob(recursive=True) would)? Checked before the first
     run writes any; `load_inputs(refuse_under=)` catches the files already there."""
+    if storage.is_remote(data_path) or isinstance(out, str):
+        if not (storage.is_remote(data_path) and isinstance(out, str)):
+            return False  # one local, one remote: never the same files
+        if not any(ch in data_path for ch in "*?["):
+            return (out + "/").startswith(data_path.rstrip("/") + "/")
+        return _glob_matches(tuple(data_path.split("/")), tuple(f"{out}/generations/part-x.parquet".split("/")))
     if not any(ch in data_path for ch in "*?["):
         base = Path(data_path).expanduser().resolve()
         return base.is_dir() and (out == base or base in out.parents)
@@ -178,11 +194,11 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
         out.write(format_plan(plan) + "\n")
         out.write(f"dry run: {len(plan.shards)} {job.task} shard(s) planned; nothing was written.\n")
         return EXIT_OK
-    output = OutputDir(job.output.dir, faults.driver_faults(job.executor.faults))
+    output = open_output(output_root(job.output.dir), faults.driver_faults(job.executor.faults))
     wrote = False
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: output.unlock(clean=not wrote))  # runs last: after Ray (and every actor) is down
-        if job.executor.kind == "ray" and not (output.root / SUCCESS).exists():  # a finished job needs no Ray
+        if job.executor.kind == "ray" and not output.is_finished():  # a finished job needs no Ray
             from flashx_batch.runner.ray_executor import probe_cluster, ray_session
 
             stack.enter_context(ray_session(job, stop))
@@ -211,7 +227,7 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
                         on_dispatch, stop)
 
 
-def _open_previous(output: OutputDir) -> tuple[dict | None, dict[str, dict]]:
+def _open_previous(output: Output) -> tuple[dict | None, dict[str, dict]]:
     """(job.json, committed pieces) under the lock; a torn job.json is replaceable only when nothing
     but driver-written plan errors was committed (there is nothing else to resume)."""
     try:
@@ -226,10 +242,10 @@ def _open_previous(output: OutputDir) -> tuple[dict | None, dict[str, dict]]:
     return previous, output.committed()
 
 
-def _already_done(previous: dict, committed: dict[str, dict], plan: Plan, output: OutputDir) -> bool:
+def _already_done(previous: dict, committed: dict[str, dict], plan: Plan, output: Output) -> bool:
     """Same fingerprint (the caller's check), _SUCCESS present, every planned shard committed: a rerun
     of a finished job. Nothing is rewritten (downstream sensors watch `_SUCCESS`)."""
-    return (output.root / SUCCESS).is_file() and previous.get("status") == "succeeded" and \
+    return output.is_finished() and previous.get("status") == "succeeded" and \
         not any(pieces.uncovered(s, committed) for s in [*plan.shards, *plan.error_shards])
 
 
@@ -238,17 +254,18 @@ def _no_generated_rows(committed: dict[str, dict]) -> bool:
     return all(m.get("kind") == "invalid" for m in committed.values())
 
 
-def _replaceable(committed: dict[str, dict], output: OutputDir) -> bool:
+def _replaceable(committed: dict[str, dict], output: Output) -> bool:
     """A job that never committed a generated row and never finished (it failed at engine load, say)
     holds nothing worth keeping: a corrected run may replace it instead of being refused."""
-    return not (output.root / SUCCESS).exists() and _no_generated_rows(committed)
+    return not output.is_finished() and _no_generated_rows(committed)
 
 
-def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
+def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: Output,
              previous: dict | None, committed: dict[str, dict], fp: dict, model_stats: dict,
              on_dispatch: Callable | None, stop: StopFlag) -> int:
     record = {
-        "status": "running", "fingerprint": fp, "config": asdict(job), "plan": plan.summary(),
+        "status": "running", "fingerprint": fp, "config": {**asdict(job), "storage": job.storage.settings().masked()},
+        "plan": plan.summary(),
         "input_files": [f.manifest() for f in plan.files],
         "model_dir": str(model_dir), "model_file_stats": model_stats, "versions": _versions(),
         "runs": [*(previous or {}).get("runs", []), {"started_at": time.time(), "resumed_shards": len(committed)}],
@@ -269,7 +286,7 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
         return _run_pending(job, plan, loaded, model_dir, output, model_stats, finish, on_dispatch, stop)
     except BaseException as exc:  # whatever ends the run, job.json says how, with its accounting
         with contextlib.suppress(OSError):
-            (output.root / SUCCESS).unlink(missing_ok=True)  # a half-written success is no success
+            output.unmark_finished()  # a half-written success is no success
         if final in (None, "succeeded"):
             status, extra = _status_of(exc)
             try:
@@ -293,13 +310,13 @@ def _status_of(exc: BaseException) -> tuple[str, dict[str, Any]]:
     return "failed", {"reason": reason}
 
 
-def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: OutputDir,
+def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: Output,
                  model_stats: dict, finish: Callable[..., None], on_dispatch: Callable | None, stop: StopFlag) -> int:
     committed = output.committed()
     # A shard split by an earlier run (poison-row isolation) resumes as its uncommitted pieces only.
     pending = [p for s in plan.shards for p in pieces.uncovered(s, committed)]
     if pending or any(s.shard_id not in committed for s in plan.error_shards):
-        (output.root / SUCCESS).unlink(missing_ok=True)  # files removed since it finished: not finished now
+        output.unmark_finished()  # files removed since it finished: not finished now
     _commit_plan_errors(plan, output, set(committed))
     log.info("%s: %d of %d shard(s) already committed, %d piece(s) to run", output.root,
              sum(not pieces.uncovered(s, committed) for s in plan.shards), len(plan.shards), len(pending))
@@ -350,13 +367,14 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     if job.output.report:
         from flashx_batch.report import write_report
 
-        write_report(output.root, totals, plan, stats, write_atomic, evaluation)
+        with output.report_dir() as where:
+            write_report(where, totals, plan, stats, write_atomic, evaluation)
     if stop.requested:
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
     stop.set_on_force(None)  # past here a forced exit must not overwrite the success being written
     finish("succeeded", totals=totals, finished_at=time.time(), worker_failures=failures)
-    write_atomic(output.root / SUCCESS, _json(totals))
+    output.finish(totals, output.committed(), {"errors": errors_table([], plan.id_kind, [], [], [])})
     log.info("done: %d generated, %d error rows, %d output tokens -> %s", totals["generated_rows"],
              totals["error_rows"], totals["output_tokens"], output.root)
     return EXIT_OK
@@ -379,7 +397,7 @@ def _dispatch(job: JobConfig, ctx: WorkerContext, pending: list, stop: StopFlag,
     return RayExecutor(job, ctx, failed_rows, on_dispatch).run(pending, stop, progress)
 
 
-def _commit_plan_errors(plan: Plan, output: OutputDir, committed: set[str]) -> None:
+def _commit_plan_errors(plan: Plan, output: Output, committed: set[str]) -> None:
     """Rows rejected while planning go through the same commit protocol as generated ones."""
     for spec in plan.error_shards:
         if spec.shard_id in committed:
@@ -391,14 +409,13 @@ def _commit_plan_errors(plan: Plan, output: OutputDir, committed: set[str]) -> N
                                                             "worker": "driver"})
 
 
-def _verify(plan: Plan, output: OutputDir, samples: int = 1) -> dict[str, Any]:
+def _verify(plan: Plan, output: Output, samples: int = 1) -> dict[str, Any]:
     """Check the invariant shard by shard; remove orphans; returns the job totals for _SUCCESS and the report.
 
     For every planned shard: its committed pieces do not overlap and cover it, and the ids they hold
     (generations + errors) are exactly the shard's ids, once each. Nothing else may be committed.
     With `samples` (sampling.n) > 1 a generated id holds the rows (id, 0) .. (id, n - 1), each once.
     """
-    import pyarrow.parquet as pq
 
     committed = output.committed()
     gen: Counter = Counter()
@@ -418,7 +435,7 @@ def _verify(plan: Plan, output: OutputDir, samples: int = 1) -> dict[str, Any]:
                     cols = ["id", "error_code"] if kind == "errors" else ["id"]
                     if kind == "generations" and samples > 1:
                         cols.append("sample_index")
-                    table = pq.read_table(output.part(kind, pid), columns=cols)
+                    table = output.read_part(kind, pid, cols, committed)
                     ids = table.column("id").to_pylist()
                     if "sample_index" in cols:
                         ids = _sampled_ids(spec.shard_id, ids, table.column("sample_index").to_pylist(), samples)

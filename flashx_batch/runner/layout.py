@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flashx_batch.errors import FlashxError
-from flashx_batch.job_errors import LockHeldError, OutputDirError
+from flashx_batch.job_errors import LockHeldError, OutputDirError, TornJobJsonError, ZombieAttemptError
 from flashx_batch.runner import pieces
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
+    from flashx_batch.runner.object_layout import ObjectOutputDir
 
 log = logging.getLogger(__name__)
 KINDS = ("generations", "errors", "stats")
@@ -64,14 +64,6 @@ def write_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
-
-
-class ZombieAttemptError(FlashxError):
-    """An attempt started after its job finished (the driver gave up on it long ago): refused, harmless."""
-
-
-class TornJobJsonError(OutputDirError):
-    """job.json exists but is not a JSON object (a torn write by a tool without atomic writes, an edit)."""
 
 
 class OutputDir:
@@ -245,6 +237,38 @@ class OutputDir:
         """After the last commit: the (empty) staging area is not part of the finished layout."""
         shutil.rmtree(self.root / ATTEMPTS_DIR, ignore_errors=True)
 
+    # ---- what the driver and the readers share with the object-store layout (runner.object_layout) ----
+    def is_finished(self) -> bool:
+        return (self.root / SUCCESS).is_file()
+
+    def unmark_finished(self) -> None:
+        (self.root / SUCCESS).unlink(missing_ok=True)
+
+    def finish(self, totals: dict[str, Any], committed: dict[str, dict[str, Any]],
+               empty: dict[str, pa.Table]) -> None:
+        """`_SUCCESS`, written last (the parts are already in place, one per piece)."""
+        write_atomic(self.root / SUCCESS, json.dumps(totals, indent=2, default=str) + "\n")
+
+    def write_text(self, name: str, text: str) -> None:
+        write_atomic(self.root / name, text)
+
+    @contextlib.contextmanager
+    def report_dir(self) -> Iterator[Path]:
+        """Where report.md and its plots are written: the directory itself."""
+        yield self.root
+
+    def discard(self, staging: Path) -> None:
+        """An attempt that failed: its staging directory goes at once (a full disk gets its space back)."""
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def read_part(self, kind: str, piece: str, columns: list[str] | None = None,
+                  committed: dict[str, dict[str, Any]] | None = None) -> pa.Table | None:
+        """One committed piece's table of `kind` (None if the piece has none)."""
+        manifest = (committed if committed is not None else self.committed()).get(piece)
+        if manifest is None or kind not in manifest["files"]:
+            return None
+        return pq.read_table(self.part(kind, piece), columns=columns)
+
     def read_ids(self, kind: str, shard_ids: set[str]) -> Counter:
         counts: Counter = Counter()
         for s in shard_ids:
@@ -362,3 +386,16 @@ def _link_exclusive(src: Path, dst: Path) -> bool:
         fh.flush()
         os.fsync(fh.fileno())
     return True
+
+
+def open_output(root: str | Path, faults: Faults | None = None, job_digest: str | None = None
+                ) -> OutputDir | ObjectOutputDir:
+    """The output directory at `root`: this module's for a local path, `runner.object_layout`'s for
+    an object-store URI (s3://, gs://, hdfs://)."""
+    from flashx_batch import storage
+
+    if storage.is_remote(str(root)):
+        from flashx_batch.runner.object_layout import ObjectOutputDir
+
+        return ObjectOutputDir(str(root), faults, job_digest)
+    return OutputDir(Path(str(root)).expanduser().resolve(), faults, job_digest)

@@ -65,3 +65,11 @@ def _uncovered(spec: ShardSpec, mine: set[str]) -> list[ShardSpec]:
 def pieces_of(shard_id: str, committed: Iterable[str]) -> list[str]:
     """Committed piece ids of one planned shard."""
     return sorted(c for c in committed if root_of(c) == shard_id)
+
+
+def coarsest(committed: Iterable[str]) -> set[str]:
+    """The committed pieces not inside another committed piece: where a zombie committed a whole
+    shard after its halves did (possible only where the store offers no lock to refuse it), the
+    whole shard's rows are read and the halves are not — so each row counts once."""
+    ids = set(committed)
+    return {c for c in ids if not any(o != c and overlaps(o, c) and len(path_of(o)) < len(path_of(c)) for o in ids)}

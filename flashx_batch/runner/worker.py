@@ -3,8 +3,8 @@
 Who calls it: the local executor (in the driver process) and the Ray executor (wrapped as an actor,
 one per accelerator). The engine is built once in `__init__`; `run_shard` gets only a `ShardSpec`
 (row references) and re-reads the rows from the input files, so rows never travel through Ray.
-The worker commits its own shard (`OutputDir.commit`): results never travel back either, only a
-small summary dict.
+The worker commits its own shard (`OutputDir.commit`, or `ObjectOutputDir.commit` on an object
+store): results never travel back either, only a small summary dict.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import hashlib
 import logging
 import math
 import os
-import shutil
 import socket
 import time
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from flashx_batch import storage
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.data.preflight import data_columns, text_column
@@ -34,7 +34,7 @@ from flashx_batch.evaluation.metrics import check_metric
 from flashx_batch.evaluation.metrics import score_row as metric_score
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner.failures import FATAL, WorkerFailure, kind_of
-from flashx_batch.runner.layout import OutputDir
+from flashx_batch.runner.layout import open_output
 from flashx_batch.runner.tables import generations_table, sample_columns, score_column, score_table, stats_table
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ class ShardWorker:
         reported by `ready()` as data, instead of dying in the constructor, where Ray would keep only
         its own header line of the cause."""
         self.job, self.ctx, self.name = job, ctx, name
+        storage.configure(job.storage.settings())  # input and output URIs open with the job's storage.* keys
         self.node = socket.gethostname()
         self.boot_failure: WorkerFailure | None = None
         try:
@@ -79,7 +80,7 @@ class ShardWorker:
             if not defer_errors:
                 raise
             self.boot_failure = WorkerFailure.from_exception(exc, node=self.node, worker=name, shard_id="(engine load)")
-        self.out = OutputDir(ctx.output_dir, ctx.faults, ctx.job_digest)
+        self.out = open_output(ctx.output_dir, ctx.faults, ctx.job_digest)
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()
@@ -122,7 +123,7 @@ class ShardWorker:
         try:
             return self._run(spec, attempt, staging)
         except BaseException as exc:
-            shutil.rmtree(staging, ignore_errors=True)  # a full disk gets its space back at once
+            self.out.discard(staging)  # a full disk gets its space back at once
             if not isinstance(exc, Exception):
                 raise
             if kind_of(exc) == FATAL:

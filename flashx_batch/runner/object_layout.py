@@ -1,0 +1,452 @@
+"""The output directory on an object store (`s3://`, `gs://`, `hdfs://`): the same layout contract as
+`runner.layout.OutputDir`, with a commit protocol that needs neither rename nor locks from the store.
+
+Who calls it: `runner.layout.open_output` picks it for a remote `output.dir`; the driver and every
+worker then use it as they would the local one.
+
+The protocol (docs/batch_jobs.md, "Object storage"):
+- An attempt writes its parts under a name of its own, `_attempts/<piece>/<attempt id>/<kind>.parquet`
+  (attempt id = start time in ns + random suffix), so no two writers ever share an object.
+- The commit point is one manifest object naming those parts. Where the store has conditional
+  puts (S3 `If-None-Match: *`) it is `_manifest/<piece>.json`, created only if absent: the first
+  manifest wins, a later attempt sees it lost. Elsewhere each attempt writes the candidate
+  `_manifest/<piece>/<commit id>.json` (commit id = the time it reached the commit point in ns +
+  its attempt id) and the smallest commit id whose parts all exist wins — first to commit, as far
+  as the writers' clocks agree, and in any case a rule every reader applies to the same listing
+  with the same answer. A piece whose `_manifest/<piece>.json` exists is decided by it.
+- Pieces of a split shard resolve coarsest first: a committed piece hides every committed piece
+  inside it (`pieces.coarsest`), so a zombie finishing the whole shard after its halves committed
+  changes which files hold the rows, never how many times a row appears.
+- Finishing: the driver checks ids once per piece, consolidates the winners into few files per kind
+  (`generations/part-00000.parquet`, ...), writes `_SUCCESS` naming those files, then deletes
+  `_attempts/` and `_manifest/`. Readers go through `flashx_batch.read_output`: `_SUCCESS`'s list
+  when finished, the resolved manifests while running — never a listing that may hold a zombie's parts.
+- The run lock is a lease object (`_lease.json`: owner, host, pid, expiry) renewed by a thread;
+  another run is refused (exit 75) while it is live. Two drivers racing for a free lease are told
+  apart by reading it back after a settle delay; and should both ever run, the commit rules above
+  still give every row once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from flashx_batch import storage
+from flashx_batch.job_errors import LockHeldError, OutputDirError, TornJobJsonError, ZombieAttemptError
+from flashx_batch.runner import pieces
+
+if TYPE_CHECKING:
+    from flashx_batch.runner.faults import Faults
+
+log = logging.getLogger(__name__)
+KINDS = ("generations", "errors", "stats")
+JOB_JSON, SUCCESS, MANIFEST_DIR, ATTEMPTS_DIR, LEASE = "job.json", "_SUCCESS", "_manifest", "_attempts", "_lease.json"
+# consolidated files grow to about this many bytes of Parquet before the next one starts
+TARGET_FILE_BYTES = 256 << 20
+_SETTLE_S = 1.0  # lease: how long a new owner waits before reading its lease back
+
+
+class ObjectAttempt:
+    """One attempt's private prefix: what `start_attempt` hands the worker and `commit` takes back."""
+
+    def __init__(self, shard_id: str, attempt: int) -> None:
+        self.shard_id, self.attempt = shard_id, attempt
+        self.attempt_id = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+
+    @property
+    def prefix(self) -> str:
+        return f"{ATTEMPTS_DIR}/{self.shard_id}/{self.attempt_id}"
+
+
+class ObjectOutputDir:
+    def __init__(self, root: str, faults: Faults | None = None, job_digest: str | None = None) -> None:
+        self.root = root.rstrip("/")
+        self.fs, self.base = storage.filesystem(self.root)
+        self.faults = faults
+        self.job_digest = job_digest
+        self._lease: _Lease | None = None
+
+    # ---- paths ------------------------------------------------------------------------------
+    def _path(self, rel: str) -> str:
+        return f"{self.base}/{rel}"
+
+    @property
+    def job_json(self) -> str:
+        return f"{self.root}/{JOB_JSON}"
+
+    def _exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self._path(rel)).type == pafs.FileType.File
+
+    def _read(self, rel: str) -> bytes:
+        with self.fs.open_input_stream(self._path(rel)) as fh:
+            return fh.read()
+
+    def _write(self, rel: str, data: bytes) -> None:
+        """One PUT: a reader sees the whole object or none of it."""
+        with self.fs.open_output_stream(self._path(rel)) as fh:
+            fh.write(data)
+
+    def _delete(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_file(self._path(rel))
+
+    def _delete_tree(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            if self.fs.get_file_info(self._path(rel)).type != pafs.FileType.NotFound:
+                self.fs.delete_dir(self._path(rel))
+
+    def _files(self, rel: str) -> list[str]:
+        """Paths (relative to the root) of every object under `rel`."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self._path(rel), recursive=True, allow_not_found=True))
+        cut = len(self.base) + 1
+        return sorted(i.path[cut:] for i in infos if i.type == pafs.FileType.File)
+
+    # ---- driver side ------------------------------------------------------------------------
+    def read_job(self) -> dict[str, Any] | None:
+        try:
+            raw = self._read(JOB_JSON)
+        except FileNotFoundError:
+            top = self.fs.get_file_info(pafs.FileSelector(self.base, recursive=False, allow_not_found=True))
+            if any(Path(i.path).name != LEASE for i in top):
+                raise OutputDirError(f"output.dir={self.root} is not empty and holds no job.json; pick an empty or "
+                                     "new prefix.") from None
+            return None
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise TornJobJsonError(f"{self.job_json} is not valid JSON ({exc}); it was edited or damaged.") from None
+        if not isinstance(record, dict):
+            raise TornJobJsonError(f"{self.job_json} holds a JSON {type(record).__name__}, not a job record.")
+        return record
+
+    def lock(self) -> None:
+        """Take the lease (LockHeldError while another live run holds it)."""
+        try:
+            self._lease = _Lease(self)
+            self._lease.acquire()
+        except (LockHeldError, OutputDirError):
+            raise
+        except OSError as exc:
+            raise OutputDirError(f"output.dir={self.root} cannot be written ({exc}); check the bucket, the "
+                                 "credentials (storage.* or the environment) and the endpoint.") from None
+
+    def unlock(self, clean: bool = False) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def reset(self) -> None:
+        for rel in (*KINDS, MANIFEST_DIR, ATTEMPTS_DIR):
+            self._delete_tree(rel)
+        for rel in (JOB_JSON, SUCCESS):
+            self._delete(rel)
+
+    def prepare(self) -> None:
+        """Object stores have no directories to create."""
+
+    def write_job(self, record: dict[str, Any]) -> None:
+        if self.faults is not None:
+            self.faults.fire("job_json", str(record.get("status")), 0)
+        self._write(JOB_JSON, (json.dumps(record, indent=2, default=str) + "\n").encode())
+
+    def write_text(self, name: str, text: str) -> None:
+        self._write(name, text.encode())
+
+    @contextlib.contextmanager
+    def report_dir(self) -> Iterator[Path]:
+        """A local scratch directory for report.md and its plots; each file is uploaded to the root
+        when the block ends without an error."""
+        with tempfile.TemporaryDirectory(prefix="flashx-report-") as tmp:
+            yield Path(tmp)
+            for f in sorted(Path(tmp).iterdir()):
+                if f.is_file():
+                    self._write(f.name, f.read_bytes())
+
+    # ---- the finished marker ----------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return self._exists(SUCCESS)
+
+    def unmark_finished(self) -> None:
+        self._delete(SUCCESS)
+
+    def success_record(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self._read(SUCCESS))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    # ---- committed pieces -------------------------------------------------------------------
+    def committed(self) -> dict[str, dict[str, Any]]:
+        """piece id -> winning manifest, resolved as the module docstring says. A finished job (with
+        `_SUCCESS`) answers from the list its `_SUCCESS` holds."""
+        done = self.success_record()
+        if done is not None and "pieces" in done:
+            return {p: {**m, "consolidated": True} for p, m in done["pieces"].items()}
+        manifests = self._files(MANIFEST_DIR)
+        parts = set(self._files(ATTEMPTS_DIR))
+        exact: dict[str, str] = {}
+        candidates: dict[str, list[str]] = {}
+        for rel in manifests:
+            inner = rel[len(MANIFEST_DIR) + 1:]
+            if "/" in inner:
+                piece, name = inner.split("/", 1)
+                candidates.setdefault(piece, []).append(name)
+            elif inner.endswith(".json"):
+                exact[inner[: -len(".json")]] = rel
+        winners: dict[str, dict[str, Any]] = {}
+        for piece in sorted(set(exact) | set(candidates)):
+            order = [exact[piece]] if piece in exact else \
+                [f"{MANIFEST_DIR}/{piece}/{n}" for n in sorted(candidates[piece])]
+            for rel in order:
+                manifest = self._valid_manifest(rel, parts)
+                if manifest is not None:
+                    winners[piece] = manifest
+                    break
+        keep = pieces.coarsest(winners)
+        return {p: winners[p] for p in keep}
+
+    def _valid_manifest(self, rel: str, parts: set[str]) -> dict[str, Any] | None:
+        try:
+            manifest = json.loads(self._read(rel))
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        digest = manifest.get("job_digest")
+        if self.job_digest is not None and digest is not None and digest != self.job_digest:
+            return None  # a late attempt of a replaced job
+        if any(p not in parts for p in manifest.get("parts", {}).values()):
+            return None  # its parts were removed (cleaned as a loser, or by hand): not a commit
+        return manifest
+
+    def clean_orphans(self, committed: Iterable[str]) -> int:
+        """Delete attempt prefixes no winning manifest names (crashed, lost or zombie attempts)."""
+        winners = self.committed() if not committed else {p: m for p, m in self.committed().items() if p in committed}
+        keep = {p.rsplit("/", 1)[0] for m in winners.values() for p in m.get("parts", {}).values()}
+        removed = 0
+        for prefix in {"/".join(f.split("/")[:3]) for f in self._files(ATTEMPTS_DIR)} - keep:
+            self._delete_tree(prefix)
+            removed += 1
+        if removed:
+            log.info("removed %d attempt(s) of uncommitted or superseded pieces", removed)
+        return removed
+
+    def drop_attempts_dir(self) -> None:
+        """Nothing to do before consolidation: the winners' parts are the output until `finish`."""
+
+    def read_part(self, kind: str, piece: str, columns: list[str] | None = None,
+                  committed: dict[str, dict[str, Any]] | None = None) -> pa.Table | None:
+        manifest = (committed if committed is not None else self.committed()).get(piece)
+        rel = (manifest or {}).get("parts", {}).get(kind)
+        if rel is None:
+            return None
+        return pq.read_table(self._path(rel), columns=columns, filesystem=self.fs)
+
+    def read_stats(self) -> pa.Table | None:
+        committed = self.committed()
+        tables = [t for p in sorted(committed) if (t := self.read_part("stats", p, committed=committed)) is not None]
+        return pa.concat_tables(tables) if tables else None
+
+    # ---- worker side ------------------------------------------------------------------------
+    def start_attempt(self, shard_id: str, attempt: int) -> ObjectAttempt:
+        if self.is_finished():
+            raise ZombieAttemptError(f"{self.root} is finished (_SUCCESS); attempt {attempt} of {shard_id} is a "
+                                     "zombie")
+        return ObjectAttempt(shard_id, attempt)
+
+    def discard(self, staging: ObjectAttempt) -> None:
+        self._delete_tree(staging.prefix)
+
+    def commit(self, shard_id: str, attempt: int, tables: dict[str, pa.Table], manifest: dict[str, Any],
+               staging: ObjectAttempt | None = None) -> bool:
+        """Write the parts under the attempt's own prefix, then the manifest: True if this attempt's
+        manifest is (now) the piece's winner."""
+        staging = staging or self.start_attempt(shard_id, attempt)
+        parts = {}
+        for kind, table in tables.items():
+            rel = f"{staging.prefix}/{kind}.parquet"
+            if self.faults is not None:
+                self.faults.fire("write", shard_id, attempt, kind=kind)
+            sink = io.BytesIO()
+            pq.write_table(table, sink)
+            self._write(rel, sink.getvalue())
+            parts[kind] = rel
+        if self.faults is not None:
+            self.faults.fire("after_publish", shard_id, attempt)
+            self.faults.fire("before_manifest", shard_id, attempt)
+        if self.is_finished():  # the job ended while this attempt ran: it is a zombie, leave no trace
+            self.discard(staging)
+            return False
+        commit_id = f"{time.time_ns():020d}-{staging.attempt_id}"
+        record = {**manifest, "shard_id": shard_id, "attempt": attempt, "attempt_id": staging.attempt_id,
+                  "commit_id": commit_id, "files": sorted(tables), "parts": parts, "job_digest": self.job_digest,
+                  "committed_at": time.time()}
+        data = json.dumps(record, indent=1, default=str).encode()
+        won = storage.put_if_absent(f"{self.root}/{MANIFEST_DIR}/{shard_id}.json", data)
+        if won is None:
+            self._write(f"{MANIFEST_DIR}/{shard_id}/{commit_id}.json", data)
+            winner = self.committed().get(shard_id)
+            won = winner is not None and winner.get("commit_id") == commit_id
+        if not won:
+            log.info("%s: attempt %d lost to an earlier commit", shard_id, attempt)
+        return won
+
+    # ---- finishing --------------------------------------------------------------------------
+    def finish(self, totals: dict[str, Any], committed: dict[str, dict[str, Any]],
+               empty: dict[str, pa.Table]) -> None:
+        """Consolidate the winners into `<kind>/part-NNNNN.parquet`, write `_SUCCESS` (totals, the
+        files, the pieces) and delete the per-attempt objects. `empty`: a zero-row table per kind
+        with its schema, written when no piece holds that kind (one valid dataset per kind)."""
+        for kind in KINDS:  # files of an earlier, interrupted consolidation
+            self._delete_tree(kind)
+        files: dict[str, list[str]] = {}
+        for kind in KINDS:
+            files[kind] = self._consolidate(kind, committed, empty.get(kind))
+        record = {**totals, "files": files,
+                  "pieces": {p: {k: v for k, v in m.items() if k != "parts"} for p, m in committed.items()}}
+        self._write(SUCCESS, (json.dumps(record, indent=2, default=str) + "\n").encode())
+        self._delete_tree(ATTEMPTS_DIR)
+        self._delete_tree(MANIFEST_DIR)
+
+    def _consolidate(self, kind: str, committed: dict[str, dict[str, Any]], empty: pa.Table | None) -> list[str]:
+        names: list[str] = []
+        writer: pq.ParquetWriter | None = None
+        sink = None
+        schema = None
+        size = 0
+
+        def close() -> None:
+            nonlocal writer, sink
+            if writer is not None:
+                writer.close()
+                sink.close()
+                writer, sink = None, None
+
+        for piece in sorted(committed):
+            table = self.read_part(kind, piece, committed=committed)
+            if table is None:
+                continue
+            if schema is None:
+                schema = table.schema
+            table = _conform(table, schema)
+            if writer is None:
+                names.append(f"{kind}/part-{len(names):05d}.parquet")
+                sink = self.fs.open_output_stream(self._path(names[-1]))
+                writer = pq.ParquetWriter(sink, schema)
+                size = 0
+            writer.write_table(table)
+            size += table.nbytes
+            if size >= TARGET_FILE_BYTES:
+                close()
+        close()
+        if not names and empty is not None:
+            names.append(f"{kind}/part-00000.parquet")
+            buf = io.BytesIO()
+            pq.write_table(empty, buf)
+            self._write(names[0], buf.getvalue())
+        return names
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A piece's table in the first piece's schema (a column that was all null in one piece is typed
+    null there and real elsewhere)."""
+    if table.schema.equals(schema):
+        return table
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as exc:
+        raise OutputDirError(f"pieces disagree on the output schema ({exc}); this is a bug, please report it.") \
+            from None
+
+
+class _Lease:
+    """The single-writer lease of an object-store output directory (see the module docstring)."""
+
+    def __init__(self, out: ObjectOutputDir) -> None:
+        self.out = out
+        self.ttl = storage.settings().lease_ttl_s
+        self.owner = uuid.uuid4().hex
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"owner": self.owner, "host": self.host, "pid": self.pid,
+                           "expires_at": time.time() + self.ttl}).encode()
+
+    def _current(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.out._read(LEASE))
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
+    def _held_by_other(self, lease: dict[str, Any] | None) -> bool:
+        if lease is None or lease.get("owner") == self.owner:
+            return False
+        if float(lease.get("expires_at", 0)) < time.time():
+            return False
+        if lease.get("host") == self.host and not _alive(int(lease.get("pid", 0))):
+            return False  # the same machine, and that process is gone: a crash, taken over at once
+        return True
+
+    def acquire(self) -> None:
+        lease = self._current()
+        if self._held_by_other(lease):
+            raise LockHeldError(_held_message(self.out.root, lease))
+        self.out._write(LEASE, self._record())
+        time.sleep(_SETTLE_S)  # a racing driver's write lands in this window; whoever wrote last owns it
+        lease = self._current()
+        if lease is None or lease.get("owner") != self.owner:
+            raise LockHeldError(_held_message(self.out.root, lease))
+        self._thread = threading.Thread(target=self._renew, name="flashx-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self.out._write(LEASE, self._record())
+            except OSError as exc:  # a blip: the next renewal retries; expiry is ttl away
+                log.warning("could not renew the lease on %s: %s", self.out.root, exc)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            lease = self._current()
+            if lease is not None and lease.get("owner") == self.owner:
+                self.out._delete(LEASE)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _held_message(root: str, lease: dict[str, Any] | None) -> str:
+    who = f"{lease.get('host')} pid {lease.get('pid')}" if lease else "another run"
+    left = max(0.0, float(lease.get("expires_at", 0)) - time.time()) if lease else 0.0
+    return (f"another run is writing to {root} ({who} holds {root}/{LEASE}, valid {left:.0f} s more unless "
+            "renewed); try again once it has finished.")
+

@@ -1,0 +1,52 @@
+"""`read_output(uri)`: a job's committed output as a `pyarrow.dataset`, local or on an object store.
+
+Who calls it: users (`flashx_batch.read_output`), the tests. It reads what the commit protocol
+says is committed — `_SUCCESS`'s file list once the job finished, the winning manifests while it
+runs — never a directory listing, which may hold the parts of a zombie attempt (runner/layout.py,
+runner/object_layout.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+from flashx_batch import storage
+from flashx_batch.errors import ConfigError
+from flashx_batch.runner.layout import KINDS, OutputDir, open_output
+from flashx_batch.runner.object_layout import ObjectOutputDir
+
+
+def read_output(uri: str | Path, kind: str = "generations",
+                settings: storage.StorageSettings | None = None) -> ds.Dataset:
+    """The committed rows of one kind (generations | errors | stats) of the job at `uri` (a local
+    output.dir or an s3:// / gs:// / hdfs:// URI). `settings`: object-store access for this process
+    (default: whatever `storage.configure` installed, else the environment's). A job still running or
+    interrupted gives the rows committed so far; `ConfigError` if `uri` holds no job."""
+    if kind not in KINDS:
+        raise ConfigError(f"read_output: kind={kind!r} is not one of {', '.join(KINDS)}.")
+    if settings is not None:
+        storage.configure(settings)
+    out = open_output(uri)
+    if out.read_job() is None:
+        raise ConfigError(f"read_output: {uri} holds no job (no job.json).")
+    if isinstance(out, ObjectOutputDir):
+        done = out.success_record()
+        if done is not None and "files" in done:
+            paths = [f"{out.base}/{name}" for name in done["files"].get(kind, [])]
+        else:
+            committed = out.committed()
+            paths = [f"{out.base}/{m['parts'][kind]}" for _, m in sorted(committed.items()) if kind in m["parts"]]
+        return _dataset(paths, out.fs)
+    assert isinstance(out, OutputDir)
+    committed = out.committed()
+    paths = [str(out.part(kind, p)) for p, m in sorted(committed.items()) if kind in m["files"]]
+    return _dataset(paths, None)
+
+
+def _dataset(paths: list[str], fs) -> ds.Dataset:
+    if not paths:
+        return ds.dataset([], schema=pa.schema([]))
+    return ds.dataset(paths, format="parquet", filesystem=fs)

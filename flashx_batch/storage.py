@@ -1,0 +1,248 @@
+"""Where input and output live: local paths and object-store URIs (`s3://`, `gs://`, `hdfs://`), opened
+through `pyarrow.fs`.
+
+Who calls it: `data.readers` (input files), `runner.layout` / `runner.object_layout` (the output
+directory), `flashx_batch.read_output`. The job's `storage.*` keys are installed once per process
+(`configure`: the driver from its config, every worker from its `WorkerContext`) and every URI is
+opened with them; where a key is unset, pyarrow reads the usual environment and config files
+(`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_ENDPOINT_URL`,
+`AWS_DEFAULT_REGION`, `~/.aws/credentials`; `GOOGLE_APPLICATION_CREDENTIALS`; Hadoop's
+`CLASSPATH` / `HADOOP_HOME`). Secrets are never logged: `StorageSettings.__repr__` masks them and
+job.json records them masked.
+
+An S3-compatible store (MinIO, Alibaba OSS, Ceph RGW) is `s3://` with `storage.endpoint_url` (or
+`AWS_ENDPOINT_URL`). Conditional puts (`If-None-Match: *`, the commit point on object stores) go
+through boto3 where it is installed; without it the commit protocol falls back to its deterministic
+tie-break (runner/object_layout.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from flashx_batch.errors import ConfigError
+
+log = logging.getLogger(__name__)
+REMOTE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs")
+_SECRETS = ("secret_access_key", "session_token")
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """The job's `storage.*` keys: how to reach an object store. Unset = pyarrow's own defaults (the
+    environment, config files, instance metadata)."""
+
+    endpoint_url: str | None = None  # an S3-compatible store (MinIO, OSS, ...): http(s)://host:port
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    anonymous: bool = False  # public buckets: no credentials at all
+    # commit manifests with `If-None-Match: *` where the store honours it (S3, recent MinIO); false for a
+    # store that accepts the header but ignores it (the commit protocol's tie-break decides then)
+    conditional_put: bool = True
+    # the run lock on an object store: a lease object renewed every third of this; a driver that dies
+    # without releasing it blocks other hosts for at most this long (the same host takes over at once)
+    lease_ttl_s: float = 60.0
+
+    def __repr__(self) -> str:  # never print a secret, whoever logs the settings
+        shown = {f.name: ("***" if f.name in _SECRETS and getattr(self, f.name) else getattr(self, f.name))
+                 for f in dataclasses.fields(self)}
+        return "StorageSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+    def masked(self) -> dict[str, Any]:
+        """The settings as job.json records them: secrets replaced by '***'."""
+        return {f.name: ("***" if f.name in _SECRETS and getattr(self, f.name) else getattr(self, f.name))
+                for f in dataclasses.fields(self)}
+
+
+_settings = StorageSettings()
+_cache: dict[tuple[str, str], Any] = {}  # filesystems (and the boto3 client) by scheme and bucket
+_lock = threading.Lock()
+
+
+def configure(settings: StorageSettings | None) -> None:
+    """Install the job's storage settings for this process (filesystems opened before are dropped)."""
+    global _settings
+    with _lock:
+        _settings = settings or StorageSettings()
+        _cache.clear()
+
+
+def settings() -> StorageSettings:
+    return _settings
+
+
+def scheme_of(path: str) -> str | None:
+    """'s3' for 's3://bucket/key', None for a local path (Windows drive letters are not schemes)."""
+    parsed = urlparse(path)
+    if len(parsed.scheme) > 1 and "://" in path:
+        return parsed.scheme.lower()
+    return None
+
+
+def is_remote(path: str) -> bool:
+    return scheme_of(path) in REMOTE_SCHEMES
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a local path, `file://` or a remote URI; ConfigError for a
+    scheme we cannot open (with what would open it)."""
+    scheme = scheme_of(uri)
+    if scheme is None:
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+    if scheme == "file":
+        return pafs.LocalFileSystem(), urlparse(uri).path
+    if scheme not in REMOTE_SCHEMES:
+        raise ConfigError(f"{uri}: the scheme {scheme}:// is not supported; use a local path, s3:// (S3 and "
+                          "S3-compatible stores with storage.endpoint_url), gs:// or hdfs://.")
+    parsed = urlparse(uri)
+    key = (scheme, parsed.netloc)
+    with _lock:
+        fs = _cache.get(key)
+        if fs is None:
+            fs = _cache[key] = _open(scheme, uri)
+    if scheme in ("s3", "gs", "gcs"):
+        return fs, (parsed.netloc + parsed.path).rstrip("/")
+    return fs, parsed.path.rstrip("/") or "/"
+
+
+def _open(scheme: str, uri: str) -> pafs.FileSystem:
+    s = _settings
+    try:
+        if scheme == "s3":
+            kwargs: dict[str, Any] = {}
+            endpoint = s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                parsed = urlparse(endpoint)
+                kwargs["endpoint_override"] = parsed.netloc or parsed.path
+                if parsed.scheme:
+                    kwargs["scheme"] = parsed.scheme
+            if s.region:
+                kwargs["region"] = s.region
+            if s.anonymous:
+                kwargs["anonymous"] = True
+            elif s.access_key_id or s.secret_access_key:
+                if not (s.access_key_id and s.secret_access_key):
+                    raise ConfigError("storage.access_key_id and storage.secret_access_key go together; set both, "
+                                      "or neither (the environment's credentials are used then).")
+                kwargs.update(access_key=s.access_key_id, secret_key=s.secret_access_key,
+                              session_token=s.session_token)
+            return pafs.S3FileSystem(**kwargs)
+        if scheme in ("gs", "gcs"):
+            return pafs.GcsFileSystem(anonymous=s.anonymous) if s.anonymous else pafs.FileSystem.from_uri(uri)[0]
+        return pafs.FileSystem.from_uri(uri)[0]  # hdfs / viewfs: libhdfs from HADOOP_HOME and CLASSPATH
+    except ConfigError:
+        raise
+    except Exception as exc:  # pyarrow built without the filesystem, libhdfs missing, bad endpoint
+        raise ConfigError(f"{uri}: cannot open the {scheme}:// filesystem ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); check storage.* and the credentials "
+                          "in the environment.") from None
+
+
+def join(base: str, *parts: str) -> str:
+    """A path or URI with `parts` appended by '/' (object stores have no other separator)."""
+    out = base.rstrip("/")
+    for p in parts:
+        out += "/" + p.strip("/")
+    return out
+
+
+def glob_files(pattern: str) -> list[tuple[str, pafs.FileInfo]]:
+    """Files matching a remote glob (`*`, `?`, `[..]` in any component, `**` for any depth), sorted:
+    the listing under the pattern's fixed prefix, filtered by fnmatch component by component."""
+    scheme = scheme_of(pattern)
+    fs, path = filesystem(pattern)
+    parts = path.split("/")
+    fixed = []
+    for p in parts:
+        if any(ch in p for ch in "*?["):
+            break
+        fixed.append(p)
+    base = "/".join(fixed)
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    matched = [i for i in infos if i.type == pafs.FileType.File and _match_parts(parts, i.path.split("/"))]
+    prefix = f"{scheme}://" if scheme in ("s3", "gs", "gcs") else f"{scheme}://{urlparse(pattern).netloc}"
+    return sorted(((prefix + i.path, i) for i in matched), key=lambda x: x[0])
+
+
+def _match_parts(pattern: list[str], path: list[str]) -> bool:
+    if not pattern:
+        return not path
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_match_parts(rest, path[i:]) for i in range(len(path) + 1))
+    return bool(path) and fnmatch.fnmatchcase(path[0], head) and _match_parts(rest, path[1:])
+
+
+def list_files(uri: str) -> list[tuple[str, pafs.FileInfo]]:
+    """Every file under a remote directory (prefix), recursively, sorted, as (uri, info)."""
+    scheme = scheme_of(uri)
+    fs, path = filesystem(uri)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    prefix = f"{scheme}://" if scheme in ("s3", "gs", "gcs") else f"{scheme}://{urlparse(uri).netloc}"
+    return sorted(((prefix + i.path, i) for i in infos if i.type == pafs.FileType.File), key=lambda x: x[0])
+
+
+def file_info(uri: str) -> pafs.FileInfo:
+    fs, path = filesystem(uri)
+    return fs.get_file_info(path)
+
+
+def read_bytes(uri: str) -> bytes:
+    """A whole object; FileNotFoundError if it is not there."""
+    fs, path = filesystem(uri)
+    with fs.open_input_stream(path) as fh:
+        return fh.read()
+
+
+def put_if_absent(uri: str, data: bytes) -> bool | None:
+    """Create the object only if no object has that name: True if created, False if one was there,
+    None where the store offers no conditional put to us (then the caller breaks ties itself).
+    S3 (and S3-compatible stores that honour `If-None-Match: *`) through boto3, when installed."""
+    if scheme_of(uri) != "s3" or not _settings.conditional_put:
+        return None
+    try:
+        import boto3
+        from botocore.exceptions import ClientError
+    except ImportError:
+        return None
+    parsed = urlparse(uri)
+    client = _s3_client(boto3)
+    try:
+        client.put_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"), Body=data, IfNoneMatch="*")
+        return True
+    except ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+            return False
+        if code in ("NotImplemented", "InvalidArgument") or status == 501:
+            return None  # a store that ignores or refuses the header
+        raise
+
+
+def _s3_client(boto3: Any) -> Any:
+    """One boto3 S3 client per process and settings (building one costs tens of milliseconds)."""
+    with _lock:
+        client = _cache.get(("boto3", "s3"))
+        if client is None:
+            s = _settings
+            endpoint = s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            kwargs: dict[str, Any] = {"endpoint_url": endpoint} if endpoint else {}
+            if s.region:
+                kwargs["region_name"] = s.region
+            if s.access_key_id and s.secret_access_key:
+                kwargs.update(aws_access_key_id=s.access_key_id, aws_secret_access_key=s.secret_access_key,
+                              aws_session_token=s.session_token)
+            client = _cache[("boto3", "s3")] = boto3.client("s3", **kwargs)
+        return client
