@@ -135,3 +135,16 @@ def tiny_model_dir() -> Path:
 def faults_override(specs: list[str]) -> str:
     """`executor.faults=[...]` as a Hydra override (each spec quoted: `:` and `=` are Hydra syntax)."""
     return "executor.faults=[" + ",".join(f"'{s}'" for s in specs) + "]"
+
+
+def assert_finished_layout(out_dir: Path) -> None:
+    """A finished job's directory holds, per kind, exactly the consolidated files `_SUCCESS` lists (no
+    orphan, no per-piece part left), and every committed manifest points into them."""
+    success = json.loads((out_dir / "_SUCCESS").read_text())
+    for kind in ("generations", "errors", "stats"):
+        present = sorted(f"{kind}/{p.name}" for p in (out_dir / kind).iterdir())
+        assert present == sorted(success["files"][kind]), (kind, present)
+    for m in (out_dir / "_manifest").glob("*.json"):
+        record = json.loads(m.read_text())
+        assert sorted(record["slices"]) == sorted(record["files"]), m.name
+        assert all(where[0] in success["files"][kind] for kind, where in record["slices"].items()), m.name

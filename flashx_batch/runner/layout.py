@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 
 from flashx_batch.job_errors import LockHeldError, OutputDirError, TornJobJsonError, ZombieAttemptError
 from flashx_batch.runner import pieces
+from flashx_batch.runner.consolidate import CONSOLIDATED, Slice, consolidate, read_slice
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
@@ -194,6 +195,7 @@ class OutputDir:
         mdir = self.root / MANIFEST_DIR
         if not mdir.is_dir():
             return out
+        seen: dict[str, bool] = {}  # consolidated file -> exists (each stat once)
         for m in sorted(mdir.glob("*.json")):
             try:
                 manifest = json.loads(m.read_text())
@@ -206,7 +208,7 @@ class OutputDir:
                 log.warning("shard %s: committed by a run of another job (%s); it will be redone", m.stem, digest)
                 m.unlink()
                 continue
-            missing = [k for k in manifest["files"] if not self.part(k, manifest["shard_id"]).is_file()]
+            missing = [k for k in manifest["files"] if not self._holds(manifest, k, seen)]
             if missing:  # someone deleted committed files: un-commit, the shard will be redone
                 log.warning("shard %s: manifest present but %s missing; it will be redone", m.stem, missing)
                 m.unlink()
@@ -214,9 +216,24 @@ class OutputDir:
             out[manifest["shard_id"]] = manifest
         return out
 
+    def _holds(self, manifest: dict[str, Any], kind: str, seen: dict[str, bool]) -> bool:
+        """Whether the file holding a manifest's rows of `kind` is there: its own part, or (once the
+        job finished) the consolidated file its slice is in."""
+        where = manifest.get("slices", {}).get(kind)
+        if where is None:
+            return self.part(kind, manifest["shard_id"]).is_file()
+        if where[0] not in seen:
+            seen[where[0]] = (self.root / where[0]).is_file()
+        return seen[where[0]]
+
     def clean_orphans(self, committed: set[str]) -> int:
-        """Remove attempt directories and part files of shards with no manifest; returns files removed."""
+        """Remove attempt directories, part files of shards with no manifest, and consolidated files
+        no committed manifest points into; returns files removed."""
         removed = 0
+        manifests = {p: m for p, m in self.committed().items() if p in committed}
+        referenced = {m["slices"][k][0] for m in manifests.values() for k in m.get("slices", {})}
+        # a piece's own part is live until its rows moved into a consolidated file
+        own = {(k, p) for p, m in manifests.items() for k in m["files"] if k not in m.get("slices", {})}
         attempts = self.root / ATTEMPTS_DIR
         if attempts.is_dir():
             for a in attempts.iterdir():
@@ -224,7 +241,9 @@ class OutputDir:
                 removed += 1
         for kind in KINDS:
             for f in (self.root / kind).glob("part-*.parquet"):
-                if f.name[len("part-"):-len(".parquet")] not in committed:
+                consolidated = CONSOLIDATED.fullmatch(f.name) is not None
+                if (f"{kind}/{f.name}" not in referenced) if consolidated else \
+                        ((kind, f.name[len("part-"):-len(".parquet")]) not in own):
                     f.unlink()
                     removed += 1
         for tmp in self.root.glob(".*.tmp"):
@@ -244,10 +263,76 @@ class OutputDir:
     def unmark_finished(self) -> None:
         (self.root / SUCCESS).unlink(missing_ok=True)
 
+    def success_record(self) -> dict[str, Any] | None:
+        try:
+            record = json.loads((self.root / SUCCESS).read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return record if isinstance(record, dict) else None
+
     def finish(self, totals: dict[str, Any], committed: dict[str, dict[str, Any]],
                empty: dict[str, pa.Table]) -> None:
-        """`_SUCCESS`, written last (the parts are already in place, one per piece)."""
-        write_atomic(self.root / SUCCESS, json.dumps(totals, indent=2, default=str) + "\n")
+        """Few files, then `_SUCCESS`: every piece's own part files and every consolidated file that
+        also holds rows of pieces no longer committed are rewritten into new consolidated files
+        (`runner.consolidate`; files whose rows are all still committed are kept as they are), each
+        rewritten piece's manifest is pointed at its slices, the old files go, `_SUCCESS` last.
+        A crash at any step leaves manifests that each name files that exist: the rerun finishes."""
+        self.clean_orphans(set(committed))  # consolidated files of an interrupted finish nobody points into
+        files: dict[str, list[str]] = {}
+        moved: dict[str, dict[str, list]] = {}
+        for kind in KINDS:
+            kept, redo = self._consolidated_split(kind, committed)
+            existing = [int(m.group(1)) for f in (self.root / kind).glob("part-*.parquet")
+                        if (m := CONSOLIDATED.fullmatch(f.name))]
+            first = max(existing, default=-1) + 1
+            readers = [(p, _reader(self, kind, p, committed)) for p in sorted(redo)]
+            new, slices = consolidate(kind, readers, first, self._sink, self._close_sink,
+                                      empty.get(kind) if not kept else None)
+            for p, sl in slices.items():
+                moved.setdefault(p, {})[kind] = sl.as_list()
+            files[kind] = sorted(kept) + new
+        with self._publish_lock():
+            for p, where in moved.items():
+                record = {**committed[p], "slices": {**committed[p].get("slices", {}), **where}}
+                write_atomic(self.manifest(p), json.dumps(record, indent=1, default=str))
+                committed[p] = record
+        self.clean_orphans(set(committed))  # the parts and files the new slices replace
+        write_atomic(self.root / SUCCESS, json.dumps({**totals, "files": files}, indent=2, default=str) + "\n")
+
+    def _consolidated_split(self, kind: str, committed: dict[str, dict[str, Any]]) -> tuple[set[str], set[str]]:
+        """(consolidated files of `kind` to keep as they are, pieces whose rows of `kind` must be
+        written anew: those in their own part, and those in a file that also holds dead rows)."""
+        holders: dict[str, set[str]] = {}
+        redo = set()
+        for p, m in committed.items():
+            if kind not in m["files"]:
+                continue
+            where = m.get("slices", {}).get(kind)
+            if where is None:
+                redo.add(p)
+            else:
+                holders.setdefault(where[0], set()).add(p)
+        kept = set()
+        for f, owners in holders.items():
+            rows = pq.ParquetFile(self.root / f).metadata.num_rows
+            if sum(committed[p]["slices"][kind][2] for p in owners) == rows:
+                kept.add(f)
+            else:  # a piece in it was un-committed since (deleted, another job's): rewrite the live rows
+                redo |= owners
+        return kept, redo
+
+    def _sink(self, name: str) -> Any:
+        tmp = self.root / f".{Path(name).name}.{uuid.uuid4().hex[:8]}.tmp"
+        fh = open(tmp, "wb")  # noqa: SIM115 (closed by _close_sink, or by consolidate on an error)
+        fh.tmp = tmp  # type: ignore[attr-defined]
+        return fh
+
+    def _close_sink(self, name: str, sink: Any) -> None:
+        sink.flush()
+        os.fsync(sink.fileno())
+        sink.close()
+        os.replace(sink.tmp, self.root / name)
+        fsync_path((self.root / name).parent)
 
     def write_text(self, name: str, text: str) -> None:
         write_atomic(self.root / name, text)
@@ -263,11 +348,15 @@ class OutputDir:
 
     def read_part(self, kind: str, piece: str, columns: list[str] | None = None,
                   committed: dict[str, dict[str, Any]] | None = None) -> pa.Table | None:
-        """One committed piece's table of `kind` (None if the piece has none)."""
+        """One committed piece's table of `kind`: its own part file, or its slice of a consolidated
+        file once the job finished (None if the piece has none)."""
         manifest = (committed if committed is not None else self.committed()).get(piece)
         if manifest is None or kind not in manifest["files"]:
             return None
-        return pq.read_table(self.part(kind, piece), columns=columns)
+        where = manifest.get("slices", {}).get(kind)
+        if where is None:
+            return pq.read_table(self.part(kind, piece), columns=columns)
+        return read_slice(pq.read_table(self.root / where[0], columns=columns), Slice(*where))
 
     def read_ids(self, kind: str, shard_ids: set[str]) -> Counter:
         counts: Counter = Counter()
@@ -278,8 +367,10 @@ class OutputDir:
         return counts
 
     def read_stats(self) -> pa.Table | None:
-        parts = sorted((self.root / "stats").glob("part-*.parquet"))
-        return pa.concat_tables([pq.read_table(p) for p in parts]) if parts else None
+        """The committed pieces' stats rows (from their parts, or their slices once finished)."""
+        committed = self.committed()
+        tables = [t for p in sorted(committed) if (t := self.read_part("stats", p, committed=committed)) is not None]
+        return pa.concat_tables(tables) if tables else None
 
     # ---- worker side ------------------------------------------------------------------------
     def start_attempt(self, shard_id: str, attempt: int) -> Path:
@@ -399,3 +490,7 @@ def open_output(root: str | Path, faults: Faults | None = None, job_digest: str 
 
         return ObjectOutputDir(str(root), faults, job_digest)
     return OutputDir(Path(str(root)).expanduser().resolve(), faults, job_digest)
+
+
+def _reader(out: OutputDir, kind: str, piece: str, committed: dict[str, dict[str, Any]]):
+    return lambda: out.read_part(kind, piece, committed=committed)

@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 from flashx_batch import storage
 from flashx_batch.job_errors import LockHeldError, OutputDirError, TornJobJsonError, ZombieAttemptError
 from flashx_batch.runner import pieces
+from flashx_batch.runner.consolidate import Slice, consolidate, read_slice
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
@@ -57,8 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 KINDS = ("generations", "errors", "stats")
 JOB_JSON, SUCCESS, MANIFEST_DIR, ATTEMPTS_DIR, LEASE = "job.json", "_SUCCESS", "_manifest", "_attempts", "_lease.json"
-# consolidated files grow to about this many bytes of Parquet before the next one starts
-TARGET_FILE_BYTES = 256 << 20
 _SETTLE_S = 1.0  # lease: how long a new owner waits before reading its lease back
 
 
@@ -250,11 +249,17 @@ class ObjectOutputDir:
 
     def read_part(self, kind: str, piece: str, columns: list[str] | None = None,
                   committed: dict[str, dict[str, Any]] | None = None) -> pa.Table | None:
-        manifest = (committed if committed is not None else self.committed()).get(piece)
-        rel = (manifest or {}).get("parts", {}).get(kind)
-        if rel is None:
+        """One committed piece's rows of `kind`: its own part while the job runs, its slice of a
+        consolidated file once finished; None if it has none."""
+        manifest = (committed if committed is not None else self.committed()).get(piece) or {}
+        rel = manifest.get("parts", {}).get(kind)
+        if rel is not None:
+            return pq.read_table(self._path(rel), columns=columns, filesystem=self.fs)
+        where = manifest.get("slices", {}).get(kind)
+        if where is None:
             return None
-        return pq.read_table(self._path(rel), columns=columns, filesystem=self.fs)
+        table = pq.read_table(self._path(where[0]), columns=columns, filesystem=self.fs)
+        return read_slice(table, Slice(*where))
 
     def read_stats(self) -> pa.Table | None:
         committed = self.committed()
@@ -308,69 +313,40 @@ class ObjectOutputDir:
     # ---- finishing --------------------------------------------------------------------------
     def finish(self, totals: dict[str, Any], committed: dict[str, dict[str, Any]],
                empty: dict[str, pa.Table]) -> None:
-        """Consolidate the winners into `<kind>/part-NNNNN.parquet`, write `_SUCCESS` (totals, the
-        files, the pieces) and delete the per-attempt objects. `empty`: a zero-row table per kind
-        with its schema, written when no piece holds that kind (one valid dataset per kind)."""
+        """Consolidate the winners into `<kind>/part-NNNNN.parquet` (runner.consolidate), write
+        `_SUCCESS` (totals, the files, each piece's manifest and slices) and delete the per-attempt
+        objects. `empty`: a zero-row table per kind, written when no piece holds that kind."""
         for kind in KINDS:  # files of an earlier, interrupted consolidation
             self._delete_tree(kind)
         files: dict[str, list[str]] = {}
+        where: dict[str, dict[str, list]] = {p: {} for p in committed}
         for kind in KINDS:
-            files[kind] = self._consolidate(kind, committed, empty.get(kind))
-        record = {**totals, "files": files,
-                  "pieces": {p: {k: v for k, v in m.items() if k != "parts"} for p, m in committed.items()}}
+            readers = [(p, _reader(self, kind, p, committed)) for p in sorted(committed)
+                       if kind in committed[p].get("parts", {})]
+            files[kind], slices = consolidate(kind, readers, 0, self._sink, _close_sink, empty.get(kind))
+            for p, sl in slices.items():
+                where[p][kind] = sl.as_list()
+        pinned = {p: {**{k: v for k, v in m.items() if k != "parts"}, "slices": where[p]}
+                  for p, m in committed.items()}
+        record = {**totals, "files": files, "pieces": pinned}
         self._write(SUCCESS, (json.dumps(record, indent=2, default=str) + "\n").encode())
+        self.tidy()
+
+    def tidy(self) -> None:
+        """After `_SUCCESS`: the per-attempt objects (an interrupted finish's, or a zombie's) go."""
         self._delete_tree(ATTEMPTS_DIR)
         self._delete_tree(MANIFEST_DIR)
 
-    def _consolidate(self, kind: str, committed: dict[str, dict[str, Any]], empty: pa.Table | None) -> list[str]:
-        names: list[str] = []
-        writer: pq.ParquetWriter | None = None
-        sink = None
-        schema = None
-        size = 0
-
-        def close() -> None:
-            nonlocal writer, sink
-            if writer is not None:
-                writer.close()
-                sink.close()
-                writer, sink = None, None
-
-        for piece in sorted(committed):
-            table = self.read_part(kind, piece, committed=committed)
-            if table is None:
-                continue
-            if schema is None:
-                schema = table.schema
-            table = _conform(table, schema)
-            if writer is None:
-                names.append(f"{kind}/part-{len(names):05d}.parquet")
-                sink = self.fs.open_output_stream(self._path(names[-1]))
-                writer = pq.ParquetWriter(sink, schema)
-                size = 0
-            writer.write_table(table)
-            size += table.nbytes
-            if size >= TARGET_FILE_BYTES:
-                close()
-        close()
-        if not names and empty is not None:
-            names.append(f"{kind}/part-00000.parquet")
-            buf = io.BytesIO()
-            pq.write_table(empty, buf)
-            self._write(names[0], buf.getvalue())
-        return names
+    def _sink(self, name: str) -> Any:
+        return self.fs.open_output_stream(self._path(name))
 
 
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """A piece's table in the first piece's schema (a column that was all null in one piece is typed
-    null there and real elsewhere)."""
-    if table.schema.equals(schema):
-        return table
-    try:
-        return table.select(schema.names).cast(schema)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as exc:
-        raise OutputDirError(f"pieces disagree on the output schema ({exc}); this is a bug, please report it.") \
-            from None
+def _close_sink(name: str, sink: Any) -> None:
+    sink.close()  # the object appears whole when its upload completes
+
+
+def _reader(out: ObjectOutputDir, kind: str, piece: str, committed: dict[str, dict[str, Any]]):
+    return lambda: out.read_part(kind, piece, committed=committed)
 
 
 class _Lease:

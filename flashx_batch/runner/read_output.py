@@ -15,7 +15,7 @@ import pyarrow.dataset as ds
 
 from flashx_batch import storage
 from flashx_batch.errors import ConfigError
-from flashx_batch.runner.layout import KINDS, OutputDir, open_output
+from flashx_batch.runner.layout import KINDS, open_output
 from flashx_batch.runner.object_layout import ObjectOutputDir
 
 
@@ -32,18 +32,16 @@ def read_output(uri: str | Path, kind: str = "generations",
     out = open_output(uri)
     if out.read_job() is None:
         raise ConfigError(f"read_output: {uri} holds no job (no job.json).")
-    if isinstance(out, ObjectOutputDir):
-        done = out.success_record()
-        if done is not None and "files" in done:
-            paths = [f"{out.base}/{name}" for name in done["files"].get(kind, [])]
-        else:
-            committed = out.committed()
-            paths = [f"{out.base}/{m['parts'][kind]}" for _, m in sorted(committed.items()) if kind in m["parts"]]
-        return _dataset(paths, out.fs)
-    assert isinstance(out, OutputDir)
+    done = out.success_record()
+    if done is not None and "files" in done:  # finished: the consolidated files, a plain glob as well
+        paths = [f"{out.base}/{name}" if isinstance(out, ObjectOutputDir) else str(out.root / name)
+                 for name in done["files"].get(kind, [])]
+        return _dataset(paths, out.fs if isinstance(out, ObjectOutputDir) else None)
+    # running or stopped: each committed piece's rows, wherever they are now
     committed = out.committed()
-    paths = [str(out.part(kind, p)) for p, m in sorted(committed.items()) if kind in m["files"]]
-    return _dataset(paths, None)
+    tables = [t for p in sorted(committed) if (t := out.read_part(kind, p, committed=committed)) is not None]
+    return ds.dataset(pa.concat_tables(tables, promote_options="permissive")) if tables else \
+        ds.dataset([], schema=pa.schema([]))
 
 
 def _dataset(paths: list[str], fs) -> ds.Dataset:

@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-from batch_support import cli, faults_override, output_ids, overrides, sample_rows, tiny_model_dir, write_parquet
+from batch_support import (
+    assert_finished_layout,
+    cli,
+    faults_override,
+    output_ids,
+    overrides,
+    sample_rows,
+    tiny_model_dir,
+    write_parquet,
+)
 
 from flashx_batch.config import compose_job
 from flashx_batch.runner import faults, run
@@ -72,9 +81,7 @@ def _assert_exactly_once(out: Path) -> None:
     acc = json.loads((out / "job.json").read_text())["accounting"]
     assert (acc["input_rows"], acc["generated_rows"], acc["error_rows"], acc["pending_rows"]) == (N_ROWS, N_ROWS - 1,
                                                                                                  1, 0)
-    manifests = {p.stem for p in (out / "_manifest").glob("*.json")}
-    for kind in ("generations", "errors", "stats"):  # no orphan: every file in place is committed
-        assert {p.name[len("part-"):-len(".parquet")] for p in (out / kind).iterdir()} <= manifests, kind
+    assert_finished_layout(out)  # no orphan: every file in place is committed
     assert not (out / "_attempts").exists()
 
 

@@ -15,7 +15,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import ray
-from batch_support import faults_override, local_ray, output_ids, overrides, sample_rows, tiny_model_dir, write_parquet
+from batch_support import (
+    assert_finished_layout,
+    faults_override,
+    local_ray,
+    output_ids,
+    overrides,
+    sample_rows,
+    tiny_model_dir,
+    write_parquet,
+)
 
 from flashx_batch.config import compose_job
 from flashx_batch.runner import run
@@ -48,10 +57,7 @@ def assert_exactly_once_and_clean(out: Path) -> tuple:
     acc = record["accounting"]
     assert acc["input_rows"] == N_ROWS == acc["generated_rows"] + acc["error_rows"] and acc["pending_rows"] == 0
     assert (acc["generated_rows"], acc["error_rows"]) == (sum(generated.values()), sum(errors.values()))
-    manifests = {p.stem for p in (out / "_manifest").glob("*.json")}
-    for kind in ("generations", "errors", "stats"):
-        parts = {p.name[len("part-"):-len(".parquet")] for p in (out / kind).iterdir()}
-        assert parts <= manifests, f"orphan files in {kind}/: {parts - manifests}"
+    assert_finished_layout(out)  # no orphan files
     assert not (out / "_attempts").exists() and (out / "_SUCCESS").is_file()
     return generated, errors, record
 

@@ -15,7 +15,7 @@ from s3_support import make_bucket, objects, s3_server
 
 from flashx_batch import read_output, storage
 from flashx_batch.job_errors import LockHeldError, ZombieAttemptError
-from flashx_batch.runner import object_layout
+from flashx_batch.runner import consolidate, object_layout
 from flashx_batch.runner.layout import open_output
 from flashx_batch.runner.object_layout import ObjectOutputDir
 
@@ -133,7 +133,7 @@ def test_finish_consolidates_and_refuses_zombies(out):
 
 
 def test_consolidation_rolls_files_at_the_target_size(out, monkeypatch):
-    monkeypatch.setattr(object_layout, "TARGET_FILE_BYTES", 1)
+    monkeypatch.setattr(consolidate, "TARGET_FILE_BYTES", 1)
     for i in range(3):
         assert _commit(out, f"b04-s{i:04d}", 1, [i])
     out.finish({}, out.committed(), {})

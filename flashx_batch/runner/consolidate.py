@@ -1,0 +1,107 @@
+"""Few, large output files: the committed pieces of one kind rewritten into `part-NNNNN.parquet`
+files of about `TARGET_FILE_BYTES` each, when a job finishes.
+
+Who calls it: `OutputDir.finish` (local) and `ObjectOutputDir.finish` (object stores). Shards still
+commit one by one while the job runs (a piece is the unit of retry); the finished output is a
+handful of files per kind that a single glob reads — pandas, duckdb, Spark, `datasets` — and that a
+rerun does not have to open. Where each piece's rows went (file, first row, rows) is kept in
+`_SUCCESS`, so the commit bookkeeping survives the rewrite.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from flashx_batch.job_errors import OutputDirError
+
+# a consolidated file grows to about this many bytes (in memory, before compression) before the next
+# one starts: large enough that a million-row job is tens of files, small enough to stream
+TARGET_FILE_BYTES = 256 << 20
+CONSOLIDATED = re.compile(r"part-(\d{5})\.parquet")
+
+
+@dataclass
+class Slice:
+    """Rows [offset, offset + rows) of a consolidated file hold one piece's rows of one kind."""
+
+    file: str
+    offset: int
+    rows: int
+
+    def as_list(self) -> list[Any]:
+        return [self.file, self.offset, self.rows]
+
+
+def consolidate(kind: str, pieces: list[tuple[str, Callable[[], pa.Table]]], first_index: int,
+                open_sink: Callable[[str], Any], close_sink: Callable[[str, Any], None],
+                empty: pa.Table | None = None, target_bytes: int | None = None
+                ) -> tuple[list[str], dict[str, Slice]]:
+    """Write `pieces` (piece id, reader of its table), in order, into `<kind>/part-NNNNN.parquet` from
+    number `first_index` on; `open_sink(name)` gives a writable stream, `close_sink(name, stream)`
+    makes the file durable and visible. Returns the file names and each piece's slice. With no
+    rows at all and an `empty` table, one zero-row file with its schema (a glob never finds nothing)."""
+    target = TARGET_FILE_BYTES if target_bytes is None else target_bytes
+    names: list[str] = []
+    slices: dict[str, Slice] = {}
+    writer: pq.ParquetWriter | None = None
+    sink: Any = None
+    schema: pa.Schema | None = None
+    size = rows = 0
+
+    def close() -> None:
+        nonlocal writer, sink
+        if writer is not None:
+            writer.close()
+            close_sink(names[-1], sink)
+            writer, sink = None, None
+
+    try:
+        for piece, read in pieces:
+            table = read()
+            schema = schema or table.schema
+            table = _conform(table, schema)
+            if writer is None:
+                names.append(f"{kind}/part-{first_index + len(names):05d}.parquet")
+                sink = open_sink(names[-1])
+                writer = pq.ParquetWriter(sink, schema)
+                size = rows = 0
+            writer.write_table(table)
+            slices[piece] = Slice(names[-1], rows, table.num_rows)
+            size += table.nbytes
+            rows += table.num_rows
+            if size >= target:
+                close()
+        close()
+    except BaseException:
+        if writer is not None:
+            writer.close()
+            sink.close()
+        raise
+    if not names and empty is not None:
+        names.append(f"{kind}/part-{first_index:05d}.parquet")
+        sink = open_sink(names[0])
+        pq.write_table(empty, sink)
+        close_sink(names[0], sink)
+    return names, slices
+
+
+def read_slice(table: pa.Table, where: Slice) -> pa.Table:
+    return table.slice(where.offset, where.rows)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A piece's table in the first piece's schema (a column all null in one piece is typed null
+    there and real elsewhere)."""
+    if table.schema.equals(schema):
+        return table
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as exc:
+        raise OutputDirError(f"pieces disagree on the output schema ({exc}); this is a bug, please report it.") \
+            from None
