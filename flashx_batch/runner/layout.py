@@ -226,12 +226,12 @@ class OutputDir:
             seen[where[0]] = (self.root / where[0]).is_file()
         return seen[where[0]]
 
-    def clean_orphans(self, committed: set[str]) -> int:
+    def clean_orphans(self, committed: set[str], keep: frozenset[str] = frozenset()) -> int:
         """Remove attempt directories, part files of shards with no manifest, and consolidated files
-        no committed manifest points into; returns files removed."""
+        no committed manifest points into (but `keep`: a kind's zero-row file); returns files removed."""
         removed = 0
         manifests = {p: m for p, m in self.committed().items() if p in committed}
-        referenced = {m["slices"][k][0] for m in manifests.values() for k in m.get("slices", {})}
+        referenced = {m["slices"][k][0] for m in manifests.values() for k in m.get("slices", {})} | keep
         # a piece's own part is live until its rows moved into a consolidated file
         own = {(k, p) for p, m in manifests.items() for k in m["files"] if k not in m.get("slices", {})}
         attempts = self.root / ATTEMPTS_DIR
@@ -296,7 +296,8 @@ class OutputDir:
                 record = {**committed[p], "slices": {**committed[p].get("slices", {}), **where}}
                 write_atomic(self.manifest(p), json.dumps(record, indent=1, default=str))
                 committed[p] = record
-        self.clean_orphans(set(committed))  # the parts and files the new slices replace
+        # the parts and files the new slices replace (the files just written stay, zero-row ones too)
+        self.clean_orphans(set(committed), frozenset(f for names in files.values() for f in names))
         write_atomic(self.root / SUCCESS, json.dumps({**totals, "files": files}, indent=2, default=str) + "\n")
 
     def _consolidated_split(self, kind: str, committed: dict[str, dict[str, Any]]) -> tuple[set[str], set[str]]:
