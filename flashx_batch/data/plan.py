@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from flashx_batch.config import DataSection, JobConfig
 from flashx_batch.data.preflight import LoadedInput
-from flashx_batch.data.readers import InputFile
+from flashx_batch.data.readers import Frame, InputFile
 from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.validate import (
     PROMPT_TOO_LONG,
@@ -35,6 +38,8 @@ _ENCODE_CHUNK = 1024
 _SIGNATURE_BLOCKS = 64  # prefix blocks remembered per row for grouping (8 bytes each)
 
 Ref = tuple[int, int]  # (file index, row index)
+_ROW_BITS = 40  # a packed ref: file index << 40 | row index (a trillion rows a file, 8 million files)
+_ROW_MASK = (1 << _ROW_BITS) - 1
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,13 @@ class ShardSpec:
     bucket: int
     bucket_min_len: int
     bucket_max_len: int
-    refs: tuple[Ref, ...]
+    refs: PackedRefs  # a tuple of refs is packed on construction
     input_tokens: int
     est_padding_efficiency: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.refs, PackedRefs):
+            object.__setattr__(self, "refs", PackedRefs(self.refs))
 
     @property
     def num_rows(self) -> int:
@@ -79,13 +88,13 @@ class BucketSummary:
 class Plan:
     files: list[InputFile]
     id_kind: str
-    ids: list[Any]  # every input id, in input order (the invariant's right-hand side)
+    ids: IdColumn  # every input id, in input order (the invariant's right-hand side)
     shards: list[ShardSpec]  # generate shards, in dispatch order (longest bucket first)
     error_shards: list[ShardSpec]
     row_errors: dict[str, list[RowError]]  # error-shard id -> its rows
     buckets: list[BucketSummary]
     error_counts: Counter = field(default_factory=Counter)
-    ref_ids: dict[Ref, Any] = field(default_factory=dict)  # every planned row's id (error rows written by the driver)
+    ref_ids: Mapping = field(default_factory=dict)  # ref -> id of every planned row (`RefIds`)
     padding_bucketed: float = 1.0
     padding_unbucketed: float = 1.0
     shared_token_fraction: float = 0.0  # prefix reuse: prompt tokens in blocks another row of the shard shares
@@ -119,53 +128,199 @@ def bucket_edges(job: JobConfig) -> list[int]:
     return [*edges, limit]
 
 
-def _input_rows(loaded: LoadedInput, data: DataSection) -> Iterator[tuple[int, int, Any, Any]]:
-    """(file index, row index, frame, row id) of every input row, in order, up to `data.limit` rows."""
+class PackedRefs(Sequence):
+    """A shard's row refs, (file index, row index) each, packed 8 bytes a row: a million-row plan
+    holds megabytes of refs, not a Python tuple per row. Iterates, slices and compares as the
+    tuple of refs it stands for."""
+
+    __slots__ = ("codes",)
+
+    def __init__(self, refs: Iterable[Ref] | array = ()) -> None:
+        if isinstance(refs, array):
+            self.codes = refs
+        else:
+            self.codes = array("q", ((fi << _ROW_BITS) | ri for fi, ri in refs))
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return PackedRefs(self.codes[i])
+        c = self.codes[i]
+        return c >> _ROW_BITS, c & _ROW_MASK
+
+    def __iter__(self) -> Iterator[Ref]:
+        return ((c >> _ROW_BITS, c & _ROW_MASK) for c in self.codes)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedRefs):
+            return self.codes == other.codes
+        return isinstance(other, tuple | list) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self.codes.tobytes())
+
+    def __add__(self, other: PackedRefs) -> PackedRefs:
+        return PackedRefs(self.codes + PackedRefs(other).codes if not isinstance(other, PackedRefs)
+                          else self.codes + other.codes)
+
+    def __repr__(self) -> str:
+        return f"PackedRefs({tuple(self)!r})"
+
+    def __reduce__(self):
+        return _unpack_refs, (self.codes.tobytes(),)
+
+
+def _unpack_refs(data: bytes) -> PackedRefs:
+    codes = array("q")
+    codes.frombytes(data)
+    return PackedRefs(codes)
+
+
+class IdColumn(Sequence):
+    """Every input id in input order: 8 bytes a row for integer ids, the strings themselves otherwise."""
+
+    def __init__(self, kind: str) -> None:
+        self.values: array | list = array("q") if kind == "int" else []
+
+    def append(self, value: Any) -> None:
+        self.values.append(value)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.values[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.values)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IdColumn):
+            return list(self.values) == list(other.values)
+        return isinstance(other, list | tuple) and list(self.values) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  (mutable, like the list it stands for)
+
+    def __repr__(self) -> str:
+        return f"IdColumn({list(self.values)[:10]!r}{', ...' if len(self.values) > 10 else ''})"
+
+
+class RefIds(Mapping):
+    """ref (file index, row index) -> id, for every planned row, computed from the id column and
+    where each file's rows start (no dict of a million entries)."""
+
+    def __init__(self, ids: IdColumn, starts: list[int]) -> None:
+        self.ids, self.starts = ids, starts
+
+    def _index(self, ref: Ref) -> int | None:
+        fi, ri = ref
+        if not 0 <= fi < len(self.starts) or ri < 0:
+            return None
+        end = self.starts[fi + 1] if fi + 1 < len(self.starts) else len(self.ids)
+        g = self.starts[fi] + ri
+        return g if g < end else None
+
+    def __getitem__(self, ref: Ref) -> Any:
+        g = self._index(ref)
+        if g is None:
+            raise KeyError(ref)
+        return self.ids[g]
+
+    def __contains__(self, ref: object) -> bool:
+        return isinstance(ref, tuple) and len(ref) == 2 and self._index(ref) is not None  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Ref]:
+        for fi, start in enumerate(self.starts):
+            end = self.starts[fi + 1] if fi + 1 < len(self.starts) else len(self.ids)
+            yield from ((fi, ri) for ri in range(end - start))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class _Rows:
+    """The valid rows of a plan, columnar: global row index, prompt tokens, and (prefix reuse only)
+    each row's prefix signature."""
+
+    def __init__(self, signatures: bool) -> None:
+        self.index, self.length = array("q"), array("q")
+        self.signatures: list[tuple] | None = [] if signatures else None
+
+    def add(self, g: int, length: int, signature: tuple = ()) -> None:
+        self.index.append(g)
+        self.length.append(length)
+        if self.signatures is not None:
+            self.signatures.append(signature)
+
+
+@dataclass
+class _Scan:
+    """What one streaming pass over the input leaves: every id, the valid rows, the error rows, and
+    the global index where each file's rows start."""
+
+    ids: IdColumn
+    rows: _Rows
+    errors: list[RowError]
+    starts: list[int]
+
+
+def _chunks(loaded: LoadedInput, data: DataSection, scan: _Scan) -> Iterator[tuple[int, int, int, Frame, int]]:
+    """(file index, first row index, global index of that row, frame, rows of it to plan), in input
+    order, up to `data.limit` rows; every id goes into `scan.ids` as its chunk is handed out."""
     remaining = data.limit if data.limit is not None else float("inf")
-    for fi, fr in enumerate(loaded.frames):
-        for ri in range(fr.num_rows):
-            if remaining <= 0:
-                return
-            remaining -= 1
-            yield fi, ri, fr, fr.columns[data.id_column][ri]
+    for fi, offset, fr in loaded.chunks():
+        while len(scan.starts) <= fi:
+            scan.starts.append(len(scan.ids))
+        n = int(min(fr.num_rows, remaining))
+        if n <= 0:
+            break
+        g = len(scan.ids)
+        for v in fr.columns[data.id_column][:n]:
+            scan.ids.append(v)
+        remaining -= n
+        yield fi, offset, g, fr, n
+    while len(scan.starts) < len(loaded.files):
+        scan.starts.append(len(scan.ids))
 
 
 def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
-    """Validate, tokenize, bucket and shard every row of `loaded`."""
+    """Validate, tokenize, bucket and shard every row of `loaded`, streaming it a chunk at a time."""
     if job.task != "generate":
         return _build_score_plan(job, loaded, tokenizer)
     data = job.data
     text_col = data.messages_column or data.prompt_column
-    ids: list[Any] = []
-    errors: list[RowError] = []
-    pending: list[tuple[Ref, Any, str]] = []
-    for fi, ri, fr, row_id in _input_rows(loaded, data):
-        ids.append(row_id)
-        value = fr.columns[text_col][ri]
-        text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
-                            tokenizer, row_tools(data, fr.columns, ri), data.chat_template_kwargs)
-        if isinstance(text, RowProblem):
-            errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
-        elif job.sampling.from_columns and isinstance(
-                bad := row_params(job.sampling, fr.columns, ri, 0, job.runtime.max_output_len), RowProblem):
-            errors.append(RowError((fi, ri), row_id, bad.code, bad.message, "validate"))
-        else:
-            pending.append(((fi, ri), row_id, text))
     segment = job.runtime.segment_size if job.runtime.prefix_cache_tokens else 0
-    lengths, signatures = _token_lengths([t for _, _, t in pending], tokenizer, segment,
-                                         add_special_tokens=not data.messages_column)
     limit, truncate = job.runtime.max_input_len, job.runtime.long_input != "error"
-    valid: list[tuple[Ref, Any, int]] = []
-    for (ref, row_id, _), n, signature in zip(pending, lengths, signatures, strict=True):
-        if n > limit and not truncate:
-            errors.append(RowError(ref, row_id, PROMPT_TOO_LONG,
-                                   f"prompt has {n} tokens, more than runtime.max_input_len={limit} "
-                                   "(runtime.long_input=error)", "tokenize"))
-        elif n == 0:
-            errors.append(RowError(ref, row_id, "empty_prompt", "prompt has no tokens", "tokenize"))
-        else:
-            valid.append((ref, row_id, min(n, limit), signature))
-    return _assemble(job, loaded, ids, valid, errors)
+    scan = _Scan(IdColumn(loaded.id_kind), _Rows(signatures=bool(segment)), [], [])
+    for fi, offset, g0, fr, n in _chunks(loaded, data, scan):
+        pending: list[tuple[int, str]] = []  # (row index in the chunk, prompt text)
+        for i in range(n):
+            ri, row_id = offset + i, fr.columns[data.id_column][i]
+            value = fr.columns[text_col][i]
+            text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
+                                tokenizer, row_tools(data, fr.columns, i), data.chat_template_kwargs)
+            if isinstance(text, RowProblem):
+                scan.errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
+            elif job.sampling.from_columns and isinstance(
+                    bad := row_params(job.sampling, fr.columns, i, 0, job.runtime.max_output_len), RowProblem):
+                scan.errors.append(RowError((fi, ri), row_id, bad.code, bad.message, "validate"))
+            else:
+                pending.append((i, text))
+        lengths, signatures = _token_lengths([t for _, t in pending], tokenizer, segment,
+                                             add_special_tokens=not data.messages_column)
+        for (i, _), count, signature in zip(pending, lengths, signatures, strict=True):
+            ref, row_id = (fi, offset + i), fr.columns[data.id_column][i]
+            if count > limit and not truncate:
+                scan.errors.append(RowError(ref, row_id, PROMPT_TOO_LONG,
+                                            f"prompt has {count} tokens, more than runtime.max_input_len={limit} "
+                                            "(runtime.long_input=error)", "tokenize"))
+            elif count == 0:
+                scan.errors.append(RowError(ref, row_id, "empty_prompt", "prompt has no tokens", "tokenize"))
+            else:
+                scan.rows.add(g0 + i, min(count, limit), signature)
+    return _assemble(job, loaded, scan)
 
 
 def _build_score_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
@@ -174,28 +329,28 @@ def _build_score_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer)
     from flashx_batch.runtime.lm_requests import LMEncoder
 
     data = job.data
-    ids: list[Any] = []
-    errors: list[RowError] = []
-    pending: list[tuple[Ref, Any, Any]] = []
-    for fi, ri, fr, row_id in _input_rows(loaded, data):
-        ids.append(row_id)
-        row = score_row(job.task, data, fr.columns, ri)
-        if isinstance(row, RowProblem):
-            errors.append(RowError((fi, ri), row_id, row.code, row.message, "validate"))
-        else:
-            pending.append(((fi, ri), row_id, row))
     encoder = LMEncoder.for_tokenizer(tokenizer)
-    valid: list[tuple[Ref, Any, int, tuple]] = []
-    for start in range(0, len(pending), _ENCODE_CHUNK):
-        chunk = pending[start : start + _ENCODE_CHUNK]
-        encoded = encode_score_rows(job.task, [r for _, _, r in chunk], encoder, job.runtime.max_input_len,
-                                    data.target_delimiter)
-        for (ref, row_id, _), enc in zip(chunk, encoded, strict=True):
-            if isinstance(enc, RowProblem):
-                errors.append(RowError(ref, row_id, enc.code, enc.message, "tokenize"))
+    scan = _Scan(IdColumn(loaded.id_kind), _Rows(signatures=False), [], [])
+    for fi, offset, g0, fr, n in _chunks(loaded, data, scan):
+        pending: list[tuple[int, Any]] = []
+        for i in range(n):
+            row = score_row(job.task, data, fr.columns, i)
+            if isinstance(row, RowProblem):
+                scan.errors.append(RowError((fi, offset + i), fr.columns[data.id_column][i], row.code, row.message,
+                                            "validate"))
             else:
-                valid.append((ref, row_id, enc.length, ()))
-    return _assemble(job, loaded, ids, valid, errors)
+                pending.append((i, row))
+        for start in range(0, len(pending), _ENCODE_CHUNK):
+            chunk = pending[start : start + _ENCODE_CHUNK]
+            encoded = encode_score_rows(job.task, [r for _, r in chunk], encoder, job.runtime.max_input_len,
+                                        data.target_delimiter)
+            for (i, _), enc in zip(chunk, encoded, strict=True):
+                if isinstance(enc, RowProblem):
+                    scan.errors.append(RowError((fi, offset + i), fr.columns[data.id_column][i], enc.code,
+                                                enc.message, "tokenize"))
+                else:
+                    scan.rows.add(g0 + i, enc.length)
+    return _assemble(job, loaded, scan)
 
 
 def _token_lengths(texts: list[str], tokenizer: Tokenizer, segment: int,
@@ -212,69 +367,66 @@ def _token_lengths(texts: list[str], tokenizer: Tokenizer, segment: int,
     return lengths, signatures
 
 
-def _assemble(job: JobConfig, loaded: LoadedInput, ids: list[Any], valid: list[tuple[Ref, Any, int]],
-              errors: list[RowError]) -> Plan:
+def _assemble(job: JobConfig, loaded: LoadedInput, scan: _Scan) -> Plan:
     edges = bucket_edges(job)
     batch, shard_size = job.runtime.max_batch_size, job.runtime.shard_size
-    members: dict[int, list[tuple[Ref, Any, int]]] = {}
-    for row in valid:
-        members.setdefault(_bucket_of(row[2], edges), []).append(row)
+    rows, ids, starts = scan.rows, scan.ids, np.asarray(scan.starts, dtype=np.int64)
+    index = np.frombuffer(rows.index, dtype=np.int64) if len(rows.index) else np.zeros(0, np.int64)
+    length = np.frombuffer(rows.length, dtype=np.int64) if len(rows.length) else np.zeros(0, np.int64)
+    bucket = np.minimum(np.searchsorted(np.asarray(edges), length, side="left"), len(edges) - 1)
+    # longest buckets first (the slow shards start early); in a bucket longest first, then input order;
+    # with prefix reuse, rows sharing a prefix first, so they land in one shard and one batch (a cache
+    # hit is planned, not left to chance)
+    if rows.signatures is None:
+        order = np.lexsort((index, -length, -bucket))
+    else:
+        sigs = rows.signatures
+        order = np.array(sorted(range(len(index)), key=lambda k: (-bucket[k], sigs[k], -length[k], index[k])),
+                         dtype=np.int64)
+    files = np.searchsorted(starts, index, side="right") - 1
+    codes = (files << _ROW_BITS) | (index - starts[files])
     shards, buckets = [], []
-    for b in sorted(members, reverse=True):  # longest buckets first: the slow shards start early
-        # longest first, then input order; with prefix reuse, rows sharing a prefix become neighbours
-        # first, so they land in one shard and one batch (a cache hit is planned, not left to chance)
-        rows = sorted(members[b], key=lambda r: (r[3], -r[2], r[0]))
-        summary = BucketSummary(b, edges[b - 1] + 1 if b else 1, edges[b], rows=len(rows),
-                                input_tokens=sum(r[2] for r in rows),
-                                est_padding_efficiency=padding_efficiency([r[2] for r in rows], batch, presorted=True))
-        for seq, start in enumerate(range(0, len(rows), shard_size)):
-            chunk = rows[start : start + shard_size]
-            lens = [r[2] for r in chunk]
-            shards.append(ShardSpec(_shard_id(f"b{b:02d}", seq, [r[1] for r in chunk]), "generate", b,
-                                    summary.min_len, summary.max_len, tuple(r[0] for r in chunk), sum(lens),
-                                    padding_efficiency(lens, batch, presorted=True)))
+    useful = computed = 0
+    shared = 0
+    sorted_bucket = bucket[order]
+    for b in sorted(set(sorted_bucket.tolist()), reverse=True):
+        members = order[sorted_bucket == b]
+        lens = length[members]
+        summary = BucketSummary(b, edges[b - 1] + 1 if b else 1, edges[b], rows=len(members),
+                                input_tokens=int(lens.sum()),
+                                est_padding_efficiency=padding_efficiency(lens.tolist(), batch, presorted=True))
+        for seq, start in enumerate(range(0, len(members), shard_size)):
+            chunk = members[start : start + shard_size]
+            chunk_lens = length[chunk].tolist()
+            member_ids = [ids[int(g)] for g in index[chunk]]
+            shards.append(ShardSpec(_shard_id(f"b{b:02d}", seq, member_ids), "generate", b, summary.min_len,
+                                    summary.max_len, PackedRefs(array("q", codes[chunk].tobytes())),
+                                    sum(chunk_lens), padding_efficiency(chunk_lens, batch, presorted=True)))
+            useful += sum(chunk_lens)
+            computed += _padded_slots(sorted(chunk_lens, reverse=True), batch)
+            if rows.signatures is not None:
+                counts = Counter(key for k in chunk for key in rows.signatures[k])
+                shared += sum(job.runtime.segment_size * sum(1 for key in rows.signatures[k] if counts[key] > 1)
+                              for k in chunk)
             summary.shards += 1
         buckets.append(summary)
     error_shards, row_errors = [], {}
-    errors.sort(key=lambda e: e.ref)
+    errors = sorted(scan.errors, key=lambda e: e.ref)
     for seq, start in enumerate(range(0, len(errors), shard_size)):
         chunk = errors[start : start + shard_size]
         spec = ShardSpec(_shard_id("err", seq, [e.id for e in chunk]), "invalid", -1, 0, 0,
-                         tuple(e.ref for e in chunk), 0, 1.0)
+                         PackedRefs(e.ref for e in chunk), 0, 1.0)
         error_shards.append(spec)
         row_errors[spec.shard_id] = chunk
-    in_order = [r[2] for r in sorted(valid, key=lambda r: r[0])]
-    ref_ids = {r[0]: r[1] for r in valid} | {e.ref: e.id for e in errors}
+    in_order = length[np.argsort(index, kind="stable")].tolist()  # already in input order; sorted to be sure
     plan = Plan(loaded.files, loaded.id_kind, ids, shards, error_shards, row_errors, buckets,
-                Counter(e.code for e in errors), ref_ids,
-                padding_bucketed=_weighted_padding(shards, batch, valid),
+                Counter(e.code for e in errors), RefIds(ids, scan.starts),
+                padding_bucketed=useful / computed if computed else 1.0,
                 padding_unbucketed=padding_efficiency(in_order, batch, presorted=False),
-                shared_token_fraction=_shared_fraction(shards, valid, job.runtime.segment_size))
+                shared_token_fraction=shared / useful if useful and rows.signatures is not None else 0.0)
     log.info("plan: %d rows, %d valid in %d shards, %d error rows; padding efficiency %.3f bucketed vs %.3f not",
-             plan.num_rows, len(valid), len(shards), len(errors), plan.padding_bucketed, plan.padding_unbucketed)
+             plan.num_rows, len(index), len(shards), len(errors), plan.padding_bucketed, plan.padding_unbucketed)
     return plan
-
-
-def _shared_fraction(shards: list[ShardSpec], valid: list[tuple], segment: int) -> float:
-    """Prompt tokens in blocks that another row of the same shard also starts with."""
-    by_ref = {r[0]: r for r in valid}
-    shared = total = 0
-    for s in shards:
-        rows = [by_ref[ref] for ref in s.refs]
-        counts = Counter(key for r in rows for key in r[3])
-        total += sum(r[2] for r in rows)
-        shared += sum(segment * sum(1 for key in r[3] if counts[key] > 1) for r in rows)
-    return shared / total if total else 0.0
-
-
-def _weighted_padding(shards: list[ShardSpec], batch: int, valid: list[tuple[Ref, Any, int]]) -> float:
-    by_ref = {r[0]: r[2] for r in valid}
-    useful = computed = 0
-    for s in shards:
-        lens = sorted((by_ref[ref] for ref in s.refs), reverse=True)
-        useful += sum(lens)
-        computed += _padded_slots(lens, batch)
-    return useful / computed if computed else 1.0
 
 
 def padding_efficiency(lengths: list[int], batch: int, presorted: bool) -> float:

@@ -8,30 +8,48 @@ confined to one row are *not* found here — they become error rows in `plan.py`
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from flashx_batch.config import DataSection
-from flashx_batch.data.readers import Frame, InputFile, read_frame, resolve_inputs
+from flashx_batch.data.readers import Frame, InputFile, iter_frames, read_frame, resolve_inputs
 from flashx_batch.job_errors import InputError
 
 log = logging.getLogger(__name__)
 _MAX_LISTED = 10
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+CHUNK_ROWS = 65536  # rows decoded at once while checking and planning
 
 
 @dataclass
 class LoadedInput:
-    """Every input file with its frame, in input order; row refs are (file index, row index)."""
+    """The checked input: its files in input order (row refs are (file index, row index)), the id
+    type, and the passthrough columns' types. No rows are held: the planner streams them with
+    `chunks`, workers re-read the rows of their shard."""
 
     files: list[InputFile]
-    frames: list[Frame]
     id_kind: str  # "int" | "str": the type of the id column, kept in the outputs
+    columns: list[str] = field(default_factory=list)
+    text_column: str = "prompt"
+    num_rows: int = 0
+    passthrough_types: dict[str, pa.DataType] = field(default_factory=dict)
+
+    def chunks(self, batch_rows: int = CHUNK_ROWS) -> Iterator[tuple[int, int, Frame]]:
+        """(file index, first row index, frame of up to `batch_rows` rows), in input order."""
+        for fi, f in enumerate(self.files):
+            offset = 0
+            for fr in iter_frames(f, self.columns, self.text_column, batch_rows):
+                yield fi, offset, fr
+                offset += fr.num_rows
+
+    @property
+    def frames(self) -> list[Frame]:
+        """Every file read whole (small inputs, tests); planning streams `chunks` instead."""
+        return [read_frame(f, self.columns, self.text_column) for f in self.files]
 
 
 def text_column(data: DataSection, task: str = "generate") -> str:
@@ -55,9 +73,9 @@ def data_columns(data: DataSection, task: str = "generate", extra: Iterable[str]
 
 def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None = None,
                 extra_columns: Iterable[str] = (), task: str = "generate") -> LoadedInput:
-    """Resolve, read and check the input. Raises InputError; returns the frames for planning.
-    `refuse_under` (the job's output directory): an input file found under it is refused before it
-    is read, since it is one of the job's own outputs."""
+    """Resolve and check the input, streaming each file in chunks (memory grows with a chunk and
+    the ids, not with the prompts). Raises InputError. `refuse_under` (the job's output directory):
+    an input file found under it is refused before it is read, since it is one of the job's own outputs."""
     files = resolve_inputs(resolved_path, data.format)
     if refuse_under is not None:
         mine = [f.path for f in files if refuse_under in Path(f.path).resolve().parents]
@@ -67,34 +85,66 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
                              "narrow data.path.")
     cols = data_columns(data, task, extra_columns)  # a missing column: InputError, before the output is touched
     text_col = text_column(data, task)
-    frames = [read_frame(f, cols, text_col) for f in files]
+    # the checks read values of the id and passthrough columns only; every column's type comes along
+    valued = [data.id_column, *data.passthrough_columns]
     id_kinds = set()
-    for f, fr in zip(files, frames, strict=True):
-        id_kinds.add(_check_ids(f, fr, data.id_column))
-        _check_text_type(f, fr, text_col, messages=bool(data.messages_column))
-        if data.messages_column and data.tools_column:
-            _check_tools_type(f, fr, data.tools_column)
+    ids: list[pa.Array] = []  # per file, compact: the duplicate check
+    passthrough: dict[str, dict[pa.DataType, str]] = {c: {} for c in data.passthrough_columns}
+    total = 0
+    for f in files:
+        offset, kinds, file_ids = 0, set(), []
+        for fr in iter_frames(f, cols, text_col, values=valued):
+            kinds.add(_check_ids(f, fr, data.id_column, offset))
+            _check_text_type(f, fr, text_col, messages=bool(data.messages_column))
+            if data.messages_column and data.tools_column:
+                _check_tools_type(f, fr, data.tools_column)
+            for c in data.passthrough_columns:
+                t = _passthrough_type(f, fr, c)
+                if t is not None:
+                    passthrough[c].setdefault(t, f.path)
+            file_ids.append(pa.array(fr.columns[data.id_column]) if fr.num_rows else pa.array([], pa.null()))
+            offset += fr.num_rows
+        kinds.discard("empty")
+        if len(kinds) > 1:
+            raise InputError(f"{f.path}: column {data.id_column!r} mixes integer and string ids across its rows; "
+                             "ids must be all integers or all strings.")
+        id_kinds |= kinds
+        ids.append(_concat(file_ids))
+        total += offset
+        if offset == 0:
+            log.warning("%s: no rows", f.path)
     if len(id_kinds) > 1:
         raise InputError(f"column {data.id_column!r} is an integer in some files and a string in others; "
                          "make the id type the same everywhere.")
-    for c in data.passthrough_columns:
-        _check_passthrough(files, frames, c)
-    _check_duplicates(files, frames, data.id_column)
-    total = sum(fr.num_rows for fr in frames)
+    for c, types in passthrough.items():
+        if len(types) > 1:
+            raise InputError(f"passthrough column {c!r} has different types across files: "
+                             f"{', '.join(sorted(map(str, types)))}.")
+    _check_duplicates(files, ids, data.id_column)
     if total == 0:
         raise InputError(f"data.path={resolved_path!r}: the input has no rows.")
-    for f, fr in zip(files, frames, strict=True):
-        if fr.num_rows == 0:
-            log.warning("%s: no rows", f.path)
-    return LoadedInput(files, frames, id_kinds.pop() if id_kinds else "str")
+    return LoadedInput(files, id_kinds.pop() if id_kinds else "str", cols, text_col, total,
+                       {c: next(iter(t)) for c, t in passthrough.items() if t})
 
 
-def _check_ids(file: InputFile, fr: Frame, col: str) -> str:
+def _concat(arrays: list[pa.Array]) -> pa.Array:
+    arrays = [a for a in arrays if len(a)]
+    if not arrays:
+        return pa.array([], pa.null())
+    if len(arrays) == 1:
+        return arrays[0]
+    common = pa.string() if any(pa.types.is_string(a.type) or pa.types.is_large_string(a.type) for a in arrays) \
+        else pa.int64()
+    return pa.concat_arrays([a.cast(common) for a in arrays])
+
+
+def _check_ids(file: InputFile, fr: Frame, col: str, offset: int = 0) -> str:
+    """The id kind of one chunk of a file ("empty" for no rows); `offset`: the chunk's first row."""
     t = fr.types[col]
     if t is not None and not (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)):
         raise InputError(f"{file.path}: column {col!r} has type {t}; ids must be integers or strings.")
     values = fr.columns[col]
-    nulls = [i for i, v in enumerate(values) if v is None]
+    nulls = [offset + i for i, v in enumerate(values) if v is None]
     if nulls:
         raise InputError(f"{file.path}: column {col!r} is null in {len(nulls)} row(s) (row indices "
                          f"{_listed(nulls)}); every row needs an id.")
@@ -102,7 +152,7 @@ def _check_ids(file: InputFile, fr: Frame, col: str) -> str:
     if len(kinds) > 1 or kinds - {"int", "str"}:
         found = {}
         for i, v in enumerate(values):
-            found.setdefault(_id_kind(v), (i, v))
+            found.setdefault(_id_kind(v), (offset + i, v))
         listed = ", ".join(f"{k} ({v!r} at row {i})" for k, (i, v) in sorted(found.items()))
         if len(kinds) > 1:
             raise InputError(f"{file.path}: column {col!r} mixes types: {listed}; ids must be all integers or all "
@@ -110,7 +160,7 @@ def _check_ids(file: InputFile, fr: Frame, col: str) -> str:
         raise InputError(f"{file.path}: column {col!r} holds {listed}; ids must be integers or strings: write them "
                          "as one or the other.")
     if "int" in kinds:
-        wide = [(i, v) for i, v in enumerate(values) if not _INT64_MIN <= v <= _INT64_MAX]
+        wide = [(offset + i, v) for i, v in enumerate(values) if not _INT64_MIN <= v <= _INT64_MAX]
         if wide:
             i, v = wide[0]
             raise InputError(f"{file.path}: column {col!r} holds {len(wide)} integer id(s) outside the 64-bit range "
@@ -121,9 +171,11 @@ def _check_ids(file: InputFile, fr: Frame, col: str) -> str:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
-                raise InputError(f"{file.path}: column {col!r} at row {i} is not valid UTF-8 text; fix the id "
+                raise InputError(f"{file.path}: column {col!r} at row {offset + i} is not valid UTF-8 text; fix the id "
                                  "(ids are written to Parquet as strings).") from None
-    return kinds.pop() if kinds else ("int" if t is not None and pa.types.is_integer(t) else "str")
+    if not kinds:
+        return ("int" if pa.types.is_integer(t) else "str") if t is not None else "empty"
+    return kinds.pop()
 
 
 def _id_kind(v: Any) -> str:
@@ -160,36 +212,39 @@ def _check_tools_type(file: InputFile, fr: Frame, col: str) -> None:
                          "function-spec structs or JSON strings.")
 
 
-def _check_passthrough(files: list[InputFile], frames: list[Frame], col: str) -> None:
-    types = set()
-    for f, fr in zip(files, frames, strict=True):
-        t = fr.types[col]
-        if t is None:
-            try:
-                t = pa.array(fr.columns[col]).type
-            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
-                raise InputError(f"{f.path}: passthrough column {col!r} mixes value types; it cannot be written "
-                                 "to Parquet as one column.") from None
-            except UnicodeEncodeError:
-                raise InputError(f"{f.path}: passthrough column {col!r} holds text that is not valid UTF-8; it "
-                                 "cannot be written to Parquet. Fix the column or drop it from "
-                                 "data.passthrough_columns.") from None
-        if not pa.types.is_null(t):
-            types.add(t)
-    if len(types) > 1:
-        raise InputError(f"passthrough column {col!r} has different types across files: "
-                         f"{', '.join(sorted(map(str, types)))}.")
+def _passthrough_type(f: InputFile, fr: Frame, col: str) -> pa.DataType | None:
+    """A passthrough column's type in one chunk (None: all null)."""
+    t = fr.types[col]
+    if t is None:
+        try:
+            t = pa.array(fr.columns[col]).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+            raise InputError(f"{f.path}: passthrough column {col!r} mixes value types; it cannot be written "
+                             "to Parquet as one column.") from None
+        except UnicodeEncodeError:
+            raise InputError(f"{f.path}: passthrough column {col!r} holds text that is not valid UTF-8; it "
+                             "cannot be written to Parquet. Fix the column or drop it from "
+                             "data.passthrough_columns.") from None
+    return None if pa.types.is_null(t) else t
 
 
-def _check_duplicates(files: list[InputFile], frames: list[Frame], col: str) -> None:
-    counts = Counter(v for fr in frames for v in fr.columns[col])
-    dupes = [v for v, n in counts.items() if n > 1]
-    if not dupes:
+def _check_duplicates(files: list[InputFile], ids: list[pa.Array], col: str) -> None:
+    """Every id once across all files (Arrow's hash counts: no Python object per row)."""
+    import pyarrow.compute as pc
+
+    every = _concat(ids)
+    if not len(every):
         return
-    where = {}
-    for f, fr in zip(files, frames, strict=True):
-        for v in fr.columns[col]:
-            if counts[v] > 1:
+    counts = pc.value_counts(every)
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+    if not len(repeated):
+        return
+    dupes = repeated.to_pylist()
+    shown = pa.array(dupes[:_MAX_LISTED], every.type)
+    where: dict[Any, list[str]] = {}
+    for f, a in zip(files, ids, strict=True):
+        if len(a):
+            for v in a.cast(every.type).filter(pc.is_in(a.cast(every.type), value_set=shown)).to_pylist():
                 where.setdefault(v, []).append(f.path)
     sample = "; ".join(f"{v!r} in {', '.join(sorted(set(where[v])))}" for v in dupes[:_MAX_LISTED])
     more = f" (and {len(dupes) - _MAX_LISTED} more)" if len(dupes) > _MAX_LISTED else ""

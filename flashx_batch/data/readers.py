@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,15 +245,7 @@ def read_frame(file: InputFile, columns: list[str], text_column: str | None = No
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None
-    names = table.column_names
-    twice = sorted({c for c in columns if names.count(c) > 1})
-    if twice:
-        raise InputError(f"{file.path}: column(s) {', '.join(map(repr, twice))} appear more than once in the "
-                         "header; give every column a distinct name.")
-    missing = [c for c in columns if c not in names]
-    if missing:
-        raise InputError(f"{file.path}: missing column(s) {', '.join(missing)}; "
-                         f"it has {', '.join(names)}.")
+    _check_header(file, table.column_names, columns)
     table = table.select(columns)
     values = {c: table.column(c).to_pylist() for c in columns}
     types = {c: table.schema.field(c).type for c in columns}
@@ -262,6 +255,44 @@ def read_frame(file: InputFile, columns: list[str], text_column: str | None = No
                                for v in values[text_column]]
         types[text_column] = pa.string()
     return Frame(values, types, table.num_rows)
+
+
+def iter_frames(file: InputFile, columns: list[str], text_column: str | None = None,
+                batch_rows: int = 65536, values: list[str] | None = None) -> Iterator[Frame]:
+    """`read_frame` in pieces of at most `batch_rows` rows, in order: a Parquet file is decoded one
+    batch at a time (its bytes are held, hashed and parsed once, its Python values never all at
+    once); other formats are parsed whole and handed out in slices. `values`: the columns whose
+    values a Parquet frame carries (default all; every column's type is there either way)."""
+    if file.format != "parquet":
+        frame = read_frame(file, columns, text_column)
+        for start in range(0, max(frame.num_rows, 1), batch_rows):
+            part = {c: v[start : start + batch_rows] for c, v in frame.columns.items()}
+            yield Frame(part, frame.types, len(next(iter(part.values()))) if part else 0)
+        return
+    data = read_verified(file)
+    try:
+        reader = pq.ParquetFile(pa.BufferReader(data))
+        names = reader.schema_arrow.names
+        _check_header(file, names, columns)
+        types = {c: reader.schema_arrow.field(c).type for c in columns}
+        wanted = [c for c in columns if values is None or c in values]
+        for batch in reader.iter_batches(batch_size=batch_rows, columns=wanted):
+            yield Frame({c: batch.column(c).to_pylist() for c in wanted}, types, batch.num_rows)
+    except (InputError, MemoryError):
+        raise
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None
+
+
+def _check_header(file: InputFile, names: list[str], columns: list[str]) -> None:
+    twice = sorted({c for c in columns if names.count(c) > 1})
+    if twice:
+        raise InputError(f"{file.path}: column(s) {', '.join(map(repr, twice))} appear more than once in the "
+                         "header; give every column a distinct name.")
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise InputError(f"{file.path}: missing column(s) {', '.join(missing)}; "
+                         f"it has {', '.join(names)}.")
 
 
 def _read_arrow_table(file: InputFile, data: bytes, columns: list[str], text_column: str | None) -> pa.Table:

@@ -325,7 +325,6 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     ctx = WorkerContext(str(model_dir), str(output.root), loaded.files, loaded.id_kind,
                         _passthrough_types(job, loaded), faults=faults.load(job.executor.faults),
                         job_digest=output.job_digest, model_files=model_stats)
-    del loaded  # the frames are the job's largest objects; workers re-read what they need
     result = _dispatch(job, ctx, pending, stop, progress, on_dispatch, FailedRows(output, plan.ref_ids,
                                                                                    plan.id_kind))
     progress.close()
@@ -479,16 +478,8 @@ def _sampled_ids(shard_id: str, ids: list[Any], sample_index: list[int], samples
 
 
 def _passthrough_types(job: JobConfig, loaded: LoadedInput) -> dict[str, Any]:
-    import pyarrow as pa
-
-    types = {}
-    for c in job.data.passthrough_columns:
-        for fr in loaded.frames:
-            t = fr.types[c] if fr.types[c] is not None else pa.array(fr.columns[c]).type
-            if not pa.types.is_null(t):
-                types[c] = t
-                break
-    return types
+    """Each passthrough column's type (the first non-null one the input checks saw)."""
+    return {c: loaded.passthrough_types[c] for c in job.data.passthrough_columns if c in loaded.passthrough_types}
 
 
 def _versions() -> dict[str, str]:
