@@ -9,6 +9,7 @@ row instead of failing the whole file.
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
 import json
@@ -282,6 +283,62 @@ def iter_frames(file: InputFile, columns: list[str], text_column: str | None = N
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None
+
+
+def read_rows(file: InputFile, columns: list[str], rows: list[int]) -> tuple[Frame, dict[int, int]]:
+    """Only the Parquet row groups holding `rows` (row indices of the file, any order), opened with
+    random access (a local file, or ranged GETs on an object store) -> (a frame of those rows, row
+    index -> position in it). A worker's shard of 16 rows then reads one row group, not the file.
+
+    What is read is checked against the plan by size and modification time (a whole-file hash would
+    mean reading the whole file); the driver hashes every file again before `_SUCCESS`, so a file
+    changed in any other way still fails the job instead of mixing versions."""
+    try:
+        fs, path = storage.filesystem(file.path)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(file.path)
+        mtime = info.mtime_ns or 0
+        if info.size != file.size:
+            raise InputChangedError(describe_change(file, info.size or 0, "(not read)"))
+        if file.mtime_ns and mtime and mtime != file.mtime_ns:
+            read_verified(file)  # touched since planning: unchanged only if it still hashes the same
+        with fs.open_input_file(path) as handle:
+            reader = pq.ParquetFile(handle)
+            _check_header(file, reader.schema_arrow.names, columns)
+            starts, total = [], 0
+            for g in range(reader.num_row_groups):
+                starts.append(total)
+                total += reader.metadata.row_group(g).num_rows
+            wanted = sorted(set(rows))
+            if wanted and (wanted[0] < 0 or wanted[-1] >= total):
+                raise InputChangedError(f"{file.path} has {total} rows, row {wanted[-1]} was planned; it changed after "
+                                        "the job was planned.")
+            groups = sorted({bisect.bisect_right(starts, r) - 1 for r in wanted})
+            table = reader.read_row_groups(groups, columns=columns) if groups else reader.schema_arrow.empty_table()
+    except FileNotFoundError:
+        raise InputUnavailableError(f"{file.path}: not found on {socket.gethostname()} (removed after the job was "
+                                    "planned, or not mounted on this node); input files must be readable by every "
+                                    "worker.") from None
+    except (InputError, InputChangedError, MemoryError):
+        raise
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise InputError(f"{file.path}: cannot read as parquet: {str(exc).splitlines()[0]}") from None
+    first = {}  # row group -> its first row's position in `table`
+    at = 0
+    for g in groups:
+        first[g] = at
+        at += reader.metadata.row_group(g).num_rows
+    position = {}
+    take = []
+    for r in wanted:
+        g = bisect.bisect_right(starts, r) - 1
+        position[r] = len(take)
+        take.append(first[g] + r - starts[g])
+    picked = table.take(pa.array(take, pa.int64())) if take else table.slice(0, 0)
+    frame = Frame({c: picked.column(c).to_pylist() for c in columns},
+                  {c: picked.schema.field(c).type for c in columns}, picked.num_rows)
+    return frame, position
 
 
 def _check_header(file: InputFile, names: list[str], columns: list[str]) -> None:
