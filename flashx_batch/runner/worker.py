@@ -27,7 +27,7 @@ from flashx_batch import storage
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.data.preflight import data_columns, text_column
-from flashx_batch.data.readers import Frame, InputFile, read_frame
+from flashx_batch.data.readers import Frame, InputFile, read_frame, read_rows
 from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.validate import RowProblem, build_prompt, encode_score_rows, row_tools, score_row
 from flashx_batch.evaluation.metrics import check_metric
@@ -83,7 +83,8 @@ class ShardWorker:
         self.out = open_output(ctx.output_dir, ctx.faults, ctx.job_digest)
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
-        self._frames: OrderedDict[int, Frame] = OrderedDict()
+        self._frames: OrderedDict[int, Frame] = OrderedDict()  # whole files (JSONL, CSV, Arrow), the last two
+        self._last_rows: tuple[str, list] | None = None
         self._columns = data_columns(job.data, job.task, job.extra_columns())
         self._pattern = check_metric(job.eval.metric, job.eval.regex) if job.eval.metric else None
         self._text_column = text_column(job.data, job.task)
@@ -194,16 +195,15 @@ class ShardWorker:
         started = time.perf_counter()
         job, task, lm = self.job, self.job.task, self.engine.lm
         ids, rows, extra = [], [], {c: [] for c in job.data.passthrough_columns}
-        for fi, ri in spec.refs:
-            fr = self._frame(fi)
-            row = score_row(task, job.data, fr.columns, ri)
+        for fi, ri, fr, k in self._shard_rows(spec):
+            row = score_row(task, job.data, fr.columns, k)
             if isinstance(row, RowProblem):  # the plan accepted this row: the input changed since
                 raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {row.message}; the input changed after "
                                    "planning")
-            ids.append(fr.columns[job.data.id_column][ri])
+            ids.append(fr.columns[job.data.id_column][k])
             rows.append(row)
             for c in extra:
-                extra[c].append(fr.columns[c][ri])
+                extra[c].append(fr.columns[c][k])
         passthrough = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
         encoded = encode_score_rows(task, rows, lm.encoder, lm.max_length, job.data.target_delimiter)
         bad = next((e for e in encoded if isinstance(e, RowProblem)), None)
@@ -258,16 +258,15 @@ class ShardWorker:
         text_col = self._text_column
         ids, texts, params = [], [], []
         extra: dict[str, list[Any]] = {c: [] for c in data.passthrough_columns}
-        for fi, ri in spec.refs:
-            fr = self._frame(fi)
-            value = fr.columns[text_col][ri]
+        for fi, ri, fr, k in self._shard_rows(spec):
+            value = fr.columns[text_col][k]
             text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
-                                self.engine.tokenizer, row_tools(data, fr.columns, ri), data.chat_template_kwargs)
+                                self.engine.tokenizer, row_tools(data, fr.columns, k), data.chat_template_kwargs)
             if isinstance(text, RowProblem):  # the plan accepted this row: the input changed since
                 raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {text.message}; the input changed "
                                    "after planning")
-            row_id = fr.columns[data.id_column][ri]
-            p = row_params(s, fr.columns, ri, row_seed(s.seed, row_id), self.job.runtime.max_output_len)
+            row_id = fr.columns[data.id_column][k]
+            p = row_params(s, fr.columns, k, row_seed(s.seed, row_id), self.job.runtime.max_output_len)
             if isinstance(p, RowProblem):
                 raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {p.message}; the input changed after "
                                    "planning")
@@ -275,14 +274,35 @@ class ShardWorker:
             texts.append(text)
             params.append(p)
             for c in extra:
-                extra[c].append(fr.columns[c][ri])
+                extra[c].append(fr.columns[c][k])
         arrays = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
         return ids, texts, arrays, params
 
     def _references(self, spec: ShardSpec) -> list[Any]:
         """The shard's reference answers (`eval.reference_column`), in row order."""
         column = self.job.eval.reference_column
-        return [self._frame(fi).columns[column][ri] for fi, ri in spec.refs]
+        return [fr.columns[column][k] for _, _, fr, k in self._shard_rows(spec)]
+
+    def _shard_rows(self, spec: ShardSpec) -> list[tuple[int, int, Frame, int]]:
+        """(file index, row index, frame, the row's position in the frame) for each row of the shard,
+        in order. Parquet rows are read by row group (`read_rows`: a 16-row shard reads one group, not
+        the file); other formats from the whole file, parsed once and cached. The shard's rows are
+        kept until the next shard (its references are read after its prompts)."""
+        if self._last_rows is not None and self._last_rows[0] == spec.shard_id:
+            return self._last_rows[1]
+        by_file: dict[int, list[int]] = {}
+        for fi, ri in spec.refs:
+            by_file.setdefault(fi, []).append(ri)
+        frames: dict[int, tuple[Frame, dict[int, int] | None]] = {}
+        for fi, rows in by_file.items():
+            file = self.ctx.files[fi]
+            frames[fi] = read_rows(file, self._columns, rows) if file.format == "parquet" else (self._frame(fi), None)
+        out = []
+        for fi, ri in spec.refs:
+            fr, position = frames[fi]
+            out.append((fi, ri, fr, ri if position is None else position[ri]))
+        self._last_rows = (spec.shard_id, out)
+        return out
 
     def _frame(self, fi: int) -> Frame:
         if fi in self._frames:

@@ -105,7 +105,7 @@ def _rewrite(path: Path) -> None:
 def test_an_input_file_replaced_mid_run_fails_the_job_cleanly(model, data, tmp_path, monkeypatch, caplog, moment):
     import flashx_batch.runner.worker as worker_module
 
-    real = worker_module.read_frame
+    real = worker_module.read_rows  # Parquet rows are read by row group
     calls = []
 
     def read_then_replace(*args, **kwargs):
@@ -117,7 +117,7 @@ def test_an_input_file_replaced_mid_run_fails_the_job_cleanly(model, data, tmp_p
             _rewrite(data)
         return frame
 
-    monkeypatch.setattr(worker_module, "read_frame", read_then_replace)
+    monkeypatch.setattr(worker_module, "read_rows", read_then_replace)
     out = tmp_path / "out"
     assert run(_job(model, data, out, "runtime.shard_size=4")) == 2
     assert str(data) in caplog.text and "changed after the job was planned" in caplog.text
@@ -527,7 +527,7 @@ def test_model_weights_replaced_mid_run_fail_the_job_cleanly(model, data, tmp_pa
     import flashx_batch.runner.worker as worker_module
 
     m = _model_copy(model, tmp_path / "m")
-    real = worker_module.read_frame
+    real = worker_module.read_rows
 
     def read_then_replace_weights(*args, **kwargs):
         weights = m / "model.safetensors"
@@ -535,7 +535,7 @@ def test_model_weights_replaced_mid_run_fail_the_job_cleanly(model, data, tmp_pa
         os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker_module, "read_frame", read_then_replace_weights)
+    monkeypatch.setattr(worker_module, "read_rows", read_then_replace_weights)
     out = tmp_path / "out"
     assert run(_job(model, data, out, f"model.path={m}")) == 2
     assert "model.safetensors changed while the job ran" in caplog.text

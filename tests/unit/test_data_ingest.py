@@ -136,3 +136,26 @@ def test_messages_column_uses_the_chat_template(tmp_path, tokenizer):
     assert plan.num_valid == 1
     expected = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "the licence"}])))
     assert plan.shards[0].input_tokens == expected
+
+
+# ---- workers read their rows by row group -----------------------------------------------------
+def test_read_rows_reads_only_the_row_groups_it_needs(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from flashx_batch.data.readers import read_rows, resolve_inputs
+    from flashx_batch.job_errors import InputChangedError
+
+    path = tmp_path / "groups.parquet"
+    pq.write_table(pa.table({"id": list(range(100)), "prompt": [f"p{i}" for i in range(100)]}), path,
+                   row_group_size=32)
+    (file,) = resolve_inputs(str(path))
+    read_groups = []
+    real = pq.ParquetFile.read_row_groups
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups",
+                        lambda self, groups, **kw: read_groups.append(list(groups)) or real(self, groups, **kw))
+    frame, position = read_rows(file, ["id", "prompt"], [70, 3, 5])
+    assert read_groups == [[0, 2]]  # rows 3 and 5 in group 0, row 70 in group 2: group 1 is never read
+    assert frame.num_rows == 3 and [frame.columns["prompt"][position[r]] for r in (70, 3, 5)] == ["p70", "p3", "p5"]
+    pq.write_table(pa.table({"id": list(range(101)), "prompt": [f"p{i}" for i in range(101)]}), path)
+    with pytest.raises(InputChangedError):
+        read_rows(file, ["id", "prompt"], [3])
