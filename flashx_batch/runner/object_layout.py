@@ -18,9 +18,10 @@ The protocol (docs/batch_jobs.md, "Object storage"):
   inside it (`pieces.coarsest`), so a zombie finishing the whole shard after its halves committed
   changes which files hold the rows, never how many times a row appears.
 - Finishing: the driver checks ids once per piece, consolidates the winners into few files per kind
-  (`generations/part-00000.parquet`, ...), writes `_SUCCESS` naming those files, then deletes
-  `_attempts/` and `_manifest/`. Readers go through `flashx_batch.read_output`: `_SUCCESS`'s list
-  when finished, the resolved manifests while running — never a listing that may hold a zombie's parts.
+  (`generations/part-00000.parquet`, ...), writes `_committed.json` (each piece and where its rows
+  went) and `_SUCCESS` naming those files, then deletes `_attempts/` and `_manifest/`. Readers go
+  through `flashx_batch.read_output`: `_SUCCESS`'s list when finished, the resolved manifests while
+  running — never a listing that may hold a zombie's parts.
 - The run lock is a lease object (`_lease.json`: owner, host, pid, expiry) renewed by a thread;
   another run is refused (exit 75) while it is live. Two drivers racing for a free lease are told
   apart by reading it back after a settle delay; and should both ever run, the commit rules above
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 KINDS = ("generations", "errors", "stats")
 JOB_JSON, SUCCESS, MANIFEST_DIR, ATTEMPTS_DIR, LEASE = "job.json", "_SUCCESS", "_manifest", "_attempts", "_lease.json"
+COMMITTED = "_committed.json"  # a finished job's pieces and where their rows went (written just before _SUCCESS)
 _SETTLE_S = 1.0  # lease: how long a new owner waits before reading its lease back
 
 
@@ -153,7 +155,7 @@ class ObjectOutputDir:
     def reset(self) -> None:
         for rel in (*KINDS, MANIFEST_DIR, ATTEMPTS_DIR):
             self._delete_tree(rel)
-        for rel in (JOB_JSON, SUCCESS):
+        for rel in (JOB_JSON, SUCCESS, COMMITTED):
             self._delete(rel)
 
     def prepare(self) -> None:
@@ -194,9 +196,11 @@ class ObjectOutputDir:
     def committed(self) -> dict[str, dict[str, Any]]:
         """piece id -> winning manifest, resolved as the module docstring says. A finished job (with
         `_SUCCESS`) answers from the list its `_SUCCESS` holds."""
-        done = self.success_record()
-        if done is not None and "pieces" in done:
-            return {p: {**m, "consolidated": True} for p, m in done["pieces"].items()}
+        if self.is_finished():
+            try:
+                return json.loads(self._read(COMMITTED))
+            except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+                pass  # finished before the consolidated layout: resolve the manifests
         manifests = self._files(MANIFEST_DIR)
         parts = set(self._files(ATTEMPTS_DIR))
         exact: dict[str, str] = {}
@@ -314,7 +318,7 @@ class ObjectOutputDir:
     def finish(self, totals: dict[str, Any], committed: dict[str, dict[str, Any]],
                empty: dict[str, pa.Table]) -> None:
         """Consolidate the winners into `<kind>/part-NNNNN.parquet` (runner.consolidate), write
-        `_SUCCESS` (totals, the files, each piece's manifest and slices) and delete the per-attempt
+        `_committed.json` (each piece's manifest and slices), `_SUCCESS` (totals, the files) and delete the per-attempt
         objects. `empty`: a zero-row table per kind, written when no piece holds that kind."""
         for kind in KINDS:  # files of an earlier, interrupted consolidation
             self._delete_tree(kind)
@@ -328,8 +332,8 @@ class ObjectOutputDir:
                 where[p][kind] = sl.as_list()
         pinned = {p: {**{k: v for k, v in m.items() if k != "parts"}, "slices": where[p]}
                   for p, m in committed.items()}
-        record = {**totals, "files": files, "pieces": pinned}
-        self._write(SUCCESS, (json.dumps(record, indent=2, default=str) + "\n").encode())
+        self._write(COMMITTED, json.dumps(pinned, separators=(",", ":"), default=str).encode())
+        self._write(SUCCESS, (json.dumps({**totals, "files": files}, indent=2, default=str) + "\n").encode())
         self.tidy()
 
     def tidy(self) -> None:
