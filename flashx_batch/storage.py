@@ -23,6 +23,7 @@ import fnmatch
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -170,18 +171,19 @@ def glob_files(pattern: str) -> list[tuple[str, pafs.FileInfo]]:
         fixed.append(p)
     base = "/".join(fixed)
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-    matched = [i for i in infos if i.type == pafs.FileType.File and _match_parts(parts, i.path.split("/"))]
+    matched = [i for i in infos if i.type == pafs.FileType.File and glob_match(parts, i.path.split("/"))]
     prefix = f"{scheme}://" if scheme in ("s3", "gs", "gcs") else f"{scheme}://{urlparse(pattern).netloc}"
     return sorted(((prefix + i.path, i) for i in matched), key=lambda x: x[0])
 
 
-def _match_parts(pattern: list[str], path: list[str]) -> bool:
+def glob_match(pattern: Sequence[str], path: Sequence[str]) -> bool:
+    """glob semantics on path components: `**` any number of directories, each other part fnmatch'ed."""
     if not pattern:
         return not path
     head, rest = pattern[0], pattern[1:]
     if head == "**":
-        return any(_match_parts(rest, path[i:]) for i in range(len(path) + 1))
-    return bool(path) and fnmatch.fnmatchcase(path[0], head) and _match_parts(rest, path[1:])
+        return any(glob_match(rest, path[i:]) for i in range(len(path) + 1))
+    return bool(path) and fnmatch.fnmatchcase(path[0], head) and glob_match(rest, path[1:])
 
 
 def list_files(uri: str) -> list[tuple[str, pafs.FileInfo]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import logging
 import platform
 import sys
@@ -170,22 +169,12 @@ def _reads_outputs_of(data_path: str, out: Path | str) -> bool:
             return False  # one local, one remote: never the same files
         if not any(ch in data_path for ch in "*?["):
             return (out + "/").startswith(data_path.rstrip("/") + "/")
-        return _glob_matches(tuple(data_path.split("/")), tuple(f"{out}/generations/part-x.parquet".split("/")))
+        return storage.glob_match(tuple(data_path.split("/")), tuple(f"{out}/generations/part-x.parquet".split("/")))
     if not any(ch in data_path for ch in "*?["):
         base = Path(data_path).expanduser().resolve()
         return base.is_dir() and (out == base or base in out.parents)
     pattern = Path(data_path).expanduser().absolute()
-    return _glob_matches(pattern.parts, (out / "generations" / "part-x.parquet").parts)
-
-
-def _glob_matches(pattern: tuple[str, ...], path: tuple[str, ...]) -> bool:
-    """glob semantics on path components: `**` any number of directories, each other part fnmatch'ed."""
-    if not pattern:
-        return not path
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_glob_matches(rest, path[i:]) for i in range(len(path) + 1))
-    return bool(path) and fnmatch.fnmatchcase(path[0], head) and _glob_matches(rest, path[1:])
+    return storage.glob_match(pattern.parts, (out / "generations" / "part-x.parquet").parts)
 
 
 def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFlag) -> int:
