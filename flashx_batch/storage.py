@@ -1,5 +1,5 @@
 """Where input and output live: local paths and object-store URIs (`s3://`, `gs://`, `hdfs://`), opened
-through `pyarrow.fs`.
+through `pyarrow.fs`; any other scheme (`oss://`, `abfs://`, ...) through fsspec where it is installed.
 
 Who calls it: `data.readers` (input files), `runner.layout` / `runner.object_layout` (the output
 directory), `flashx_batch.read_output`. The job's `storage.*` keys are installed once per process
@@ -33,7 +33,6 @@ import pyarrow.fs as pafs
 from flashx_batch.errors import ConfigError
 
 log = logging.getLogger(__name__)
-REMOTE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs")
 _SECRETS = ("secret_access_key", "session_token")
 
 
@@ -92,7 +91,13 @@ def scheme_of(path: str) -> str | None:
 
 
 def is_remote(path: str) -> bool:
-    return scheme_of(path) in REMOTE_SCHEMES
+    """Any URI but file:// (and bundled://, which the config resolves to a local path first)."""
+    return scheme_of(path) not in (None, "file", "bundled")
+
+
+def _bucket_style(scheme: str) -> bool:
+    """Paths inside the filesystem are `bucket/key` (object stores) rather than `/path` (hdfs)."""
+    return scheme not in ("hdfs", "viewfs")
 
 
 def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -103,16 +108,13 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
     if scheme == "file":
         return pafs.LocalFileSystem(), urlparse(uri).path
-    if scheme not in REMOTE_SCHEMES:
-        raise ConfigError(f"{uri}: the scheme {scheme}:// is not supported; use a local path, s3:// (S3 and "
-                          "S3-compatible stores with storage.endpoint_url), gs:// or hdfs://.")
     parsed = urlparse(uri)
     key = (scheme, parsed.netloc)
     with _lock:
         fs = _cache.get(key)
         if fs is None:
             fs = _cache[key] = _open(scheme, uri)
-    if scheme in ("s3", "gs", "gcs"):
+    if _bucket_style(scheme):
         return fs, (parsed.netloc + parsed.path).rstrip("/")
     return fs, parsed.path.rstrip("/") or "/"
 
@@ -141,13 +143,31 @@ def _open(scheme: str, uri: str) -> pafs.FileSystem:
             return pafs.S3FileSystem(**kwargs)
         if scheme in ("gs", "gcs"):
             return pafs.GcsFileSystem(anonymous=s.anonymous) if s.anonymous else pafs.FileSystem.from_uri(uri)[0]
-        return pafs.FileSystem.from_uri(uri)[0]  # hdfs / viewfs: libhdfs from HADOOP_HOME and CLASSPATH
+        if scheme in ("hdfs", "viewfs"):
+            return pafs.FileSystem.from_uri(uri)[0]  # libhdfs from HADOOP_HOME and CLASSPATH
+        return _fsspec(scheme, uri)
     except ConfigError:
         raise
     except Exception as exc:  # pyarrow built without the filesystem, libhdfs missing, bad endpoint
         raise ConfigError(f"{uri}: cannot open the {scheme}:// filesystem ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}); check storage.* and the credentials "
                           "in the environment.") from None
+
+
+def _fsspec(scheme: str, uri: str) -> pafs.FileSystem:
+    """A scheme pyarrow has no filesystem for (oss://, abfs://, az://, memory://, ...) through fsspec,
+    when fsspec and the scheme's implementation (ossfs, adlfs, ...) are installed."""
+    try:
+        import fsspec
+    except ImportError:
+        raise ConfigError(f"{uri}: pyarrow has no {scheme}:// filesystem and fsspec is not installed; use s3:// "
+                          "(with storage.endpoint_url for S3-compatible stores), gs:// or hdfs://, or install "
+                          f"fsspec with the package that implements {scheme}://.") from None
+    try:
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(scheme)))
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"{uri}: no filesystem for {scheme}:// ({exc}); use s3://, gs:// or hdfs://, or install "
+                          f"the fsspec package that implements {scheme}://.") from None
 
 
 def join(base: str, *parts: str) -> str:
@@ -171,9 +191,10 @@ def glob_files(pattern: str) -> list[tuple[str, pafs.FileInfo]]:
         fixed.append(p)
     base = "/".join(fixed)
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-    matched = [i for i in infos if i.type == pafs.FileType.File and glob_match(parts, i.path.split("/"))]
-    prefix = f"{scheme}://" if scheme in ("s3", "gs", "gcs") else f"{scheme}://{urlparse(pattern).netloc}"
-    return sorted(((prefix + i.path, i) for i in matched), key=lambda x: x[0])
+    matched = [i for i in infos
+               if i.type == pafs.FileType.File and glob_match(parts, _inner(i.path, scheme).split("/"))]
+    prefix = f"{scheme}://" if _bucket_style(scheme) else f"{scheme}://{urlparse(pattern).netloc}"
+    return sorted(((prefix + _inner(i.path, scheme), i) for i in matched), key=lambda x: x[0])
 
 
 def glob_match(pattern: Sequence[str], path: Sequence[str]) -> bool:
@@ -191,8 +212,14 @@ def list_files(uri: str) -> list[tuple[str, pafs.FileInfo]]:
     scheme = scheme_of(uri)
     fs, path = filesystem(uri)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    prefix = f"{scheme}://" if scheme in ("s3", "gs", "gcs") else f"{scheme}://{urlparse(uri).netloc}"
-    return sorted(((prefix + i.path, i) for i in infos if i.type == pafs.FileType.File), key=lambda x: x[0])
+    prefix = f"{scheme}://" if _bucket_style(scheme) else f"{scheme}://{urlparse(uri).netloc}"
+    return sorted(((prefix + _inner(i.path, scheme), i) for i in infos if i.type == pafs.FileType.File),
+                  key=lambda x: x[0])
+
+
+def _inner(path: str, scheme: str | None) -> str:
+    """A listed path as `filesystem` returns paths: `bucket/key` (fsspec listings add a leading "/")."""
+    return path.lstrip("/") if scheme is not None and _bucket_style(scheme) else path
 
 
 def file_info(uri: str) -> pafs.FileInfo:

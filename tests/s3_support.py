@@ -63,7 +63,8 @@ def objects(uri: str) -> list[str]:
     """Every object under `uri`, relative to it."""
     fs, path = storage.filesystem(uri)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    return sorted(i.path[len(path) + 1:] for i in infos if i.type == pafs.FileType.File)
+    base = path.strip("/")  # fsspec-backed listings start with "/"
+    return sorted(i.path.strip("/")[len(base) + 1:] for i in infos if i.type == pafs.FileType.File)
 
 
 def output_ids(uri: str) -> tuple[Counter, Counter]:

@@ -115,8 +115,8 @@ class ObjectOutputDir:
     def _files(self, rel: str) -> list[str]:
         """Paths (relative to the root) of every object under `rel`."""
         infos = self.fs.get_file_info(pafs.FileSelector(self._path(rel), recursive=True, allow_not_found=True))
-        cut = len(self.base) + 1
-        return sorted(i.path[cut:] for i in infos if i.type == pafs.FileType.File)
+        base = self.base.strip("/")  # fsspec-backed listings may add a leading "/"
+        return sorted(i.path.strip("/")[len(base) + 1:] for i in infos if i.type == pafs.FileType.File)
 
     # ---- driver side ------------------------------------------------------------------------
     def read_job(self) -> dict[str, Any] | None:
