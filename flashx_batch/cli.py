@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flashx_batch.config import PRIMARY_CONFIG, register_configs, to_job_config
 from flashx_batch.errors import ConfigError
+from flashx_batch.storage import is_remote
 
 log = logging.getLogger(__name__)
 _codes: list[int] = []  # one per run Hydra launched in this process
@@ -74,7 +75,12 @@ def _entry(cfg: DictConfig) -> int:
         _codes.append(2)
         return 2
     if hc.mode == RunMode.MULTIRUN:
-        job.output.dir = hc.runtime.output_dir  # = <output.dir>/<swept keys> (sweep settings)
+        if is_remote(job.output.dir):  # Hydra makes its sweep dirs local paths: keep the URI, add the point's name
+            job.output.dir = f"{job.output.dir.rstrip('/')}/{os.path.basename(hc.runtime.output_dir)}"
+            log.info("sweep point -> %s (Hydra's multirun.yaml stays in the local %s)", job.output.dir,
+                     os.path.dirname(hc.runtime.output_dir))
+        else:
+            job.output.dir = hc.runtime.output_dir  # = <output.dir>/<swept keys> (sweep settings)
     from flashx_batch.runner import run
 
     code = run(job)

@@ -262,13 +262,10 @@ def iter_frames(file: InputFile, columns: list[str], text_column: str | None = N
                 batch_rows: int = 65536, values: list[str] | None = None) -> Iterator[Frame]:
     """`read_frame` in pieces of at most `batch_rows` rows, in order: a Parquet file is decoded one
     batch at a time (its bytes are held, hashed and parsed once, its Python values never all at
-    once); other formats are parsed whole and handed out in slices. `values`: the columns whose
+    once); other formats are parsed whole and handed out as one frame. `values`: the columns whose
     values a Parquet frame carries (default all; every column's type is there either way)."""
-    if file.format != "parquet":
-        frame = read_frame(file, columns, text_column)
-        for start in range(0, max(frame.num_rows, 1), batch_rows):
-            part = {c: v[start : start + batch_rows] for c, v in frame.columns.items()}
-            yield Frame(part, frame.types, len(next(iter(part.values()))) if part else 0)
+    if file.format != "parquet":  # parsed whole anyway: one frame (untyped JSONL is typed per file)
+        yield read_frame(file, columns, text_column)
         return
     data = read_verified(file)
     try:
@@ -283,6 +280,9 @@ def iter_frames(file: InputFile, columns: list[str], text_column: str | None = N
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None
+
+
+_verified_at: dict[str, int] = {}  # path -> the modification time this process last hashed it at
 
 
 def read_rows(file: InputFile, columns: list[str], rows: list[int]) -> tuple[Frame, dict[int, int]]:
@@ -301,8 +301,9 @@ def read_rows(file: InputFile, columns: list[str], rows: list[int]) -> tuple[Fra
         mtime = info.mtime_ns or 0
         if info.size != file.size:
             raise InputChangedError(describe_change(file, info.size or 0, "(not read)"))
-        if file.mtime_ns and mtime and mtime != file.mtime_ns:
+        if file.mtime_ns and mtime and mtime != file.mtime_ns and _verified_at.get(file.path) != mtime:
             read_verified(file)  # touched since planning: unchanged only if it still hashes the same
+            _verified_at[file.path] = mtime
         with fs.open_input_file(path) as handle:
             reader = pq.ParquetFile(handle)
             _check_header(file, reader.schema_arrow.names, columns)

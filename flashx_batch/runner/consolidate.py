@@ -40,18 +40,20 @@ class Slice:
 
 def consolidate(kind: str, pieces: list[tuple[str, Callable[[], pa.Table]]], first_index: int,
                 open_sink: Callable[[str], Any], close_sink: Callable[[str, Any], None],
-                empty: pa.Table | None = None, target_bytes: int | None = None
-                ) -> tuple[list[str], dict[str, Slice]]:
+                empty: pa.Table | None = None, target_bytes: int | None = None,
+                schemas: list[pa.Schema] | None = None) -> tuple[list[str], dict[str, Slice]]:
     """Write `pieces` (piece id, reader of its table), in order, into `<kind>/part-NNNNN.parquet` from
     number `first_index` on; `open_sink(name)` gives a writable stream, `close_sink(name, stream)`
     makes the file durable and visible. Returns the file names and each piece's slice. With no
-    rows at all and an `empty` table, one zero-row file with its schema (a glob never finds nothing)."""
+    rows at all and an `empty` table, one zero-row file with its schema (a glob never finds nothing).
+    `schemas`: every piece's schema (from the Parquet footers), unified into the files' schema — a
+    column null in one piece and typed in another, a column added by a newer version, int and float."""
     target = TARGET_FILE_BYTES if target_bytes is None else target_bytes
     names: list[str] = []
     slices: dict[str, Slice] = {}
     writer: pq.ParquetWriter | None = None
     sink: Any = None
-    schema: pa.Schema | None = None
+    schema: pa.Schema | None = _unified(schemas) if schemas else None
     size = rows = 0
 
     def close() -> None:
@@ -95,13 +97,23 @@ def read_slice(table: pa.Table, where: Slice) -> pa.Table:
     return table.slice(where.offset, where.rows)
 
 
+def _unified(schemas: list[pa.Schema]) -> pa.Schema:
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise OutputDirError(f"the committed pieces' columns cannot be unified into one schema ({exc}); a "
+                             "column changed type between runs. Run the job into a new output.dir.") from None
+
+
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """A piece's table in the first piece's schema (a column all null in one piece is typed null
-    there and real elsewhere)."""
+    """A piece's table in the files' schema: columns it lacks are nulls, types cast (null to any,
+    int to float, ...)."""
     if table.schema.equals(schema):
         return table
     try:
-        return table.select(schema.names).cast(schema)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as exc:
-        raise OutputDirError(f"pieces disagree on the output schema ({exc}); this is a bug, please report it.") \
-            from None
+        columns = [table.column(f.name).cast(f.type) if f.name in table.column_names
+                   else pa.nulls(table.num_rows, f.type) for f in schema]
+        return pa.Table.from_arrays(columns, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        raise OutputDirError(f"a committed piece does not fit the output schema ({exc}); run the job into a new "
+                             "output.dir.") from None

@@ -13,9 +13,11 @@ from flashx_batch.runner.layout import OutputDir
 from flashx_batch.runner.object_layout import ObjectOutputDir
 
 
-def evaluate(job: JobConfig, output: OutputDir | ObjectOutputDir, totals: dict[str, Any], stats: Any) -> dict[str, Any]:
-    """{"overall": summary dict, "buckets": [{"bucket", **summary}]} for `job.eval.metric`."""
-    committed = output.committed()
+def evaluate(job: JobConfig, output: OutputDir | ObjectOutputDir, totals: dict[str, Any], stats: Any,
+             committed: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """{"overall": summary dict, "buckets": [{"bucket", **summary}]} for `job.eval.metric`, over the
+    `committed` pieces (default: as they are now)."""
+    committed = output.committed() if committed is None else committed
     scores: list[float | None] = []
     by_shard: dict[str, list[float | None]] = {}
     for pid, manifest in sorted(committed.items()):

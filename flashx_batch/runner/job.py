@@ -262,9 +262,11 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
 
     final: str | None = None  # the status finish() last wrote to job.json
 
-    def finish(status: str, **extra: Any) -> None:
+    def finish(status: str, snapshot: dict[str, dict] | None = None, **extra: Any) -> None:
+        """job.json with `status`; `snapshot`: the committed pieces to count (default: as they are now)."""
         nonlocal final
-        output.write_job({**record, "status": status, "accounting": accounting(plan, output.committed()), **extra})
+        counted = snapshot if snapshot is not None else output.committed()
+        output.write_job({**record, "status": status, "accounting": accounting(plan, counted), **extra})
         final = status
 
     stop.set_on_force(lambda code: finish("interrupted", exit_code=code))  # last words before os._exit
@@ -341,15 +343,16 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
             + ". Rerun the same command to retry them (committed shards are kept).")
     verify_unchanged(plan.files)  # the last word on the input: every row came from the planned bytes
     fingerprint.check_model_unchanged(model_dir, model_stats)
-    totals = _verify(plan, output, job.sampling.n)
+    # the pieces checked here are the ones counted, reported and written out, whatever commits later
+    totals, verified = _verify(plan, output, job.sampling.n)
     if stop.requested:  # a signal while finishing: stop before _SUCCESS; a rerun only finishes
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
-    evaluation, stats = None, output.read_stats()
+    evaluation, stats = None, output.read_stats(verified)
     if job.eval.metric:
         from flashx_batch.runner.eval_summary import evaluate
 
-        evaluation = evaluate(job, output, totals, stats)
+        evaluation = evaluate(job, output, totals, stats, verified)
         totals["eval"] = evaluation["overall"]
         log.info("evaluation: %s", evaluation["describe"])
     if job.output.report:
@@ -361,8 +364,8 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
     stop.set_on_force(None)  # past here a forced exit must not overwrite the success being written
-    finish("succeeded", totals=totals, finished_at=time.time(), worker_failures=failures)
-    output.finish(totals, output.committed(), {"errors": errors_table([], plan.id_kind, [], [], [])})
+    finish("succeeded", verified, totals=totals, finished_at=time.time(), worker_failures=failures)
+    output.finish(totals, verified, {"errors": errors_table([], plan.id_kind, [], [], [])})
     log.info("done: %d generated, %d error rows, %d output tokens -> %s", totals["generated_rows"],
              totals["error_rows"], totals["output_tokens"], output.root)
     return EXIT_OK
@@ -397,8 +400,9 @@ def _commit_plan_errors(plan: Plan, output: Output, committed: set[str]) -> None
                                                             "worker": "driver"})
 
 
-def _verify(plan: Plan, output: Output, samples: int = 1) -> dict[str, Any]:
-    """Check the invariant shard by shard; remove orphans; returns the job totals for _SUCCESS and the report.
+def _verify(plan: Plan, output: Output, samples: int = 1) -> tuple[dict[str, Any], dict[str, dict]]:
+    """Check the invariant shard by shard; remove orphans; returns the job totals for _SUCCESS and the
+    report, and the committed pieces checked (what the finish writes out).
 
     For every planned shard: its committed pieces do not overlap and cover it, and the ids they hold
     (generations + errors) are exactly the shard's ids, once each. Nothing else may be committed.
@@ -443,14 +447,15 @@ def _verify(plan: Plan, output: Output, samples: int = 1) -> dict[str, Any]:
         raise InvariantError("output ids differ from input ids")  # unreachable when every shard checks out
     output.clean_orphans(set(committed))  # a half-published piece of a shard that was later split
     output.drop_attempts_dir()
-    stats = output.read_stats()
+    stats = output.read_stats(committed)
     sums = {c: (sum(stats.column(c).to_pylist()) if stats is not None else 0)
             for c in ("input_tokens", "output_tokens", "wall_s")}
-    return {"input_rows": plan.num_rows, "generated_rows": sum(gen.values()), "error_rows": sum(err.values()),
+    totals = {"input_rows": plan.num_rows, "generated_rows": sum(gen.values()), "error_rows": sum(err.values()),
             "error_counts": dict(codes), "shards": len(plan.shards), "error_shards": len(plan.error_shards),
             "pieces": len(committed), "input_tokens": sums["input_tokens"], "output_tokens": sums["output_tokens"],
             "shard_wall_s": sums["wall_s"], "padding_efficiency_bucketed": plan.padding_bucketed,
             "padding_efficiency_unbucketed": plan.padding_unbucketed, "finished_at": time.time()}
+    return totals, committed
 
 
 def _sampled_ids(shard_id: str, ids: list[Any], sample_index: list[int], samples: int) -> list[Any]:

@@ -76,6 +76,7 @@ class OutputDir:
         self.faults = faults
         self.job_digest = job_digest
         self._lock_fd: int | None = None
+        self._slice_file: tuple[tuple, pa.Table] | None = None  # the consolidated file read last
         self._created: list[Path] = []  # what lock() created (removed again by a run that wrote nothing)
 
     # ---- paths ------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ class OutputDir:
                         ((kind, f.name[len("part-"):-len(".parquet")]) not in own):
                     f.unlink()
                     removed += 1
-        for tmp in self.root.glob(".*.tmp"):
+        for tmp in [*self.root.glob(".*.tmp"), *(self.root / MANIFEST_DIR).glob(".*.tmp")]:
             tmp.unlink()
         if removed:
             log.info("removed %d orphaned file(s) / attempt dir(s) of uncommitted shards", removed)
@@ -286,8 +287,10 @@ class OutputDir:
                         if (m := CONSOLIDATED.fullmatch(f.name))]
             first = max(existing, default=-1) + 1
             readers = [(p, _reader(self, kind, p, committed)) for p in sorted(redo)]
+            schemas = [self._schema(kind, p, committed) for p in sorted(redo)]
+            schemas += [pq.read_schema(self.root / f) for f in kept]
             new, slices = consolidate(kind, readers, first, self._sink, self._close_sink,
-                                      empty.get(kind) if not kept else None)
+                                      empty.get(kind) if not kept else None, schemas=schemas)
             for p, sl in slices.items():
                 moved.setdefault(p, {})[kind] = sl.as_list()
             files[kind] = sorted(kept) + new
@@ -357,7 +360,14 @@ class OutputDir:
         where = manifest.get("slices", {}).get(kind)
         if where is None:
             return pq.read_table(self.part(kind, piece), columns=columns)
-        return read_slice(pq.read_table(self.root / where[0], columns=columns), Slice(*where))
+        key = (where[0], tuple(columns) if columns else None)
+        if self._slice_file is None or self._slice_file[0] != key:  # pieces of one file come in a row
+            self._slice_file = (key, pq.read_table(self.root / where[0], columns=columns))
+        return read_slice(self._slice_file[1], Slice(*where))
+
+    def _schema(self, kind: str, piece: str, committed: dict[str, dict[str, Any]]) -> pa.Schema:
+        where = committed[piece].get("slices", {}).get(kind)
+        return pq.read_schema(self.part(kind, piece) if where is None else self.root / where[0])
 
     def read_ids(self, kind: str, shard_ids: set[str]) -> Counter:
         counts: Counter = Counter()
@@ -367,9 +377,9 @@ class OutputDir:
                 counts.update(pq.read_table(path, columns=["id"]).column("id").to_pylist())
         return counts
 
-    def read_stats(self) -> pa.Table | None:
+    def read_stats(self, committed: dict[str, dict[str, Any]] | None = None) -> pa.Table | None:
         """The committed pieces' stats rows (from their parts, or their slices once finished)."""
-        committed = self.committed()
+        committed = self.committed() if committed is None else committed
         tables = [t for p in sorted(committed) if (t := self.read_part("stats", p, committed=committed)) is not None]
         return pa.concat_tables(tables) if tables else None
 

@@ -214,15 +214,29 @@ class ObjectOutputDir:
                 exact[inner[: -len(".json")]] = rel
         winners: dict[str, dict[str, Any]] = {}
         for piece in sorted(set(exact) | set(candidates)):
-            order = [exact[piece]] if piece in exact else \
-                [f"{MANIFEST_DIR}/{piece}/{n}" for n in sorted(candidates[piece])]
-            for rel in order:
-                manifest = self._valid_manifest(rel, parts)
-                if manifest is not None:
-                    winners[piece] = manifest
-                    break
+            manifest = self._winner(exact.get(piece), piece, sorted(candidates.get(piece, [])), parts)
+            if manifest is not None:
+                winners[piece] = manifest
         keep = pieces.coarsest(winners)
         return {p: winners[p] for p in keep}
+
+    def _winner(self, exact: str | None, piece: str, names: list[str], parts: set[str]) -> dict[str, Any] | None:
+        """A piece's committed manifest: the conditional-put one if it is valid, else the smallest valid
+        candidate — so a manifest that can never count (another job's, or one whose parts are gone) does
+        not block the piece for ever."""
+        for rel in [*([exact] if exact else []), *(f"{MANIFEST_DIR}/{piece}/{n}" for n in names)]:
+            manifest = self._valid_manifest(rel, parts)
+            if manifest is not None:
+                return manifest
+        return None
+
+    def _resolve_piece(self, piece: str) -> dict[str, Any] | None:
+        """`committed()` for one piece, from its own objects only (a commit's check: no full listing)."""
+        exact = f"{MANIFEST_DIR}/{piece}.json"
+        mine = f"{MANIFEST_DIR}/{piece}/"
+        names = [f[len(mine):] for f in self._files(f"{MANIFEST_DIR}/{piece}") if f.startswith(mine)]
+        parts = set(self._files(f"{ATTEMPTS_DIR}/{piece}"))
+        return self._winner(exact if self._exists(exact) else None, piece, sorted(names), parts)
 
     def _valid_manifest(self, rel: str, parts: set[str]) -> dict[str, Any] | None:
         try:
@@ -241,6 +255,11 @@ class ObjectOutputDir:
         winners = self.committed() if not committed else {p: m for p, m in self.committed().items() if p in committed}
         keep = {p.rsplit("/", 1)[0] for m in winners.values() for p in m.get("parts", {}).values()}
         removed = 0
+        parts = set(self._files(ATTEMPTS_DIR))
+        for rel in self._files(MANIFEST_DIR):  # manifests that can never count: another job's, parts gone
+            if self._valid_manifest(rel, parts) is None:
+                self._delete(rel)
+                removed += 1
         for prefix in {"/".join(f.split("/")[:3]) for f in self._files(ATTEMPTS_DIR)} - keep:
             self._delete_tree(prefix)
             removed += 1
@@ -265,8 +284,8 @@ class ObjectOutputDir:
         table = pq.read_table(self._path(where[0]), columns=columns, filesystem=self.fs)
         return read_slice(table, Slice(*where))
 
-    def read_stats(self) -> pa.Table | None:
-        committed = self.committed()
+    def read_stats(self, committed: dict[str, dict[str, Any]] | None = None) -> pa.Table | None:
+        committed = self.committed() if committed is None else committed
         tables = [t for p in sorted(committed) if (t := self.read_part("stats", p, committed=committed)) is not None]
         return pa.concat_tables(tables) if tables else None
 
@@ -306,9 +325,11 @@ class ObjectOutputDir:
                   "committed_at": time.time()}
         data = json.dumps(record, indent=1, default=str).encode()
         won = storage.put_if_absent(f"{self.root}/{MANIFEST_DIR}/{shard_id}.json", data)
+        if won is False and self._resolve_piece(shard_id) is None:
+            won = None  # the manifest there can never count (another job's, parts gone): commit beside it
         if won is None:
             self._write(f"{MANIFEST_DIR}/{shard_id}/{commit_id}.json", data)
-            winner = self.committed().get(shard_id)
+            winner = self._resolve_piece(shard_id)
             won = winner is not None and winner.get("commit_id") == commit_id
         if not won:
             log.info("%s: attempt %d lost to an earlier commit", shard_id, attempt)
@@ -320,26 +341,41 @@ class ObjectOutputDir:
         """Consolidate the winners into `<kind>/part-NNNNN.parquet` (runner.consolidate), write
         `_committed.json` (each piece's manifest and slices), `_SUCCESS` (totals, the files) and delete the per-attempt
         objects. `empty`: a zero-row table per kind, written when no piece holds that kind."""
+        if self._lease is not None and self._lease.lost:
+            raise LockHeldError(f"{self.root}: this run lost its lease ({self._lease.lost}); it stops before "
+                                "writing the final files. Rerun once the other run has finished.")
         for kind in KINDS:  # files of an earlier, interrupted consolidation
             self._delete_tree(kind)
         files: dict[str, list[str]] = {}
         where: dict[str, dict[str, list]] = {p: {} for p in committed}
         for kind in KINDS:
-            readers = [(p, _reader(self, kind, p, committed)) for p in sorted(committed)
-                       if kind in committed[p].get("parts", {})]
-            files[kind], slices = consolidate(kind, readers, 0, self._sink, _close_sink, empty.get(kind))
+            mine = [p for p in sorted(committed) if kind in committed[p].get("parts", {})]
+            readers = [(p, _reader(self, kind, p, committed)) for p in mine]
+            schemas = [pq.read_schema(self._path(committed[p]["parts"][kind]), filesystem=self.fs) for p in mine]
+            files[kind], slices = consolidate(kind, readers, 0, self._sink, _close_sink, empty.get(kind),
+                                              schemas=schemas)
             for p, sl in slices.items():
                 where[p][kind] = sl.as_list()
         pinned = {p: {**{k: v for k, v in m.items() if k != "parts"}, "slices": where[p]}
                   for p, m in committed.items()}
         self._write(COMMITTED, json.dumps(pinned, separators=(",", ":"), default=str).encode())
         self._write(SUCCESS, (json.dumps({**totals, "files": files}, indent=2, default=str) + "\n").encode())
-        self.tidy()
+        try:
+            self.tidy()
+        except OSError as exc:  # the job is finished; what is left is cleared by the next rerun
+            log.warning("%s: could not remove the attempts' objects after _SUCCESS (%s); a rerun removes them",
+                        self.root, exc)
 
     def tidy(self) -> None:
-        """After `_SUCCESS`: the per-attempt objects (an interrupted finish's, or a zombie's) go."""
+        """After `_SUCCESS`: the per-attempt objects (an interrupted finish's, or a zombie's) go, and
+        any file in a kind's prefix that `_SUCCESS` does not list (another driver's, had two ever run)."""
         self._delete_tree(ATTEMPTS_DIR)
         self._delete_tree(MANIFEST_DIR)
+        listed = {f for names in (self.success_record() or {}).get("files", {}).values() for f in names}
+        for kind in KINDS:
+            for rel in self._files(kind):
+                if f"{kind}/{rel}" not in listed:
+                    self._delete(f"{kind}/{rel}")
 
     def _sink(self, name: str) -> Any:
         return self.fs.open_output_stream(self._path(name))
@@ -363,6 +399,7 @@ class _Lease:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.lost: str | None = None  # why this run no longer holds the lease (the finish refuses then)
 
     def _record(self) -> bytes:
         return json.dumps({"owner": self.owner, "host": self.host, "pid": self.pid,
@@ -387,7 +424,11 @@ class _Lease:
         lease = self._current()
         if self._held_by_other(lease):
             raise LockHeldError(_held_message(self.out.root, lease))
-        self.out._write(LEASE, self._record())
+        created = storage.put_if_absent(f"{self.out.root}/{LEASE}", self._record()) if lease is None else None
+        if created is False:  # another driver created it between our read and our put
+            raise LockHeldError(_held_message(self.out.root, self._current()))
+        if created is None:
+            self.out._write(LEASE, self._record())
         time.sleep(_SETTLE_S)  # a racing driver's write lands in this window; whoever wrote last owns it
         lease = self._current()
         if lease is None or lease.get("owner") != self.owner:
@@ -396,11 +437,20 @@ class _Lease:
         self._thread.start()
 
     def _renew(self) -> None:
+        renewed = time.time()
         while not self._stop.wait(self.ttl / 3):
             try:
+                lease = self._current()
+                if lease is not None and lease.get("owner") != self.owner:
+                    self.lost = f"{lease.get('host')} pid {lease.get('pid')} took the lease"
+                    return
                 self.out._write(LEASE, self._record())
-            except OSError as exc:  # a blip: the next renewal retries; expiry is ttl away
+                renewed = time.time()
+            except OSError as exc:  # a blip: the next renewal retries, until the lease would have expired
                 log.warning("could not renew the lease on %s: %s", self.out.root, exc)
+                if time.time() - renewed > self.ttl:
+                    self.lost = f"not renewed for {self.ttl:.0f} s ({exc})"
+                    return
 
     def release(self) -> None:
         self._stop.set()

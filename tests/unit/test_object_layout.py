@@ -178,3 +178,37 @@ def test_secrets_are_never_shown():
     assert "hunter2" not in repr(s) and "tok'" not in repr(s)
     assert s.masked()["secret_access_key"] == "***" and s.masked()["access_key_id"] == "AKIA"
     assert dataclasses.replace(s, secret_access_key=None).masked()["secret_access_key"] is None
+
+
+def test_a_manifest_that_can_never_count_does_not_block_its_piece(out):
+    """A late attempt of a replaced job took the piece's manifest name first; this job still commits."""
+    other = open_output(out.root, job_digest="d0")
+    assert _commit(other, "b05-s0000", 1, [1])
+    assert "b05-s0000" not in out.committed()
+    assert _commit(out, "b05-s0000", 2, [1]) is True
+    assert out.committed()["b05-s0000"]["attempt"] == 2
+    out.clean_orphans(set(out.committed()))  # the driver removes what can never count
+    assert not any("b05-s0000" in f and "d0" in f for f in objects(out.root))
+    assert out.committed()["b05-s0000"]["attempt"] == 2
+
+
+def test_pieces_with_different_columns_consolidate_into_one_schema(out):
+    first = {"generations": pa.table({"id": pa.array([1], pa.int64()), "note": pa.array([None], pa.null())})}
+    second = {"generations": pa.table({"id": pa.array([2], pa.int64()), "note": ["x"], "extra": [1.5]})}
+    assert out.commit("b06-s0000", 1, first, {"rows": 1})
+    assert out.commit("b06-s0001", 1, second, {"rows": 1})
+    out.finish({}, out.committed(), {})
+    table = read_output(out.root).to_table().sort_by("id")
+    assert table.to_pylist() == [{"id": 1, "note": None, "extra": None}, {"id": 2, "note": "x", "extra": 1.5}]
+
+
+def test_a_run_that_lost_its_lease_does_not_finish(out):
+    out.lock()
+    try:
+        assert _commit(out, "b07-s0000", 1, [1])
+        out._lease.lost = "elsewhere pid 1 took the lease"
+        with pytest.raises(LockHeldError, match="lost its lease"):
+            out.finish({}, out.committed(), {})
+        assert not any(f == "_SUCCESS" for f in objects(out.root))
+    finally:
+        out.unlock()
