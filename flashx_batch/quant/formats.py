@@ -191,6 +191,30 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] float -> (int8 [M, K], scales [M, 1] float32): symmetric, one scale per row
+    (per token), so a row's result never depends on the other rows of its batch."""
+    scales = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12) / 127.0
+    return torch.round(x / scales).clamp_(-127, 127).to(torch.int8), scales
+
+
+def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x float32 [..., K] @ (q * scales)^T -> [..., N] in int8: each row of x quantized with its own
+    scale (`quantize_rows`), int8 x int8 products accumulated in int32 by `torch._int_mm` (oneDNN's
+    VNNI / AMX GEMM on x86), then both scales applied. `q_t` is the int8 weight transposed, [K, N]."""
+    rows = _as_rows(x)
+    xq, xs = quantize_rows(rows)
+    out = torch._int_mm(xq, q_t).float().mul_(xs).mul_(scales)
+    return out.reshape(*x.shape[:-1], q_t.shape[1])
+
+
+def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """What `int8_dynamic_matmul` does to its input, in float: the reference its tests compare with."""
+    rows = _as_rows(x)
+    xq, xs = quantize_rows(rows)
+    return (xq.float() * xs).to(x.dtype).reshape(x.shape)
+
+
 def int4_matmul(x: torch.Tensor, kernel: str, ops: Int4Operands, out_features: int) -> torch.Tensor:
     """x [..., K] @ dequantized int4 weight^T -> [..., N] via the CPU or CUDA int4 kernel."""
     rows = _as_rows(x)

@@ -13,6 +13,11 @@ speeds: docs/benchmarks.md, "Mixed-precision weights"):
                      same int8 tensors run `x @ q^T * scales` through float BLAS (10x faster at 256 rows).
                      For fp32 activations the CPU kernel has no vector path (4x slower than fp32
                      F.linear at one row), so fp32 always takes the BLAS route (`dequant`).
+  int8_dynamic       float32 activations on CPU: int8 weights, and activations quantized to int8 per
+                     row (per token: a row's result never depends on its batch) at each call; int8 x int8
+                     in int32 by `torch._int_mm` (oneDNN's VNNI / AMX GEMM). The activation rounding is a
+                     second error beyond the weight's: measurements for such an engine run this kernel
+                     itself instead of `simulated`, so the planner measures what will run.
   int4pack_mm_cpu    `_weight_int4pack_mm_for_cpu` for bf16 / fp16 activations: 2-4x faster than bf16
                      F.linear at one row, ~10x slower at 256 rows (prefill). Its packed layout is
                      blocked by the CPU's vector width (opaque, machine specific), so no float copy is
@@ -39,7 +44,8 @@ from flashx_batch.quant import formats as fm
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("native", "cast", "int8pack_mm", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant", "simulated")
+KERNELS = ("native", "cast", "int8pack_mm", "int8_dynamic", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant",
+           "simulated")
 SMALL_M = 16  # int8pack_mm runs calls of at most this many rows; larger ones take float BLAS
 _HALF = (torch.bfloat16, torch.float16)
 _probed: dict[tuple[str, str, torch.dtype], bool] = {}
@@ -50,6 +56,8 @@ def _preferred_kernel(fmt: str, device: torch.device, dtype: torch.dtype, out_fe
     if fmt in fm.FLOAT_FORMATS:
         return "native" if fm.FLOAT_FORMATS[fmt] == dtype else "cast"
     if fmt == "int8":
+        if device.type == "cpu" and dtype == torch.float32:
+            return "int8_dynamic"
         return "int8pack_mm" if device.type in ("cpu", "cuda") and dtype in _HALF else "dequant"
     kernel = {"cpu": "int4pack_mm_cpu", "cuda": "int4pack_mm_cuda"}.get(device.type)
     if (kernel and group_size and dtype in _HALF
@@ -114,9 +122,13 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"int4 needs in_features divisible by 32, got {in_features}")
         else:
             group_size = None
-        if kernel is None:
-            kernel = choose_kernel(fmt, weight.device, dtype, out_features, in_features, group_size)
-        module = cls(fmt, kernel, out_features, in_features, group_size, dtype)
+        real = choose_kernel(fmt, weight.device, dtype, out_features, in_features, group_size) \
+            if kernel in (None, "simulated") else kernel
+        if kernel == "simulated" and real == "int8_dynamic":
+            # measured as it will run: the per-call activation rounding turns any float imitation's
+            # last-bit differences into whole rounding steps, layer after layer; the kernel is fast anyway
+            kernel = real
+        module = cls(fmt, kernel or real, out_features, in_features, group_size, dtype)
         with torch.no_grad():
             module._store(weight.detach(), dtype)
         if bias is not None:
@@ -130,7 +142,10 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight", weight.to(fm.FLOAT_FORMATS[self.fmt]).contiguous().clone())
         elif self.fmt == "int8":
             q, scales = fm.quantize_int8(weight)
-            self.register_buffer("qweight", q)
+            if self.kernel == "int8_dynamic":  # the GEMM reads the weight as [K, N]; one copy kept
+                self.register_buffer("qweight_t", q.t().contiguous())
+            else:
+                self.register_buffer("qweight", q)
             self.register_buffer("scales", scales.to(dtype))
         else:
             q, scales, zeros = fm.quantize_int4(weight, self.group_size)
@@ -155,7 +170,8 @@ class QuantLinear(nn.Module):
         if self.fmt in fm.FLOAT_FORMATS or self.kernel == "simulated":
             return self.weight
         if self.fmt == "int8":
-            return fm.dequantize_int8(self.qweight, self.scales, torch.float32)
+            q = self.qweight_t.t() if self.kernel == "int8_dynamic" else self.qweight
+            return fm.dequantize_int8(q, self.scales, torch.float32)
         if self.kernel == "dequant":
             return fm.dequantize_int4(self.packed, self.scales, self.zeros, torch.float32)
         # the kernel's own layout is opaque: read the weight back through the kernel itself
@@ -168,6 +184,8 @@ class QuantLinear(nn.Module):
             out = F.linear(x, self.weight)
         elif kernel == "cast":
             out = F.linear(x, self.weight.to(x.dtype))
+        elif kernel == "int8_dynamic":
+            out = fm.int8_dynamic_matmul(x, self.qweight_t, self.scales)
         elif self.fmt == "int8":
             if kernel == "int8pack_mm" and x.numel() <= SMALL_M * self.in_features:
                 out = fm.int8_matmul(x, self.qweight, self.scales)

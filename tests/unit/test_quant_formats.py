@@ -73,7 +73,9 @@ def test_quant_linear_matches_dequantized_reference(fmt, dtype, tol):
     w = _weight()
     x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(2)).to(dtype)  # [B, T, K]
     module = QuantLinear.from_float(w, fmt, dtype, group_size=64)
-    reference = x.float() @ _independent_reference(w, fmt, 64).T
+    # int8 with float32 activations on CPU also rounds the inputs, one scale per row (int8_dynamic)
+    inputs = fm.fake_quantize_rows(x) if module.kernel == "int8_dynamic" else x
+    reference = inputs.float() @ _independent_reference(w, fmt, 64).T
     out = module(x)
     assert out.shape == (2, 5, 96) and out.dtype == dtype
     assert _rel(out, reference) <= tol, module.kernel
@@ -81,10 +83,11 @@ def test_quant_linear_matches_dequantized_reference(fmt, dtype, tol):
 
 
 def test_cpu_kernel_policy():
-    """PyTorch's int kernels for half-precision activations; fp32 takes float BLAS (measured faster)."""
+    """PyTorch's int kernels for half-precision activations; int8 with fp32 activations runs int8 x int8
+    (activations quantized per row); int4 with fp32 takes float BLAS (measured faster)."""
     assert QuantLinear.from_float(_weight(), "int8", torch.bfloat16).kernel == "int8pack_mm"
     assert QuantLinear.from_float(_weight(), "int4", torch.bfloat16, 64).kernel == "int4pack_mm_cpu"
-    assert QuantLinear.from_float(_weight(), "int8", torch.float32).kernel == "dequant"
+    assert QuantLinear.from_float(_weight(), "int8", torch.float32).kernel == "int8_dynamic"
     assert QuantLinear.from_float(_weight(), "int4", torch.float32, 64).kernel == "dequant"
     # 40 rows is not a multiple of 16: the CPU int4 kernel cannot take it, the fallback must
     odd = QuantLinear.from_float(_weight(40, 128), "int4", torch.float32, 64)
@@ -116,8 +119,10 @@ def test_split_linear_concatenates_formats_and_adds_bias():
     module = build_linear(w, bias, [(0, 32, "int4"), (32, 64, "int8"), (64, 96, "int8")], torch.float32, 64)
     assert isinstance(module, SplitLinear) and len(module.parts) == 2  # the two int8 pieces run as one
     x = torch.randn(4, 256)
-    ref = torch.cat([_independent_reference(w[:32], "int4", 64), _independent_reference(w[32:], "int8", 64)])
-    assert _rel(module(x), x @ ref.T + bias) <= 1e-5
+    # the int8 rows run int8_dynamic on a float32 CPU engine: their inputs are rounded per row too
+    ref = torch.cat([x @ _independent_reference(w[:32], "int4", 64).T,
+                     fm.fake_quantize_rows(x) @ _independent_reference(w[32:], "int8", 64).T], dim=1)
+    assert _rel(module(x), ref + bias) <= 1e-5
     single = build_linear(w, None, [(0, 48, "int8"), (48, 96, "int8")], torch.float32, 64)
     assert isinstance(single, QuantLinear)
     with pytest.raises(ValueError, match="tile"):
@@ -129,3 +134,16 @@ def test_quant_linear_does_not_alias_its_source():
     module = QuantLinear.from_float(w, "fp32", torch.float32)
     module.weight.add_(1.0)
     assert torch.equal(w, _weight())
+
+
+def test_int8_dynamic_is_batch_invariant_and_simulated_exactly():
+    """A row's result never depends on the other rows of its batch (per-row activation scales), and
+    the planner measures int8 for a float32 CPU engine with that very kernel."""
+    w = _weight()
+    module = QuantLinear.from_float(w, "int8", torch.float32)
+    simulated = QuantLinear.from_float(w, "int8", torch.float32, kernel="simulated")
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
+    x[3] *= 50  # an outlier row must not change the others' rounding
+    assert torch.equal(module(x)[:3], module(x[:3])) and torch.equal(module(x)[4:], module(x[4:]))
+    assert simulated.kernel == "int8_dynamic" and torch.equal(simulated(x), module(x))
+    assert _rel(module(x), x @ w.T) <= 2e-2
