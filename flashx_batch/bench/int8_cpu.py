@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/int8_cpu"))
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--random-27m", action="store_true",
+                        help="a random 27 M Llama (bench.models.LLAMA_27M) with the bundled tokenizer: speed on a "
+                             "wider model (its quality figures are those of random weights)")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--window-len", type=int, default=256)
@@ -115,7 +118,16 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. lm_head")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    result = run(args.model or bundled_model_dir(), [int(t) for t in args.threads.split(",")], args.windows,
+    model = args.model or bundled_model_dir()
+    if args.random_27m:
+        import shutil
+
+        from flashx_batch.bench.models import LLAMA_27M, random_llama
+
+        model = random_llama(LLAMA_27M)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(bundled_model_dir() / name, model / name)
+    result = run(model, [int(t) for t in args.threads.split(",")], args.windows,
                  args.window_len, args.batch, args.prompt_len, args.new_tokens, args.repeats,
                  tuple(k for k in args.keep.split(",") if k))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -162,6 +162,12 @@ def apply_precision_map(model: DecoderModel, pmap: PrecisionMap, model_dir: Path
     swap = FormatSwap(model, assignment, pmap.group_size)
     swap.originals.clear()  # permanent: drop the float modules so their memory is freed
     summary = loaded_summary(model)
+    planned_kernels = {t.get("kernel") for t in pmap.data["tensors"] if t["format"] == "int8"}
+    if "int8_dynamic" in summary["kernels"] and planned_kernels and "int8_dynamic" not in planned_kernels:
+        log.warning("precision map %s was measured with weight-only int8 (kernel %s); this engine runs int8 with "
+                    "int8 activations (int8_dynamic), a second rounding its quality figures do not include: "
+                    "plan the map again (python -m flashx_batch.quantize) for figures that match",
+                    pmap.path or "", ", ".join(sorted(k for k in planned_kernels if k)))
     log.info("precision map %s applied: %s; kernels %s; weights %.2f MiB", pmap.path or "", summary["formats"],
              summary["kernels"], summary["weight_bytes"] / 2**20)
     return summary
