@@ -250,7 +250,8 @@ class OutputDir:
         for tmp in [*self.root.glob(".*.tmp"), *(self.root / MANIFEST_DIR).glob(".*.tmp")]:
             tmp.unlink()
         if removed:
-            log.info("removed %d orphaned file(s) / attempt dir(s) of uncommitted shards", removed)
+            log.info("removed %d file(s) / attempt dir(s) no commit points to (crashed or lost attempts, parts "
+                     "folded into the consolidated files)", removed)
         return removed
 
     def drop_attempts_dir(self) -> None:
