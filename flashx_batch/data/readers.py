@@ -260,26 +260,50 @@ def read_frame(file: InputFile, columns: list[str], text_column: str | None = No
 
 def iter_frames(file: InputFile, columns: list[str], text_column: str | None = None,
                 batch_rows: int = 65536, values: list[str] | None = None) -> Iterator[Frame]:
-    """`read_frame` in pieces of at most `batch_rows` rows, in order: a Parquet file is decoded one
-    batch at a time (its bytes are held, hashed and parsed once, its Python values never all at
-    once); other formats are parsed whole and handed out as one frame. `values`: the columns whose
-    values a Parquet frame carries (default all; every column's type is there either way)."""
+    """`read_frame` in pieces of at most `batch_rows` rows, in order: a Parquet file is read with
+    random access and decoded one batch at a time (memory: a batch, whatever the file's size), checked
+    against the plan by size and modification time before and after (`_open_checked`); other formats
+    are parsed whole and handed out as one frame. `values`: the columns whose values a Parquet frame
+    carries (default all; every column's type is there either way)."""
     if file.format != "parquet":  # parsed whole anyway: one frame (untyped JSONL is typed per file)
         yield read_frame(file, columns, text_column)
         return
-    data = read_verified(file)
     try:
-        reader = pq.ParquetFile(pa.BufferReader(data))
-        names = reader.schema_arrow.names
-        _check_header(file, names, columns)
-        types = {c: reader.schema_arrow.field(c).type for c in columns}
-        wanted = [c for c in columns if values is None or c in values]
-        for batch in reader.iter_batches(batch_size=batch_rows, columns=wanted):
-            yield Frame({c: batch.column(c).to_pylist() for c in wanted}, types, batch.num_rows)
-    except (InputError, MemoryError):
+        fs, path = _open_checked(file)
+        with fs.open_input_file(path) as handle:
+            reader = pq.ParquetFile(handle)
+            names = reader.schema_arrow.names
+            _check_header(file, names, columns)
+            types = {c: reader.schema_arrow.field(c).type for c in columns}
+            wanted = [c for c in columns if values is None or c in values]
+            for batch in reader.iter_batches(batch_size=batch_rows, columns=wanted):
+                yield Frame({c: batch.column(c).to_pylist() for c in wanted}, types, batch.num_rows)
+        _open_checked(file)  # not replaced while it was read
+    except FileNotFoundError:
+        raise InputUnavailableError(f"{file.path}: not found on {socket.gethostname()} (removed after the job was "
+                                    "planned, or not mounted on this node); input files must be readable by every "
+                                    "worker.") from None
+    except (InputError, InputChangedError, MemoryError):
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None
+
+
+def _open_checked(file: InputFile) -> tuple[pafs.FileSystem, str]:
+    """The file's filesystem and path, after checking it still has the planned size and modification
+    time; a file only touched since (same size, new time) is hashed again, once per process.
+    FileNotFoundError if it is gone, InputChangedError if it changed."""
+    fs, path = storage.filesystem(file.path)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(file.path)
+    mtime = info.mtime_ns or 0
+    if info.size != file.size:
+        raise InputChangedError(describe_change(file, info.size or 0, "(not read)"))
+    if file.mtime_ns and mtime and mtime != file.mtime_ns and _verified_at.get(file.path) != mtime:
+        read_verified(file)  # touched since planning: unchanged only if it still hashes the same
+        _verified_at[file.path] = mtime
+    return fs, path
 
 
 _verified_at: dict[str, int] = {}  # path -> the modification time this process last hashed it at
@@ -294,16 +318,7 @@ def read_rows(file: InputFile, columns: list[str], rows: list[int]) -> tuple[Fra
     mean reading the whole file); the driver hashes every file again before `_SUCCESS`, so a file
     changed in any other way still fails the job instead of mixing versions."""
     try:
-        fs, path = storage.filesystem(file.path)
-        info = fs.get_file_info(path)
-        if info.type == pafs.FileType.NotFound:
-            raise FileNotFoundError(file.path)
-        mtime = info.mtime_ns or 0
-        if info.size != file.size:
-            raise InputChangedError(describe_change(file, info.size or 0, "(not read)"))
-        if file.mtime_ns and mtime and mtime != file.mtime_ns and _verified_at.get(file.path) != mtime:
-            read_verified(file)  # touched since planning: unchanged only if it still hashes the same
-            _verified_at[file.path] = mtime
+        fs, path = _open_checked(file)
         with fs.open_input_file(path) as handle:
             reader = pq.ParquetFile(handle)
             _check_header(file, reader.schema_arrow.names, columns)
