@@ -1,6 +1,6 @@
 """Ours against the engines a user would pick instead, side by side in one process: CTranslate2.
 
-    python -m flashx_batch.bench.peers --out results/peers [--model PATH] [--threads 1,2]
+    python -m flashx_batch.bench.peers --out results/peers [--model PATH | --random-wide] [--threads 1,2]
         [--repeats 3] [--quick] [--batch 8]
 
 CTranslate2 is an optional benchmark extra (`pip install ctranslate2`), never a dependency. The same
@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/peers"))
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--random-wide", action="store_true",
+                        help="a random Llama of the 27 M shape (512 wide, 8 layers) with the bundled tokenizer's "
+                             "4,096-token vocabulary (24 M parameters): speed on a wider model")
     parser.add_argument("--peers", default="ctranslate2")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--batch", type=int, default=8)
@@ -144,7 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="flashx-peers-"))
     try:
         model = args.model or bundled_model_dir()  # a directory with tokenizer.json (CTranslate2's vocabulary)
-        result = {"model": str(model), "batch": args.batch,
+        if args.random_wide:
+            from flashx_batch.bench.models import LLAMA_27M, random_llama
+
+            model = random_llama({**LLAMA_27M, "vocab_size": 4096}, out_dir=work / "llama-wide")
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(bundled_model_dir() / name, model / name)
+        result = {"model": "random-wide (LLAMA_27M shape, vocab 4096)" if args.random_wide else str(model),
+                  "batch": args.batch,
                   "workloads": "quick" if args.quick else "full", "threads": {}}
         for n in [int(t) for t in args.threads.split(",")]:
             result["threads"][n] = compare(model, n, args.batch, args.repeats, args.quick, work)
