@@ -64,9 +64,11 @@ class CT2:
             # the decoding loop first, and its steps count them: stop each row after its own new tokens
             shortest = min(map(len, tokens))
             stop = [workload.max_new_tokens[i] + len(t) - shortest for i, t in zip(rows, tokens, strict=True)]
+            # rows that all stop together need no per-token callback (its Python call costs CTranslate2 ~5 %)
+            callback = None if len(set(stop)) == 1 else (lambda step, stop=stop: step.step + 1 >= stop[step.batch_id])
             results = self.generator.generate_batch(
                 tokens, max_length=max(stop), sampling_topk=1, include_prompt_in_result=False, end_token=[],
-                callback=lambda step, stop=stop: step.step + 1 >= stop[step.batch_id])
+                callback=callback)
             for i, result in zip(rows, results, strict=True):
                 out[i] = list(result.sequences_ids[0])[: workload.max_new_tokens[i]]
         return out
