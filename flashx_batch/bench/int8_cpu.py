@@ -120,13 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model = args.model or bundled_model_dir()
     if args.random_27m:
-        import shutil
+        from flashx_batch.bench.models import LLAMA_27M, random_llama_with_bundled_tokenizer
 
-        from flashx_batch.bench.models import LLAMA_27M, random_llama
-
-        model = random_llama(LLAMA_27M)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(bundled_model_dir() / name, model / name)
+        model = random_llama_with_bundled_tokenizer(LLAMA_27M)
     result = run(model, [int(t) for t in args.threads.split(",")], args.windows,
                  args.window_len, args.batch, args.prompt_len, args.new_tokens, args.repeats,
                  tuple(k for k in args.keep.split(",") if k))

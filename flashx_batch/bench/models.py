@@ -83,3 +83,16 @@ def moe_shape(model_dir: Path) -> dict | None:
     per_expert = 3 * int(cfg["hidden_size"]) * inter  # gate, up, down
     return {"experts": experts, "top_k": top_k, "expert_intermediate": inter, "sparse_layers": sparse,
             "expert_parameters": sparse * experts * per_expert, "active_expert_parameters": sparse * top_k * per_expert}
+
+
+def random_llama_with_bundled_tokenizer(shape: dict, out_dir: Path | None = None, seed: int = 0) -> Path:
+    """A random Llama of `shape` that reads text: the bundled tokenizer's files copied beside it (its
+    vocabulary must be at most `shape`'s). For speed comparisons on wider models than the bundled one."""
+    import shutil
+
+    from flashx_batch.runtime.options import bundled_model_dir
+
+    model = random_llama(shape, seed=seed, out_dir=out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_model_dir() / name, model / name)
+    return model

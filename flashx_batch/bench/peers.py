@@ -150,11 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model or bundled_model_dir()  # a directory with tokenizer.json (CTranslate2's vocabulary)
         if args.random_wide:
-            from flashx_batch.bench.models import LLAMA_27M, random_llama
+            from flashx_batch.bench.models import LLAMA_27M, random_llama_with_bundled_tokenizer
 
-            model = random_llama({**LLAMA_27M, "vocab_size": 4096}, out_dir=work / "llama-wide")
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(bundled_model_dir() / name, model / name)
+            model = random_llama_with_bundled_tokenizer({**LLAMA_27M, "vocab_size": 4096}, work / "llama-wide")
         result = {"model": "random-wide (LLAMA_27M shape, vocab 4096)" if args.random_wide else str(model),
                   "batch": args.batch,
                   "workloads": "quick" if args.quick else "full", "threads": {}}

@@ -10,6 +10,7 @@ row instead of failing the whole file.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import glob
 import hashlib
 import json
@@ -268,7 +269,7 @@ def iter_frames(file: InputFile, columns: list[str], text_column: str | None = N
     if file.format != "parquet":  # parsed whole anyway: one frame (untyped JSONL is typed per file)
         yield read_frame(file, columns, text_column)
         return
-    try:
+    with _parquet_errors(file):
         fs, path = _open_checked(file)
         with fs.open_input_file(path) as handle:
             reader = pq.ParquetFile(handle)
@@ -279,6 +280,14 @@ def iter_frames(file: InputFile, columns: list[str], text_column: str | None = N
             for batch in reader.iter_batches(batch_size=batch_rows, columns=wanted):
                 yield Frame({c: batch.column(c).to_pylist() for c in wanted}, types, batch.num_rows)
         _open_checked(file)  # not replaced while it was read
+
+
+@contextlib.contextmanager
+def _parquet_errors(file: InputFile) -> Iterator[None]:
+    """A Parquet file read with random access: a missing file is this node's problem (retried
+    elsewhere), anything Arrow or the filesystem raises names the file."""
+    try:
+        yield
     except FileNotFoundError:
         raise InputUnavailableError(f"{file.path}: not found on {socket.gethostname()} (removed after the job was "
                                     "planned, or not mounted on this node); input files must be readable by every "
@@ -286,7 +295,7 @@ def iter_frames(file: InputFile, columns: list[str], text_column: str | None = N
     except (InputError, InputChangedError, MemoryError):
         raise
     except (pa.ArrowException, OSError, ValueError) as exc:
-        raise InputError(f"{file.path}: cannot read as {file.format}: {str(exc).splitlines()[0]}") from None
+        raise InputError(f"{file.path}: cannot read as parquet: {str(exc).splitlines()[0]}") from None
 
 
 def _open_checked(file: InputFile) -> tuple[pafs.FileSystem, str]:
@@ -317,7 +326,7 @@ def read_rows(file: InputFile, columns: list[str], rows: list[int]) -> tuple[Fra
     What is read is checked against the plan by size and modification time (a whole-file hash would
     mean reading the whole file); the driver hashes every file again before `_SUCCESS`, so a file
     changed in any other way still fails the job instead of mixing versions."""
-    try:
+    with _parquet_errors(file):
         fs, path = _open_checked(file)
         with fs.open_input_file(path) as handle:
             reader = pq.ParquetFile(handle)
@@ -332,14 +341,6 @@ def read_rows(file: InputFile, columns: list[str], rows: list[int]) -> tuple[Fra
                                         "the job was planned.")
             groups = sorted({bisect.bisect_right(starts, r) - 1 for r in wanted})
             table = reader.read_row_groups(groups, columns=columns) if groups else reader.schema_arrow.empty_table()
-    except FileNotFoundError:
-        raise InputUnavailableError(f"{file.path}: not found on {socket.gethostname()} (removed after the job was "
-                                    "planned, or not mounted on this node); input files must be readable by every "
-                                    "worker.") from None
-    except (InputError, InputChangedError, MemoryError):
-        raise
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise InputError(f"{file.path}: cannot read as parquet: {str(exc).splitlines()[0]}") from None
     first = {}  # row group -> its first row's position in `table`
     at = 0
     for g in groups:
