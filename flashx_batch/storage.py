@@ -124,7 +124,7 @@ def _open(scheme: str, uri: str) -> pafs.FileSystem:
     try:
         if scheme == "s3":
             kwargs: dict[str, Any] = {}
-            endpoint = s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            endpoint = _s3_endpoint()
             if endpoint:
                 parsed = urlparse(endpoint)
                 kwargs["endpoint_override"] = parsed.netloc or parsed.path
@@ -170,31 +170,16 @@ def _fsspec(scheme: str, uri: str) -> pafs.FileSystem:
                           f"the fsspec package that implements {scheme}://.") from None
 
 
-def join(base: str, *parts: str) -> str:
-    """A path or URI with `parts` appended by '/' (object stores have no other separator)."""
-    out = base.rstrip("/")
-    for p in parts:
-        out += "/" + p.strip("/")
-    return out
-
-
 def glob_files(pattern: str) -> list[tuple[str, pafs.FileInfo]]:
     """Files matching a remote glob (`*`, `?`, `[..]` in any component, `**` for any depth), sorted:
     the listing under the pattern's fixed prefix, filtered by fnmatch component by component."""
-    scheme = scheme_of(pattern)
-    fs, path = filesystem(pattern)
-    parts = path.split("/")
+    parts = pattern.split("/")
     fixed = []
     for p in parts:
         if any(ch in p for ch in "*?["):
             break
         fixed.append(p)
-    base = "/".join(fixed)
-    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-    matched = [i for i in infos
-               if i.type == pafs.FileType.File and glob_match(parts, _inner(i.path, scheme).split("/"))]
-    prefix = f"{scheme}://" if _bucket_style(scheme) else f"{scheme}://{urlparse(pattern).netloc}"
-    return sorted(((prefix + _inner(i.path, scheme), i) for i in matched), key=lambda x: x[0])
+    return [(uri, info) for uri, info in list_files("/".join(fixed)) if glob_match(parts, uri.split("/"))]
 
 
 def glob_match(pattern: Sequence[str], path: Sequence[str]) -> bool:
@@ -266,7 +251,7 @@ def _s3_client(boto3: Any) -> Any:
         client = _cache.get(("boto3", "s3"))
         if client is None:
             s = _settings
-            endpoint = s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            endpoint = _s3_endpoint()
             kwargs: dict[str, Any] = {"endpoint_url": endpoint} if endpoint else {}
             if s.region:
                 kwargs["region_name"] = s.region
@@ -275,3 +260,8 @@ def _s3_client(boto3: Any) -> Any:
                               aws_session_token=s.session_token)
             client = _cache[("boto3", "s3")] = boto3.client("s3", **kwargs)
         return client
+
+
+def _s3_endpoint() -> str | None:
+    """An S3-compatible store's endpoint: `storage.endpoint_url`, else the AWS environment's."""
+    return _settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")

@@ -161,21 +161,15 @@ class PackedRefs(Sequence):
     def __hash__(self) -> int:
         return hash(self.codes.tobytes())
 
-    def __add__(self, other: PackedRefs) -> PackedRefs:
-        return PackedRefs(self.codes + PackedRefs(other).codes if not isinstance(other, PackedRefs)
-                          else self.codes + other.codes)
+    def __add__(self, other: Iterable[Ref]) -> PackedRefs:
+        other = other if isinstance(other, PackedRefs) else PackedRefs(other)
+        return PackedRefs(self.codes + other.codes)
 
     def __repr__(self) -> str:
         return f"PackedRefs({tuple(self)!r})"
 
-    def __reduce__(self):
-        return _unpack_refs, (self.codes.tobytes(),)
-
-
-def _unpack_refs(data: bytes) -> PackedRefs:
-    codes = array("q")
-    codes.frombytes(data)
-    return PackedRefs(codes)
+    def __reduce__(self):  # an array pickles as its bytes
+        return PackedRefs, (self.codes,)
 
 
 class IdColumn(Sequence):
@@ -418,7 +412,7 @@ def _assemble(job: JobConfig, loaded: LoadedInput, scan: _Scan) -> Plan:
                          PackedRefs(e.ref for e in chunk), 0, 1.0)
         error_shards.append(spec)
         row_errors[spec.shard_id] = chunk
-    in_order = length[np.argsort(index, kind="stable")].tolist()  # already in input order; sorted to be sure
+    in_order = length.tolist()  # rows were added in input order
     plan = Plan(loaded.files, loaded.id_kind, ids, shards, error_shards, row_errors, buckets,
                 Counter(e.code for e in errors), RefIds(ids, scan.starts),
                 padding_bucketed=useful / computed if computed else 1.0,

@@ -15,7 +15,6 @@ import glob
 import hashlib
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -116,14 +115,8 @@ def _resolve_remote(path: str, fmt: str) -> list[InputFile]:
     for uri, info in found:
         if info.size == 0:
             raise InputError(f"{uri}: empty object (0 bytes); remove it or regenerate it.")
-        digest = hashlib.sha256(storage.read_bytes(uri)).hexdigest()
-        mtime = info.mtime_ns or 0
-        out.append(InputFile(uri, _format_of(Path(uri), fmt), info.size, digest, mtime))
+        out.append(InputFile(uri, _format_of(Path(uri), fmt), info.size, _sha256(uri), info.mtime_ns or 0))
     return out
-
-
-def _read_bytes(path: str) -> bytes:
-    return storage.read_bytes(path) if storage.is_remote(path) else Path(path).read_bytes()
 
 
 def read_verified(file: InputFile) -> bytes:
@@ -132,7 +125,7 @@ def read_verified(file: InputFile) -> bytes:
     What is parsed is what was hashed, so a file replaced between the check and the parse cannot
     slip through."""
     try:
-        data = _read_bytes(file.path)
+        data = storage.read_bytes(file.path)
     except FileNotFoundError:
         # not a bad job by itself: on a cluster this node may lack the mount (retried elsewhere)
         raise InputUnavailableError(f"{file.path}: not found on {socket.gethostname()} (removed after the job was "
@@ -146,8 +139,7 @@ def read_verified(file: InputFile) -> bytes:
 
 def describe_change(file: InputFile, size: int, sha256: str) -> str:
     try:
-        mtime = (storage.file_info(file.path).mtime_ns or 0) if storage.is_remote(file.path) \
-            else os.stat(file.path).st_mtime_ns
+        mtime = storage.file_info(file.path).mtime_ns or 0
     except OSError:
         mtime = 0
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9)) if mtime else "?"
@@ -161,21 +153,11 @@ def verify_unchanged(files: list[InputFile]) -> None:
     """Every input file still holds what was planned (the driver's last check before `_SUCCESS`;
     streamed, so a large input is hashed without being held in memory)."""
     for f in files:
-        if storage.is_remote(f.path):
-            try:
-                data = storage.read_bytes(f.path)
-            except FileNotFoundError:
-                raise InputChangedError(f"{f.path} was removed while the job ran; the rows committed came from the "
-                                        "planned version. Restore it, or run the job into a new output.dir.") from None
-            size, sha256 = len(data), hashlib.sha256(data).hexdigest()
-            if size != f.size or sha256 != f.sha256:
-                raise InputChangedError(describe_change(f, size, sha256))
-            continue
-        path = Path(f.path)
-        if not path.is_file():
+        info = storage.file_info(f.path)
+        if info.type != pafs.FileType.File:
             raise InputChangedError(f"{f.path} was removed while the job ran; the rows committed came from the "
                                     "planned version. Restore it, or run the job into a new output.dir.")
-        size, sha256 = path.stat().st_size, _sha256(path)
+        size, sha256 = info.size, _sha256(f.path)
         if size != f.size or sha256 != f.sha256:
             raise InputChangedError(describe_change(f, size, sha256))
 
@@ -227,9 +209,14 @@ def _format_of(f: Path, fmt: str) -> str:
     return SUFFIX_FORMATS[f.suffix.lower()]
 
 
-def _sha256(f: Path) -> str:
-    with open(f, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+def _sha256(path: str | Path) -> str:
+    """sha256 of a local file or an object, streamed (never the whole file in memory)."""
+    fs, inner = storage.filesystem(str(path))
+    digest = hashlib.sha256()
+    with fs.open_input_stream(inner) as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_frame(file: InputFile, columns: list[str], text_column: str | None = None) -> Frame:
@@ -310,7 +297,9 @@ def _open_checked(file: InputFile) -> tuple[pafs.FileSystem, str]:
     if info.size != file.size:
         raise InputChangedError(describe_change(file, info.size or 0, "(not read)"))
     if file.mtime_ns and mtime and mtime != file.mtime_ns and _verified_at.get(file.path) != mtime:
-        read_verified(file)  # touched since planning: unchanged only if it still hashes the same
+        digest = _sha256(file.path)  # touched since planning: unchanged only if it still hashes the same
+        if digest != file.sha256:
+            raise InputChangedError(describe_change(file, info.size, digest))
         _verified_at[file.path] = mtime
     return fs, path
 

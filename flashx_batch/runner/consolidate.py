@@ -37,18 +37,22 @@ class Slice:
     def as_list(self) -> list[Any]:
         return [self.file, self.offset, self.rows]
 
+    def take(self, table: pa.Table) -> pa.Table:
+        """This slice's rows of `table`, the whole consolidated file."""
+        return table.slice(self.offset, self.rows)
+
 
 def consolidate(kind: str, pieces: list[tuple[str, Callable[[], pa.Table]]], first_index: int,
                 open_sink: Callable[[str], Any], close_sink: Callable[[str, Any], None],
-                empty: pa.Table | None = None, target_bytes: int | None = None,
-                schemas: list[pa.Schema] | None = None) -> tuple[list[str], dict[str, Slice]]:
+                empty: pa.Table | None = None, schemas: list[pa.Schema] | None = None
+                ) -> tuple[list[str], dict[str, Slice]]:
     """Write `pieces` (piece id, reader of its table), in order, into `<kind>/part-NNNNN.parquet` from
     number `first_index` on; `open_sink(name)` gives a writable stream, `close_sink(name, stream)`
     makes the file durable and visible. Returns the file names and each piece's slice. With no
     rows at all and an `empty` table, one zero-row file with its schema (a glob never finds nothing).
     `schemas`: every piece's schema (from the Parquet footers), unified into the files' schema — a
     column null in one piece and typed in another, a column added by a newer version, int and float."""
-    target = TARGET_FILE_BYTES if target_bytes is None else target_bytes
+    target = TARGET_FILE_BYTES  # read at call time: tests shrink it
     names: list[str] = []
     slices: dict[str, Slice] = {}
     writer: pq.ParquetWriter | None = None
@@ -93,8 +97,12 @@ def consolidate(kind: str, pieces: list[tuple[str, Callable[[], pa.Table]]], fir
     return names, slices
 
 
-def read_slice(table: pa.Table, where: Slice) -> pa.Table:
-    return table.slice(where.offset, where.rows)
+def pieces_table(out: Any, kind: str, committed: dict[str, dict[str, Any]],
+                 columns: list[str] | None = None) -> pa.Table | None:
+    """The rows of `kind` of every committed piece, in piece order, through the layout `out`'s
+    `read_part` (own parts or consolidated slices); None when no piece holds that kind."""
+    tables = [t for p in sorted(committed) if (t := out.read_part(kind, p, columns, committed)) is not None]
+    return pa.concat_tables(tables, promote_options="permissive") if tables else None
 
 
 def _unified(schemas: list[pa.Schema]) -> pa.Schema:

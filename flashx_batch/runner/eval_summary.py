@@ -5,15 +5,16 @@ reads exactly the committed rows."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashx_batch.config import JobConfig
 from flashx_batch.evaluation.metrics import summarise
-from flashx_batch.runner.layout import OutputDir
-from flashx_batch.runner.object_layout import ObjectOutputDir
+
+if TYPE_CHECKING:
+    from flashx_batch.runner.outputs import Output
 
 
-def evaluate(job: JobConfig, output: OutputDir | ObjectOutputDir, totals: dict[str, Any], stats: Any,
+def evaluate(job: JobConfig, output: Output, totals: dict[str, Any], stats: Any,
              committed: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """{"overall": summary dict, "buckets": [{"bucket", **summary}]} for `job.eval.metric`, over the
     `committed` pieces (default: as they are now)."""

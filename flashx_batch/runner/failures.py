@@ -24,15 +24,16 @@ import re
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.errors import ConfigError, ModelLoadError
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner import pieces
-from flashx_batch.runner.layout import OutputDir
-from flashx_batch.runner.object_layout import ObjectOutputDir
 from flashx_batch.runner.tables import errors_table
+
+if TYPE_CHECKING:
+    from flashx_batch.runner.outputs import Output
 
 TIMEOUT, WORKER_CRASH = "timeout", "worker_crash"  # error_code of rows given up at run time
 ERROR, FATAL, DIED, BAD_JOB = "error", "fatal", "died", "bad_job"  # failure kinds (TIMEOUT is one too)
@@ -156,7 +157,7 @@ def decide(work: Work, kind: str, max_attempts: int) -> Decision:
 class FailedRows:
     """Commits the rows of a piece the executor gave up on as error rows (driver side)."""
 
-    def __init__(self, output: OutputDir | ObjectOutputDir, id_of: dict[tuple[int, int], Any], id_kind: str) -> None:
+    def __init__(self, output: Output, id_of: dict[tuple[int, int], Any], id_kind: str) -> None:
         self.output, self.id_of, self.id_kind = output, id_of, id_kind
 
     def commit(self, work: Work, code: str, message: str) -> int:

@@ -42,15 +42,14 @@ from flashx_batch.job_errors import FingerprintMismatchError, LockHeldError, Sha
 from flashx_batch.runner import faults, fingerprint, pieces
 from flashx_batch.runner.executor import ExecResult, run_local
 from flashx_batch.runner.failures import FailedRows
-from flashx_batch.runner.layout import OutputDir, TornJobJsonError, open_output, write_atomic
-from flashx_batch.runner.object_layout import ObjectOutputDir
+from flashx_batch.runner.layout import TornJobJsonError, write_atomic
+from flashx_batch.runner.outputs import Output, open_output, output_root
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.signals import Interrupted, StopFlag
 from flashx_batch.runner.tables import errors_table, reserved_column_problem
 from flashx_batch.runner.worker import WorkerContext
 
 log = logging.getLogger(__name__)
-Output = OutputDir | ObjectOutputDir  # a local output directory, or one on an object store
 EXIT_OK, EXIT_FAILED, EXIT_BAD_JOB, EXIT_TEMPFAIL = 0, 1, 2, 75
 _FAILURES_KEPT = 20  # failed tries recorded in job.json (the log has them all)
 # OSErrors that are the machine's state, not a bug: reported in one line, not a traceback
@@ -155,11 +154,6 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
     check_options(options, cfg, get_backend(options.backend) if local else None)
 
 
-def output_root(path: str) -> Path | str:
-    """output.dir as the layouts take it: an absolute local path, or an object-store URI as given."""
-    return path.rstrip("/") if storage.is_remote(path) else Path(path).expanduser().resolve()
-
-
 def _reads_outputs_of(data_path: str, out: Path | str) -> bool:
     """Would `data_path` pick up the Parquet files a job writes under `out` (a data.path directory is
     read recursively; a glob is matched as glob.glob(recursive=True) would)? Checked before the first
@@ -183,7 +177,7 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
         out.write(format_plan(plan) + "\n")
         out.write(f"dry run: {len(plan.shards)} {job.task} shard(s) planned; nothing was written.\n")
         return EXIT_OK
-    output = open_output(output_root(job.output.dir), faults.driver_faults(job.executor.faults))
+    output = open_output(job.output.dir, faults.driver_faults(job.executor.faults))
     wrote = False
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: output.unlock(clean=not wrote))  # runs last: after Ray (and every actor) is down
@@ -272,7 +266,7 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
     stop.set_on_force(lambda code: finish("interrupted", exit_code=code))  # last words before os._exit
     try:
         output.prepare()
-        output.clean_orphans(set(committed))
+        output.clean_orphans(committed)
         output.write_job(record)
         return _run_pending(job, plan, loaded, model_dir, output, model_stats, finish, on_dispatch, stop)
     except BaseException as exc:  # whatever ends the run, job.json says how, with its accounting
@@ -445,7 +439,7 @@ def _verify(plan: Plan, output: Output, samples: int = 1) -> tuple[dict[str, Any
         raise InvariantError(f"committed pieces outside the plan: {sorted(set(committed) - claimed)[:5]}")
     if gen + err != Counter(plan.ids):
         raise InvariantError("output ids differ from input ids")  # unreachable when every shard checks out
-    output.clean_orphans(set(committed))  # a half-published piece of a shard that was later split
+    output.clean_orphans(committed)  # a half-published piece of a shard that was later split
     output.drop_attempts_dir()
     stats = output.read_stats(committed)
     sums = {c: (sum(stats.column(c).to_pylist()) if stats is not None else 0)

@@ -26,15 +26,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from flashx_batch.job_errors import LockHeldError, OutputDirError, TornJobJsonError, ZombieAttemptError
 from flashx_batch.runner import pieces
-from flashx_batch.runner.consolidate import CONSOLIDATED, Slice, consolidate, read_slice
+from flashx_batch.runner.consolidate import CONSOLIDATED, Slice, consolidate, pieces_table
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
-    from flashx_batch.runner.object_layout import ObjectOutputDir
 
 log = logging.getLogger(__name__)
 KINDS = ("generations", "errors", "stats")
@@ -73,6 +73,8 @@ class OutputDir:
         `job_digest`: the fingerprint digest of the job this process writes for, stamped on every
         manifest it commits, so a late attempt of an earlier, replaced job is recognised as foreign."""
         self.root = Path(root)
+        # the same file addressing as the object-store layout's (readers that take either: read_output)
+        self.fs, self.base = pafs.LocalFileSystem(), str(self.root)
         self.faults = faults
         self.job_digest = job_digest
         self._lock_fd: int | None = None
@@ -227,14 +229,13 @@ class OutputDir:
             seen[where[0]] = (self.root / where[0]).is_file()
         return seen[where[0]]
 
-    def clean_orphans(self, committed: set[str], keep: frozenset[str] = frozenset()) -> int:
-        """Remove attempt directories, part files of shards with no manifest, and consolidated files
-        no committed manifest points into (but `keep`: a kind's zero-row file); returns files removed."""
+    def clean_orphans(self, committed: dict[str, dict[str, Any]], keep: frozenset[str] = frozenset()) -> int:
+        """Remove attempt directories, part files no `committed` manifest names, and consolidated files
+        none points into (but `keep`: a kind's zero-row file); returns files removed."""
         removed = 0
-        manifests = {p: m for p, m in self.committed().items() if p in committed}
-        referenced = {m["slices"][k][0] for m in manifests.values() for k in m.get("slices", {})} | keep
+        referenced = {m["slices"][k][0] for m in committed.values() for k in m.get("slices", {})} | keep
         # a piece's own part is live until its rows moved into a consolidated file
-        own = {(k, p) for p, m in manifests.items() for k in m["files"] if k not in m.get("slices", {})}
+        own = {(k, p) for p, m in committed.items() for k in m["files"] if k not in m.get("slices", {})}
         attempts = self.root / ATTEMPTS_DIR
         if attempts.is_dir():
             for a in attempts.iterdir():
@@ -279,7 +280,7 @@ class OutputDir:
         (`runner.consolidate`; files whose rows are all still committed are kept as they are), each
         rewritten piece's manifest is pointed at its slices, the old files go, `_SUCCESS` last.
         A crash at any step leaves manifests that each name files that exist: the rerun finishes."""
-        self.clean_orphans(set(committed))  # consolidated files of an interrupted finish nobody points into
+        self.clean_orphans(committed)  # consolidated files of an interrupted finish nobody points into
         files: dict[str, list[str]] = {}
         moved: dict[str, dict[str, list]] = {}
         for kind in KINDS:
@@ -301,7 +302,7 @@ class OutputDir:
                 write_atomic(self.manifest(p), json.dumps(record, indent=1, default=str))
                 committed[p] = record
         # the parts and files the new slices replace (the files just written stay, zero-row ones too)
-        self.clean_orphans(set(committed), frozenset(f for names in files.values() for f in names))
+        self.clean_orphans(committed, frozenset(f for names in files.values() for f in names))
         write_atomic(self.root / SUCCESS, json.dumps({**totals, "files": files}, indent=2, default=str) + "\n")
 
     def _consolidated_split(self, kind: str, committed: dict[str, dict[str, Any]]) -> tuple[set[str], set[str]]:
@@ -339,9 +340,6 @@ class OutputDir:
         os.replace(sink.tmp, self.root / name)
         fsync_path((self.root / name).parent)
 
-    def write_text(self, name: str, text: str) -> None:
-        write_atomic(self.root / name, text)
-
     @contextlib.contextmanager
     def report_dir(self) -> Iterator[Path]:
         """Where report.md and its plots are written: the directory itself."""
@@ -364,7 +362,7 @@ class OutputDir:
         key = (where[0], tuple(columns) if columns else None)
         if self._slice_file is None or self._slice_file[0] != key:  # pieces of one file come in a row
             self._slice_file = (key, pq.read_table(self.root / where[0], columns=columns))
-        return read_slice(self._slice_file[1], Slice(*where))
+        return Slice(*where).take(self._slice_file[1])
 
     def _schema(self, kind: str, piece: str, committed: dict[str, dict[str, Any]]) -> pa.Schema:
         where = committed[piece].get("slices", {}).get(kind)
@@ -372,17 +370,16 @@ class OutputDir:
 
     def read_ids(self, kind: str, shard_ids: set[str]) -> Counter:
         counts: Counter = Counter()
+        committed = self.committed()
         for s in shard_ids:
-            path = self.part(kind, s)
-            if path.is_file():
-                counts.update(pq.read_table(path, columns=["id"]).column("id").to_pylist())
+            table = self.read_part(kind, s, ["id"], committed)
+            if table is not None:
+                counts.update(table.column("id").to_pylist())
         return counts
 
     def read_stats(self, committed: dict[str, dict[str, Any]] | None = None) -> pa.Table | None:
         """The committed pieces' stats rows (from their parts, or their slices once finished)."""
-        committed = self.committed() if committed is None else committed
-        tables = [t for p in sorted(committed) if (t := self.read_part("stats", p, committed=committed)) is not None]
-        return pa.concat_tables(tables) if tables else None
+        return pieces_table(self, "stats", self.committed() if committed is None else committed)
 
     # ---- worker side ------------------------------------------------------------------------
     def start_attempt(self, shard_id: str, attempt: int) -> Path:
@@ -489,19 +486,6 @@ def _link_exclusive(src: Path, dst: Path) -> bool:
         fh.flush()
         os.fsync(fh.fileno())
     return True
-
-
-def open_output(root: str | Path, faults: Faults | None = None, job_digest: str | None = None
-                ) -> OutputDir | ObjectOutputDir:
-    """The output directory at `root`: this module's for a local path, `runner.object_layout`'s for
-    an object-store URI (s3://, gs://, hdfs://)."""
-    from flashx_batch import storage
-
-    if storage.is_remote(str(root)):
-        from flashx_batch.runner.object_layout import ObjectOutputDir
-
-        return ObjectOutputDir(str(root), faults, job_digest)
-    return OutputDir(Path(str(root)).expanduser().resolve(), faults, job_digest)
 
 
 def _reader(out: OutputDir, kind: str, piece: str, committed: dict[str, dict[str, Any]]):

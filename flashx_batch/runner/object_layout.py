@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,14 +51,14 @@ import pyarrow.parquet as pq
 from flashx_batch import storage
 from flashx_batch.job_errors import LockHeldError, OutputDirError, TornJobJsonError, ZombieAttemptError
 from flashx_batch.runner import pieces
-from flashx_batch.runner.consolidate import Slice, consolidate, read_slice
+from flashx_batch.runner.consolidate import Slice, consolidate, pieces_table
+from flashx_batch.runner.layout import ATTEMPTS_DIR, JOB_JSON, KINDS, MANIFEST_DIR, SUCCESS
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
 
 log = logging.getLogger(__name__)
-KINDS = ("generations", "errors", "stats")
-JOB_JSON, SUCCESS, MANIFEST_DIR, ATTEMPTS_DIR, LEASE = "job.json", "_SUCCESS", "_manifest", "_attempts", "_lease.json"
+LEASE = "_lease.json"
 COMMITTED = "_committed.json"  # a finished job's pieces and where their rows went (written just before _SUCCESS)
 _SETTLE_S = 1.0  # lease: how long a new owner waits before reading its lease back
 
@@ -166,9 +166,6 @@ class ObjectOutputDir:
             self.faults.fire("job_json", str(record.get("status")), 0)
         self._write(JOB_JSON, (json.dumps(record, indent=2, default=str) + "\n").encode())
 
-    def write_text(self, name: str, text: str) -> None:
-        self._write(name, text.encode())
-
     @contextlib.contextmanager
     def report_dir(self) -> Iterator[Path]:
         """A local scratch directory for report.md and its plots; each file is uploaded to the root
@@ -250,17 +247,17 @@ class ObjectOutputDir:
             return None  # its parts were removed (cleaned as a loser, or by hand): not a commit
         return manifest
 
-    def clean_orphans(self, committed: Iterable[str]) -> int:
-        """Delete attempt prefixes no winning manifest names (crashed, lost or zombie attempts)."""
-        winners = self.committed() if not committed else {p: m for p, m in self.committed().items() if p in committed}
-        keep = {p.rsplit("/", 1)[0] for m in winners.values() for p in m.get("parts", {}).values()}
+    def clean_orphans(self, committed: dict[str, dict[str, Any]]) -> int:
+        """Delete manifests that can never count and attempt prefixes no `committed` manifest names
+        (crashed, lost or zombie attempts)."""
+        keep = {p.rsplit("/", 1)[0] for m in committed.values() for p in m.get("parts", {}).values()}
         removed = 0
         parts = set(self._files(ATTEMPTS_DIR))
         for rel in self._files(MANIFEST_DIR):  # manifests that can never count: another job's, parts gone
             if self._valid_manifest(rel, parts) is None:
                 self._delete(rel)
                 removed += 1
-        for prefix in {"/".join(f.split("/")[:3]) for f in self._files(ATTEMPTS_DIR)} - keep:
+        for prefix in {"/".join(f.split("/")[:3]) for f in parts} - keep:
             self._delete_tree(prefix)
             removed += 1
         if removed:
@@ -281,13 +278,10 @@ class ObjectOutputDir:
         where = manifest.get("slices", {}).get(kind)
         if where is None:
             return None
-        table = pq.read_table(self._path(where[0]), columns=columns, filesystem=self.fs)
-        return read_slice(table, Slice(*where))
+        return Slice(*where).take(pq.read_table(self._path(where[0]), columns=columns, filesystem=self.fs))
 
     def read_stats(self, committed: dict[str, dict[str, Any]] | None = None) -> pa.Table | None:
-        committed = self.committed() if committed is None else committed
-        tables = [t for p in sorted(committed) if (t := self.read_part("stats", p, committed=committed)) is not None]
-        return pa.concat_tables(tables) if tables else None
+        return pieces_table(self, "stats", self.committed() if committed is None else committed)
 
     # ---- worker side ------------------------------------------------------------------------
     def start_attempt(self, shard_id: str, attempt: int) -> ObjectAttempt:

@@ -15,8 +15,9 @@ import pyarrow.dataset as ds
 
 from flashx_batch import storage
 from flashx_batch.errors import ConfigError
-from flashx_batch.runner.layout import KINDS, open_output
-from flashx_batch.runner.object_layout import ObjectOutputDir
+from flashx_batch.runner.consolidate import pieces_table
+from flashx_batch.runner.layout import KINDS
+from flashx_batch.runner.outputs import open_output
 
 
 def read_output(uri: str | Path, kind: str = "generations",
@@ -34,14 +35,10 @@ def read_output(uri: str | Path, kind: str = "generations",
         raise ConfigError(f"read_output: {uri} holds no job (no job.json).")
     done = out.success_record()
     if done is not None and "files" in done:  # finished: the consolidated files, a plain glob as well
-        paths = [f"{out.base}/{name}" if isinstance(out, ObjectOutputDir) else str(out.root / name)
-                 for name in done["files"].get(kind, [])]
-        return _dataset(paths, out.fs if isinstance(out, ObjectOutputDir) else None)
+        return _dataset([f"{out.base}/{name}" for name in done["files"].get(kind, [])], out.fs)
     # running or stopped: each committed piece's rows, wherever they are now
-    committed = out.committed()
-    tables = [t for p in sorted(committed) if (t := out.read_part(kind, p, committed=committed)) is not None]
-    return ds.dataset(pa.concat_tables(tables, promote_options="permissive")) if tables else \
-        ds.dataset([], schema=pa.schema([]))
+    table = pieces_table(out, kind, out.committed())
+    return ds.dataset(table) if table is not None else ds.dataset([], schema=pa.schema([]))
 
 
 def _dataset(paths: list[str], fs) -> ds.Dataset:

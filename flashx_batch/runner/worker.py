@@ -34,7 +34,7 @@ from flashx_batch.evaluation.metrics import check_metric
 from flashx_batch.evaluation.metrics import score_row as metric_score
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner.failures import FATAL, WorkerFailure, kind_of
-from flashx_batch.runner.layout import open_output
+from flashx_batch.runner.outputs import open_output
 from flashx_batch.runner.tables import generations_table, sample_columns, score_column, score_table, stats_table
 
 if TYPE_CHECKING:

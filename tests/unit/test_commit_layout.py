@@ -33,7 +33,7 @@ def test_orphans_of_a_crash_are_removed(tmp_path):
     out.start_attempt("half", 1)  # crashed while generating
     (tmp_path / "o" / "generations" / "part-half.parquet").write_bytes(b"renamed before the manifest")
     assert set(out.committed()) == {"done"}
-    removed = out.clean_orphans(set(out.committed()))
+    removed = out.clean_orphans(out.committed())
     assert removed == 2
     assert [p.name for p in (tmp_path / "o" / "generations").iterdir()] == ["part-done.parquet"]
 

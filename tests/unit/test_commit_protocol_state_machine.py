@@ -106,7 +106,7 @@ class CommitProtocol(RuleBasedStateMachine):
     @rule()
     def resume(self):
         committed = self.out.committed()
-        self.out.clean_orphans(set(committed))
+        self.out.clean_orphans(committed)
         for kind in KINDS:  # after a resume's clean-up, every file in place belongs to a committed piece
             names = {p.name for p in (self.out.root / kind).iterdir()}
             assert names <= {f"part-{c}.parquet" for c in committed}, kind
@@ -127,7 +127,7 @@ class CommitProtocol(RuleBasedStateMachine):
             for piece in pieces.uncovered(spec, self.out.committed()):
                 assert self.out.commit(piece.shard_id, self._next_attempt(), _tables(piece), {})
         committed = self.out.committed()
-        self.out.clean_orphans(set(committed))
+        self.out.clean_orphans(committed)
         ids = Counter(i for c in committed for i in pq.read_table(self.out.part("generations", c)).column("id")
                       .to_pylist())
         assert ids == IDS
