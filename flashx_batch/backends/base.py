@@ -76,6 +76,8 @@ class Backend:
     # attention then runs once per run of rows, which a CPU pays in microseconds and a GPU in launches
     prefers_row_extents: bool = False
     torch_runtime: bool = True  # False: the torch `Engine` cannot run on it (the ONNX Runtime path)
+    # the collective library tensor-parallel ranks talk through (`backends.distributed`); None: no tensor parallelism
+    collective: str | None = "gloo"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -18,6 +18,7 @@ class CudaBackend(Backend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_noset_env = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
     supports_graphs = True
+    collective = "nccl"  # RCCL under the same name on ROCm builds of torch
 
     @classmethod
     def is_available(cls) -> bool:

@@ -46,6 +46,7 @@ class NpuBackend(Backend):
     # the actor then selects its own card from Ray's accelerator ids (`assigned_device_index`).
     ray_noset_env = "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"
     supports_graphs = False  # torchair / aclgraph are not wired in yet
+    collective = "hccl"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -41,6 +41,7 @@ class OnnxBackend(Backend):
     default_dtype = torch.float32
     supported_dtypes = (torch.float32,)
     torch_runtime = False
+    collective = None
 
     @classmethod
     def is_available(cls) -> bool:

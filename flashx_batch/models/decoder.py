@@ -27,6 +27,7 @@ from flashx_batch.models.forward import (
 from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_
 from flashx_batch.models.mla import IndexerChoice, MLAttention
 from flashx_batch.models.moe import SparseMoE
+from flashx_batch.models.parallel import TensorShard, rank_config
 
 # one layer's cache: keys and values, [slots, kv_heads, head_dim] each; for latent attention (`models.mla`)
 # one [slots, 1, entry] view of its latents
@@ -45,9 +46,11 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 shard: TensorShard | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.shard = shard  # a tensor-parallel rank: `cfg` is its share of the heads (`models.parallel`)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.scale = cfg.head_dim**-0.5
@@ -247,16 +250,21 @@ class Attention(nn.Module):
         else:  # causal: only the window's own keys can lie in a query's future
             future = torch.ones(window, window, dtype=torch.bool, device=queries.device).triu_(1)
             logits[..., total - window :].masked_fill_(future, float("-inf"))
-        return logits.softmax(dim=-1).mean(dim=(1, 2))  # [B, L]
+        scores = logits.softmax(dim=-1).mean(dim=(1, 2))  # [B, L]
+        if self.shard is not None:  # the mean over every rank's heads: each rank merges the same groups
+            self.shard.comm.all_reduce_(scores).div_(self.shard.size)
+        return scores
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
-                 choice: IndexerChoice | None = None) -> None:
+                 choice: IndexerChoice | None = None, shard: TensorShard | None = None) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
+        # a tensor-parallel rank's attention and MLP outputs are partial sums, added up across the ranks
+        self.comm = shard.comm if shard is not None else None
         self.input_norm = RMSNorm(cfg.hidden_size, eps, dtype, device)
-        self.attn: Attention | MLAttention = (Attention(cfg, layer, dtype, device) if cfg.mla is None else
+        self.attn: Attention | MLAttention = (Attention(cfg, layer, dtype, device, shard) if cfg.mla is None else
                                               MLAttention(cfg, layer, dtype, device, choice or IndexerChoice()))
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps, dtype, device)
         if cfg.moe is not None and cfg.moe.sparse_layers[layer]:
@@ -278,26 +286,35 @@ class DecoderLayer(nn.Module):
         layer's structure lives, shared with the ONNX export, whose attention carries its own cache.
         `keep`: `attend` returned only these positions of x's sequence; the rest of the layer runs on them."""
         h = attend(self.input_norm.forward(x))
+        if self.comm is not None:
+            self.comm.all_reduce_(h)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm.forward(h)
         if keep is not None:
             x = x[:, keep]
         x = h.add_(x)  # h is this layer's fresh output: the residual sum needs no new tensor
         h = self.mlp.forward(self.mlp_norm.forward(x))
+        if self.comm is not None:
+            self.comm.all_reduce_(h)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm.forward(h)
         return h.add_(x)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 shard: TensorShard | None = None) -> None:
+        """`shard`: build one tensor-parallel rank's part of the model (`models.parallel`); `config`
+        stays the whole model's, `local_config` is the rank's shapes (its heads, its columns)."""
         super().__init__()
-        self.config = cfg
-        self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.config, self.shard = cfg, shard
+        self.local_config = local = rank_config(cfg, shard.size) if shard is not None else cfg
+        vocab_rows = shard.vocab_rows(cfg.vocab_size) if shard is not None else cfg.vocab_size
+        self.embed = _param((vocab_rows, cfg.hidden_size), dtype, device)
         choice = IndexerChoice()  # sparse attention: shared layers follow the last full indexer layer's choice
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, choice) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, device, choice, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
+        self.lm_head = Linear(vocab_rows, cfg.hidden_size, False, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed
         self.rotary: RotaryTable | None = None
@@ -313,7 +330,7 @@ class DecoderModel(nn.Module):
                       caches: Sequence[KVView] | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final-norm hidden states [B, T, hidden]; layer i writes and reads
         `caches[i]` (None: a `TeacherForced` pass, which keeps no cache)."""
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         # `.forward` directly, here and inside the layers: nn.Module.__call__ (hooks, which nothing
         # here uses) costs a few microseconds per call, ~10 calls per layer per decode step.
         final = len(self.layers) - 1
@@ -321,6 +338,23 @@ class DecoderModel(nn.Module):
             x = layer.forward(x, meta, None if caches is None else caches[i], meta.last_only and i == final)
         return self.norm.forward(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> float32 logits [..., vocab]."""
-        return self.lm_head.forward(hidden).float()
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> embeddings [B, T, hidden]. A tensor-parallel rank looks up the ids in its
+        rows of the vocabulary, zeros elsewhere, and the all-reduce fills in every other rank's rows
+        (each id has exactly one nonzero term: the sum is exact)."""
+        if self.shard is None:
+            return F.embedding(input_ids, self.embed)
+        first, stop = self.shard.vocab_range(self.config.vocab_size)
+        local = input_ids - first
+        outside = (input_ids < first) | (input_ids >= stop)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.shard.comm.all_reduce_(x.masked_fill_(outside[..., None], 0))
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., hidden] -> float32 logits [..., vocab]; `weight`: a copy of the LM head's weight in
+        another dtype to use instead (the hidden states cast to it). A tensor-parallel rank computes its
+        vocabulary rows and all-gathers the rest, so every rank holds the same full logits."""
+        local = self.lm_head.forward(hidden) if weight is None else F.linear(hidden.to(weight.dtype), weight)
+        if self.shard is None:
+            return local.float()
+        return self.shard.comm.all_gather_last(local.float())[..., : self.config.vocab_size]

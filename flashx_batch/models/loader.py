@@ -18,6 +18,7 @@ import torch
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.decoder import DecoderModel
+from flashx_batch.models.parallel import Cut, TensorShard, checkpoint_cut
 
 log = logging.getLogger(__name__)
 
@@ -140,42 +141,72 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
     is read straight from its file (file by file, in file order; plain reads, no memory map whose
     pages would count as resident) in chunks, and each chunk copied into the tensor's place in its
     parameter (its rows of a fused or stacked one), converting to the parameter's dtype and device
-    on the way. No tensor is materialised whole, no parts are concatenated."""
+    on the way. No tensor is materialised whole, no parts are concatenated.
+
+    A rank of a tensor-parallel replica (`model.shard`) reads only its slice of each tensor
+    (`parallel.checkpoint_cut`): its rows, or its columns of every row, chunk by chunk."""
     if sys.byteorder != "little":  # safetensors data is little-endian and read here as raw bytes
         raise ModelLoadError(f"{model_dir}: loading safetensors needs a little-endian host.")
     params = dict(model.named_parameters(remove_duplicate=False))
-    routes = route_checkpoint(model_dir, model.config, {n: tuple(p.shape) for n, p in params.items()})
+    shard, cfg = model.shard, model.config
+    # the checkpoint holds the whole model: a rank checks it against the whole model's shapes
+    full_shapes = {n: tuple(p.shape) for n, p in params.items()} if shard is None else parameter_shapes(cfg)
+    routes = route_checkpoint(model_dir, cfg, full_shapes)
     headers = {path: safetensors_header(path) for path in {path for sources in routes.values() for path, _ in sources}}
-    # file -> its tensors as (byte offset in the data section, HF name, header entry, where it lands: a view of
-    # the parameter)
-    reads: dict[Path, list[tuple[int, str, dict, torch.Tensor]]] = {}
+    # file -> its tensors' pieces as (byte offset in the data section, HF name, header entry, where it lands: a
+    # view of the parameter, the rank's piece of it or None for all of it)
+    reads: dict[Path, list[tuple[int, str, dict, torch.Tensor, Cut | None]]] = {}
     for name, sources in routes.items():
         param = params[name].detach()
         rows = param.view(_as_rows(tuple(param.shape)))  # fused parts and stacked experts: consecutive rows
         start = 0
-        for path, hf_name in sources:
+        for part, (path, hf_name) in enumerate(sources):
             info = headers[path][hf_name]
-            count = int(info["shape"][0]) if info["shape"] else 1
-            reads.setdefault(path, []).append((int(info["data_offsets"][0]), hf_name, info,
-                                               rows[start : start + count] if rows.dim() else rows))
-            start += count
+            offset = int(info["data_offsets"][0])
+            cuts = None if shard is None else checkpoint_cut(name, part, len(sources), _as_rows(full_shapes[name]),
+                                                             tuple(rows.shape), cfg, shard)
+            for cut in [None] if cuts is None else cuts:  # no pieces (RANK_ZERO_ONLY): left at zero
+                count = cut[2] - cut[1] if cut is not None and cut[0] == 0 else (
+                    int(info["shape"][0]) if info["shape"] else 1)
+                dest = rows[start : start + count] if rows.dim() else rows
+                reads.setdefault(path, []).append((offset, hf_name, info, dest, cut))
+                start += count
     scratch = bytearray(_READ_CHUNK)
     with torch.no_grad():
         for path in sorted(reads):
             with open(path, "rb", buffering=0) as fh:
                 data_start = 8 + int.from_bytes(fh.read(8), "little")
-                for offset, hf_name, info, dest in sorted(reads[path], key=lambda r: r[0]):
-                    _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch)
+                for offset, hf_name, info, dest, cut in sorted(reads[path], key=lambda r: (r[0], r[4] or ())):
+                    _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch, cut)
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape for the whole model of `cfg` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = DecoderModel(cfg, torch.float32, torch.device("meta"))
+    return {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _read_tensor(fh, path: Path, hf_name: str, info: dict, position: int, dest: torch.Tensor,
-                 scratch: bytearray) -> None:
-    """Read one checkpoint tensor at `position` of the open file `fh` into `dest` (contiguous, the same
-    number of elements), `len(scratch)` bytes at a time."""
+                 scratch: bytearray, cut: Cut | None = None) -> None:
+    """Read one checkpoint tensor at `position` of the open file `fh` into `dest`, `len(scratch)` bytes at
+    a time: all of it (`dest` has as many elements), or the `cut` (axis, first, stop) of it: rows
+    first..stop (one run of bytes), or columns first..stop of every row (whole rows read, the columns
+    kept)."""
     dtype = _TORCH_DTYPES[info["dtype"]]
-    size, numel = dtype.itemsize, dest.numel()  # the header's byte count checked against it (safetensors_header)
-    flat = dest.view(-1)
+    size = dtype.itemsize  # the header's byte count checked against it (safetensors_header)
+    shape = [int(d) for d in info["shape"]]
+    if cut is not None and cut[0] == 0:  # rows: skip to the first, read the run
+        row_elems = 1
+        for d in shape[1:]:
+            row_elems *= d
+        position += cut[1] * row_elems * size
+    width = shape[1] if cut is not None and cut[0] == 1 else None
+    flat = dest.reshape(dest.shape[0], -1) if width is not None else dest.view(-1)
+    numel = flat.shape[0] * width if width is not None else flat.numel()
     step = len(scratch) // size
+    if width is not None:
+        step = max(1, step // width) * width  # whole rows per read
     fh.seek(position)
     for first in range(0, numel, step):
         n = min(step, numel - first)
@@ -187,7 +218,12 @@ def _read_tensor(fh, path: Path, hf_name: str, info: dict, position: int, dest: 
                 raise ModelLoadError(f"{path.name}:{hf_name}: the file ended inside this tensor; was it changed "
                                      "while loading? Copy the checkpoint again.")
             got += more
-        flat[first : first + n].copy_(torch.frombuffer(scratch, dtype=dtype, count=n))
+        chunk = torch.frombuffer(scratch, dtype=dtype, count=n)
+        if width is None:
+            flat[first : first + n].copy_(chunk)
+        else:
+            row = first // width
+            flat[row : row + n // width].copy_(chunk.view(-1, width)[:, cut[1] : cut[2]])
 
 
 def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
@@ -294,22 +330,26 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
         raise ModelLoadError(f"{model_dir}/config.json: a pre-quantized checkpoint (quant_method={method}) is not "
                              "supported; its weights would be read as plain floats. Use the float checkpoint (with "
                              "runtime.precision_map for our own int8 / int4).")
-    with torch.device("meta"):
-        model = DecoderModel(cfg, torch.float32, torch.device("meta"))
-    route_checkpoint(model_dir, cfg, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
+    route_checkpoint(model_dir, cfg, parameter_shapes(cfg))
     return cfg
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, config: ModelConfig | None = None) -> DecoderModel:
+               max_positions: int, config: ModelConfig | None = None, shard: TensorShard | None = None
+               ) -> DecoderModel:
     """Build the decoder for `model_dir` on `device`, weights fused, contiguous and resident (`config`:
-    the directory's, as the engine runs it; default: read from config.json)."""
+    the directory's, as the engine runs it; default: read from config.json). With `shard`, the part of
+    the model one rank of a tensor-parallel replica holds (`models.parallel`)."""
     cfg = config or ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = DecoderModel(cfg, dtype, torch.device("meta"))
+        model = DecoderModel(cfg, dtype, torch.device("meta"), shard)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed  # to_empty breaks the tie; restore it
+    if shard is not None:  # vocabulary padding rows and rank-0-only biases stay zero
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
     load_weights(model, model_dir)
     model.build_rotary(max_positions)
     model.eval()

@@ -9,6 +9,7 @@ them in `generate`. Input checks live in `runtime.inputs`, arena sizing in `runt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -18,12 +19,14 @@ from pathlib import Path
 import torch
 
 from flashx_batch.backends import Backend, get_backend, ray_accelerator_ids
+from flashx_batch.backends.distributed import Rendezvous, ReplicaBroken
 from flashx_batch.errors import ConfigError
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.kvcache.spec import slot_bytes
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
+from flashx_batch.models.parallel import TensorShard
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
@@ -35,6 +38,7 @@ from flashx_batch.runtime.results import GenerateStats, RequestOutput
 from flashx_batch.runtime.rows import Row
 from flashx_batch.runtime.runner import ModelRunner
 from flashx_batch.runtime.scheduler import Scheduler, SchedulerConfig
+from flashx_batch.runtime.tensor_parallel import Replica, ReplicaRunner, local_thread_share
 from flashx_batch.runtime.tokenizer import Tokenizer
 from flashx_batch.runtime.torch_runner import PrefillPolicy, TorchRunner
 
@@ -47,20 +51,54 @@ __all__ = ["ChoiceScores", "Engine", "GenerateStats", "RequestOutput", "check_op
 
 
 class Engine:
-    def __init__(self, model_dir: Path, options: EngineOptions, onnx_cache_dir: Path | None = None) -> None:
-        """`onnx_cache_dir`: where backend=onnx keeps its exports (default: `onnx.sessions.default_cache_dir`)."""
+    def __init__(self, model_dir: Path, options: EngineOptions, onnx_cache_dir: Path | None = None,
+                 rendezvous: Rendezvous | None = None) -> None:
+        """`onnx_cache_dir`: where backend=onnx keeps its exports (default: `onnx.sessions.default_cache_dir`).
+        `rendezvous`: this engine is one rank of a tensor-parallel replica whose ranks meet there (Ray
+        actors); None with tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks."""
         started = time.perf_counter()
         self.model_dir, self.options = Path(model_dir), options
         self.backend: Backend = get_backend(options.backend)
         self.config = effective_config(ModelConfig.from_dir(self.model_dir), options)
         self.dtype = check_options(options, self.config, self.backend)
+        self.replica: Replica | None = None
+        if options.tensor_parallel_size > 1:
+            if rendezvous is None:  # local ranks share this machine's cores
+                options = self.options = local_thread_share(options)
+            self.replica = Replica.start(self.model_dir, options, onnx_cache_dir, rendezvous)
+        try:
+            self._build(onnx_cache_dir)
+        except BaseException as exc:
+            if self.replica is not None:
+                self._leave_replica(f"{type(exc).__name__}: {exc}")
+            raise
+        if self.replica is not None:
+            try:
+                self.replica.comm.agree(None)  # every rank loaded (else: which did not, and why)
+            except BaseException:
+                self._leave_replica(None)
+                raise
+            if self.replica.rank == 0:
+                self.runner = ReplicaRunner(self.runner, self.replica.comm)
+        log.info("engine ready: %s %s on %s (%s), arena %.1f MiB%s, %.2fs", self.config.architecture,
+                 self.model_dir.name, self.device, self.dtype, self.runner.kv_bytes / 2**20,
+                 f", rank {self.replica.rank} of {self.replica.size}" if self.replica else "",
+                 time.perf_counter() - started)
+
+    def _build(self, onnx_cache_dir: Path | None) -> None:
+        options = self.options
         self.backend.setup_threads(options.cpu_threads())
-        index = self.backend.assigned_device_index(ray_accelerator_ids())
+        assigned = lambda: self.backend.assigned_device_index(ray_accelerator_ids())  # noqa: E731
+        index = self.replica.device_index(self.backend, assigned) if self.replica is not None else assigned()
         self.backend.set_device(index)
         self.device = self.backend.device(index)
+        if self.replica is not None:
+            self.replica.connect(self.backend, self.device)
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = tuple(dict.fromkeys(self.config.eos_token_ids + generation_eos(self.model_dir)))
+        # the arena's geometry (rows, slots) from the whole model's bytes per slot: every rank of a replica
+        # plans the same slots, each holding its own KV heads in them
         options = self.options = kv_sizing.rows_for_budget(options, slot_bytes(self.config.cache_spec(),
                                                                                 self.dtype.itemsize))
         merge = MergeSettings(options.merge_fraction, sinks=4, window=options.kv_observe_window,
@@ -80,18 +118,38 @@ class Engine:
                                    prefix_reuse=options.prefix_cache_tokens > 0 and self.runner.traits.kv_arena)
         self.last_stats = GenerateStats()
         self._lm: LogLikelihood | None = None
-        log.info("engine ready: %s %s on %s (%s), arena %.1f MiB, %.2fs", self.config.architecture,
-                 self.model_dir.name, self.device, self.dtype, self.runner.kv_bytes / 2**20,
-                 time.perf_counter() - started)
+
+    def _leave_replica(self, failure: str | None) -> None:
+        """This rank could not start: tell the others why (when the group formed), end local ranks."""
+        replica = self.replica
+        if replica.comm is None:
+            replica.fail_before_connecting(failure or "start-up failed")
+        elif failure is not None:
+            with contextlib.suppress(ReplicaBroken):
+                replica.comm.agree(failure)
+        replica.close()
+
+    def close(self) -> None:
+        """Release what outlives a Python object: a tensor-parallel replica's other ranks (stopped, and
+        their processes ended). A single-rank engine holds nothing to release."""
+        if self.replica is not None and self.replica.rank == 0:
+            self.replica.close(self.runner)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _torch_runner(self, merge: MergeSettings) -> TorchRunner:
         o, cfg = self.options, self.config
-        model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg)
+        shard = TensorShard(self.replica.rank, self.replica.size, self.replica.comm) if self.replica else None
+        model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg, shard)
         if o.precision_map:
             from flashx_batch.quant import apply_precision_map, load_precision_map
 
             apply_precision_map(model, load_precision_map(o.precision_map), self.model_dir)
-        arena = KVArena(cfg.cache_spec(), self.geometry.num_slots, self.dtype, self.device)
+        arena = KVArena(model.local_config.cache_spec(), self.geometry.num_slots, self.dtype, self.device)
         if o.prepack_weights:
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             sizes = kv_sizing.decode_pack_sizes(o, self.geometry.base_rows, weight_bytes, PACK_ALL_SIZES_BYTES)
@@ -102,7 +160,7 @@ class Engine:
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
         runner = TorchRunner(model, arena, self.backend, policy, merge, pad_id=cfg.pad_token_id or 0)
-        eager_only = cfg.sliding_window is not None or cfg.moe is not None or cfg.mla is not None
+        eager_only = cfg.sliding_window is not None or cfg.moe is not None or cfg.mla is not None or shard is not None
         if o.cuda_graphs != "off" and self.backend.supports_graphs and not eager_only:
             runner.graphs = DecodeGraphs(runner, backend=self.backend)
         return runner

@@ -17,6 +17,7 @@ import torch
 from flashx_batch.backends import Backend
 from flashx_batch.errors import ConfigError, PromptTooLongError
 from flashx_batch.models.config import ModelConfig
+from flashx_batch.models.parallel import rank_config
 from flashx_batch.runtime.options import EngineOptions
 from flashx_batch.runtime.params import SamplingParams
 
@@ -38,6 +39,8 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
         if options.cache_policy != "static" or options.long_input not in ("error", "truncate"):
             raise ConfigError(f"runtime.backend=onnx supports cache_policy=static and long_input=error|truncate, "
                               f"not cache_policy={options.cache_policy} long_input={options.long_input}.")
+    if options.tensor_parallel_size > 1:
+        check_tensor_parallel(options, cfg, backend)
     if cfg is not None:
         cfg = effective_config(cfg, options)
         needed = options.max_input_len + options.max_output_len
@@ -60,6 +63,24 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
     if dtype not in backend.supported_dtypes:
         raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
     return dtype
+
+
+def check_tensor_parallel(options: EngineOptions, cfg: ModelConfig | None, backend: Backend | None) -> None:
+    """Tensor parallelism splits our own torch decoder over ranks that talk through the backend's
+    collective library; precision maps are planned for the whole model's tensors, so they do not apply
+    to a rank's slices (yet)."""
+    n = options.tensor_parallel_size
+    if options.backend == "onnx" or (backend is not None and (not backend.torch_runtime or backend.collective is None)):
+        raise ConfigError(f"runtime.tensor_parallel_size={n} needs a torch backend (cpu, cuda, rocm, npu), not "
+                          f"{options.backend}; set tensor_parallel_size=1 or pick a torch backend.")
+    if options.precision_map:
+        raise ConfigError(f"runtime.precision_map does not combine with tensor_parallel_size={n} yet (the map is "
+                          "planned for whole tensors, a rank holds slices); drop one of the two.")
+    if options.cuda_graphs == "on":
+        raise ConfigError(f"runtime.cuda_graphs=on does not combine with tensor_parallel_size={n} (decode steps "
+                          "with collectives run eager); use cuda_graphs=auto or off.")
+    if cfg is not None:
+        rank_config(cfg, n)  # every split dimension divides evenly, or a ConfigError saying which does not
 
 
 def effective_config(cfg: ModelConfig, options: EngineOptions) -> ModelConfig:

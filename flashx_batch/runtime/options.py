@@ -85,6 +85,8 @@ class EngineOptions:
                           KV_LAYOUTS)
     cuda_graphs: str = knob("auto", "striped decode steps replayed from CUDA graphs: auto (where the backend "
                                     "captures them: cuda), on (an error elsewhere), off (eager steps)", CUDA_GRAPHS)
+    tensor_parallel_size: int = knob(1, "ranks one model replica is split over (attention heads, MLP columns, "
+                                        "vocabulary); each rank drives one device and holds 1/N of the weights")
 
     def __post_init__(self) -> None:
         checks = [
@@ -113,6 +115,7 @@ class EngineOptions:
             (self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}"),
             (self.batch_growth >= 1, f"batch_growth must be >= 1, got {self.batch_growth}"),
             (self.kv_layout in KV_LAYOUTS, f"kv_layout={self.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}"),
+            (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
             (self.cuda_graphs in CUDA_GRAPHS,
              f"cuda_graphs={self.cuda_graphs!r} is not one of {', '.join(CUDA_GRAPHS)}"),
         ]

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from flashx_batch.backends import Backend
 from flashx_batch.kvcache.arena import KVArena
@@ -92,6 +91,8 @@ class TorchRunner(ModelRunner):
         self.live = _LiveRows(self.device)
         self.compress = CompressedPrefill(self)
         self._bf16_head: torch.Tensor | None = None  # `_surprisal_head`, made on first use
+        # a tensor-parallel rank: every rank samples from the same gathered logits, and takes rank 0's tokens
+        self.comm = model.shard.comm if model.shard is not None else None
 
     # ---- the ModelRunner interface ----------------------------------------------------------
     @property
@@ -132,7 +133,7 @@ class TorchRunner(ModelRunner):
                 case PagedDecode() as d:
                     logits = self._paged_step(d)
             live.steps += 1
-            live.tokens = sample(logits, live.sampling, live.steps)
+            live.tokens = self._sample(logits, live.sampling, live.steps)
             tokens, logprobs, top = host_tokens(logits, live.tokens, live.sampling)
             return StepOutput(tokens, None, len(tokens), logprobs, top)
         return StepOutput([])
@@ -236,9 +237,18 @@ class TorchRunner(ModelRunner):
         """Sample the first tokens of rows just prefilled and join them to the live rows."""
         sampling = SamplingBatch.build([r.params for r in rows], logits.shape[-1], self.device)
         steps = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        tokens = sample(logits, sampling, steps)
+        tokens = self._sample(logits, sampling, steps)
         self.live.join(tokens, steps, sampling)
         return host_tokens(logits, tokens, sampling)
+
+    def _sample(self, logits: torch.Tensor, sampling: SamplingBatch, steps: torch.Tensor) -> torch.Tensor:
+        """The next token of each row; on a tensor-parallel replica, rank 0's choice on every rank (the
+        ranks hold the same logits, but one choice per replica is the rule: outputs never depend on
+        how many ranks there are, nor on a rank's random state)."""
+        tokens = sample(logits, sampling, steps)
+        if self.comm is not None:
+            self.comm.broadcast_(tokens)
+        return tokens
 
     def prefill_packed(self, prompts: list[list[int]], first_row: int = 0, capacity: int | None = None
                        ) -> torch.Tensor:
@@ -291,7 +301,7 @@ class TorchRunner(ModelRunner):
         values = []
         for a in range(0, len(picked), chunk):
             h = picked[a : a + chunk]
-            logits = (F.linear(h.to(head.dtype), head) if head is not None else self.model.logits(h)).float()
+            logits = self.model.logits(h, head)
             t = targets[a : a + chunk, None]
             values.append(torch.logsumexp(logits, -1) - logits.gather(1, t)[:, 0])
         out = torch.zeros(len(ids), dtype=torch.float32)
