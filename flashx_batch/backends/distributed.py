@@ -191,4 +191,5 @@ def _process_group(collective: str, store, rank: int, size: int, timeout_s: floa
 
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(exc).__name__
+    # gloo appends generic advice to its socket errors; the first sentence says what happened
+    return lines[0].split(". This is typically")[0][:300] if lines else type(exc).__name__

@@ -56,6 +56,8 @@ class ReplicaRunner:
         value = getattr(self._runner, name)
         if name in MIRRORED:
             def mirrored(*args: Any, **kwargs: Any) -> Any:
+                if name == "reset" and self._comm.broken is not None:
+                    return value()  # cleaning up after the failure that broke the replica: that error stands
                 self._comm.send_object((name, args, kwargs))
                 return value(*args, **kwargs)
 
@@ -210,7 +212,8 @@ def local_rank_main() -> None:
         print(f"flashx-batch tensor-parallel rank {spec.rank}: {exc}", file=sys.stderr, flush=True)
         os._exit(1)
     except BaseException as exc:  # rank 0 has been told (Engine.__init__) and reports it
-        print(f"flashx-batch tensor-parallel rank {spec.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"flashx-batch tensor-parallel rank {spec.rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
         os._exit(1)
     # no interpreter teardown: the collective library's threads are still attached to the group
     os._exit(0)
