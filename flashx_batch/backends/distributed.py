@@ -15,6 +15,7 @@ the connection dropped, the timeout passed) leaves the group unusable: the commu
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -76,7 +77,12 @@ class Rendezvous:
     def announce(self, failure: str | None = None) -> None:
         """This rank has joined (or, with `failure`, could not start: rank 0 reports the reason)."""
         key = f"failed/{self.spec.rank}" if failure else f"joined/{self.spec.rank}"
+        self.store.set(f"pid/{self.spec.rank}", str(os.getpid()))
         self.store.set(key, failure or "1")
+
+    def peer_pids(self) -> tuple[int, ...]:
+        """Rank 0: the process ids of the other ranks, as they announced them (fault injection's)."""
+        return tuple(int(self.store.get(f"pid/{r}").decode()) for r in range(1, self.spec.size))
 
     def wait_for_ranks(self, alive: Callable[[], str | None] = lambda: None,
                        timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:

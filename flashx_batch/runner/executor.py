@@ -47,7 +47,17 @@ def run_local(job: JobConfig, ctx: WorkerContext, shards: list[ShardSpec], stop:
     result = ExecResult()
     if not shards:
         return result
-    worker = ShardWorker(job, ctx, name="local")
+    workers = [ShardWorker(job, ctx, name="local")]  # the last one is in use; a fatal error appends another
+    try:
+        return _run_all(job, ctx, workers, shards, stop, progress, result)
+    finally:
+        for w in workers:  # a tensor-parallel engine's other ranks end with it
+            w.close()
+
+
+def _run_all(job: JobConfig, ctx: WorkerContext, workers: list[ShardWorker], shards: list[ShardSpec],
+             stop: StopFlag, progress: Progress, result: ExecResult) -> ExecResult:
+    worker = workers[-1]
     progress.restart_clock()
     queue = deque(Work(spec, 1) for spec in shards)
     while queue:
@@ -64,7 +74,9 @@ def run_local(job: JobConfig, ctx: WorkerContext, shards: list[ShardSpec], stop:
                 result.aborted = failure
                 break
             if failure.kind == FATAL:
+                worker.close()
                 worker = ShardWorker(job, ctx, name=f"local-{work.spec.shard_id}-{work.attempt}")
+                workers.append(worker)
             queue.extendleft(reversed(decision.retry))
             if decision.fail:
                 result.failed[work.spec.shard_id] = failure.line

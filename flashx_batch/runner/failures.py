@@ -8,7 +8,8 @@ is a pure function the unit tests walk through.
 Policy (exit codes: docs/reliability.md "Exit codes"):
   error   an exception in the worker (a bug, ENOSPC): retry up to max_attempts, then the job
           fails with exit 1 and a rerun retries it — the rows are not ours to give up.
-  fatal   the engine's device is gone: the worker is replaced (never reused), then as `error`.
+  fatal   the engine's device is gone, or a rank of its tensor-parallel replica: the worker (the
+          whole replica) is replaced, never reused, then as `error`.
   bad_job the job as written cannot succeed (an input file changed under it, a config error the
           engine found): no retry, the job stops (exit 2) naming the cause.
   timeout the watchdog killed a piece over its budget: retry, then `timeout` error rows.
@@ -26,6 +27,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from flashx_batch.backends.distributed import ReplicaBroken
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.errors import ConfigError, ModelLoadError
 from flashx_batch.job_errors import FatalEngineError
@@ -67,7 +69,7 @@ def kind_of(exc: BaseException) -> str:
     if any(isinstance(e, (ConfigError, ModelLoadError)) for e in chain):
         return BAD_JOB
     for e in chain:
-        if isinstance(e, FatalEngineError) or (isinstance(e, RuntimeError) and any(
+        if isinstance(e, FatalEngineError | ReplicaBroken) or (isinstance(e, RuntimeError) and any(
                 m in str(e) for m in _FATAL_MARKERS)):
             return FATAL
     return ERROR

@@ -11,6 +11,7 @@ A spec is `ACTION[:key=value]...`:
   hang     sleep forever (the watchdog's case)                       default at=before_generate
   fatal    raise FatalEngineError (a dead device)                    default at=before_generate
   enospc   fail the staged write of one file with ENOSPC             default at=write
+  kill_rank SIGKILL rank 1 of this worker's tensor-parallel replica    default at=before_generate
 Point `job_json` is the driver writing job.json; there `shard=` matches the status being written
 (`running`, `succeeded`, ...), e.g. `enospc:at=job_json:shard=succeeded` (a disk full at the end).
 Filters (all optional, all must match): `at=` point, `shard=` glob on the piece id, `attempt=N`,
@@ -37,7 +38,8 @@ from flashx_batch.job_errors import FatalEngineError
 log = logging.getLogger(__name__)
 ENV_VAR = "FLASHX_FAULTS"
 POINTS = ("before_generate", "after_generate", "write", "after_publish", "before_manifest", "job_json")
-DEFAULT_POINT = {"hang": "before_generate", "fatal": "before_generate", "enospc": "write"}
+DEFAULT_POINT = {"hang": "before_generate", "fatal": "before_generate", "enospc": "write",
+                 "kill_rank": "before_generate"}
 _KEYS = ("at", "shard", "attempt", "row", "kind")
 
 
@@ -64,16 +66,17 @@ class Faults:
     faults: tuple[Fault, ...] = field(default_factory=tuple)
 
     def fire(self, point: str, shard: str, attempt: int, ids: Iterable[Any] | None = None,
-             kind: str | None = None) -> None:
-        """Act out the first armed fault matching this point, if any; returns only if none matched."""
+             kind: str | None = None, peers: tuple[int, ...] = ()) -> None:
+        """Act out the first armed fault matching this point, if any; returns only if none matched.
+        `peers`: the process ids of the other ranks of the worker's tensor-parallel replica."""
         ids = list(ids) if ids is not None else None
         for f in self.faults:
             if f.matches(point, shard, attempt, ids, kind):
-                _act(f, point, shard, attempt, kind)
+                _act(f, point, shard, attempt, kind, peers)
                 return
 
 
-def _act(f: Fault, point: str, shard: str, attempt: int, kind: str | None) -> None:
+def _act(f: Fault, point: str, shard: str, attempt: int, kind: str | None, peers: tuple[int, ...] = ()) -> None:
     what = f"injected fault {f.action} at {point} of {shard} attempt {attempt}"
     log.warning("%s", what)
     if f.action == "crash":
@@ -86,13 +89,17 @@ def _act(f: Fault, point: str, shard: str, attempt: int, kind: str | None) -> No
         raise FatalEngineError(what)
     if f.action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device ({what}, {kind})")
+    if f.action == "kill_rank":  # the ranks of a replica share one node: the pid is this machine's
+        if not peers:
+            raise RuntimeError(f"{what}: this worker has no other tensor-parallel ranks to kill")
+        os.kill(peers[0], signal.SIGKILL)
 
 
 def parse(spec: str) -> Fault:
     """One spec string → a Fault; ConfigError (exit 2) naming what is wrong."""
     action, *pairs = spec.strip().split(":")
-    if action not in ("crash", "hang", "fatal", "enospc"):
-        raise ConfigError(f"fault {spec!r}: unknown action {action!r}; use crash, hang, fatal or enospc.")
+    if action not in ("crash", "hang", "fatal", "enospc", "kill_rank"):
+        raise ConfigError(f"fault {spec!r}: unknown action {action!r}; use crash, hang, fatal, enospc or kill_rank.")
     values: dict[str, Any] = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")

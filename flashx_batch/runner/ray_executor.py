@@ -30,6 +30,7 @@ from flashx_batch.job_errors import InputChangedError, ModelChangedError
 from flashx_batch.runner.executor import ExecResult
 from flashx_batch.runner.failures import BAD_JOB, DIED, FATAL, TIMEOUT, FailedRows, Work, WorkerFailure, clean, decide
 from flashx_batch.runner.progress import Progress
+from flashx_batch.runner.replicas import Replica, bundle_of, start_replica
 from flashx_batch.runner.signals import Interrupted, StopFlag
 from flashx_batch.runner.worker import ShardWorker, WorkerContext
 
@@ -38,7 +39,9 @@ _WAIT_S = 0.5  # also the watchdog's resolution
 _MAX_BOOT_FAILURES = 8  # actors that die while loading their engine, in a row, before the job gives up
 # a replacement's load failure that no retry can cure (failures travel as data: matched by type name)
 _JOB_LEVEL = (ModelChangedError.__name__, InputChangedError.__name__)
-_PROBE_TIMEOUT_S = 300.0  # a busy cluster may take a while to schedule the probe; past this, go on unprobed
+_PROBE_TIMEOUT_S = 300.0
+# a busy replica that lost a rank: how long its rank 0 gets to report the broken replica before it is killed
+_RANK_LEFT_GRACE_S = 10.0  # a busy cluster may take a while to schedule the probe; past this, go on unprobed
 
 
 @contextlib.contextmanager
@@ -111,10 +114,27 @@ def probe_cluster(job: JobConfig) -> None:
         raise ConfigError(f"runtime.backend={job.runtime.backend}: one actor needs {short}, and the Ray cluster offers "
                           f"{ {k: resources.get(k, 0) for k in short} }; pick a backend the cluster has, or add "
                           "nodes with those resources.")
+    tp = job.runtime.tensor_parallel_size
+    if tp > 1:
+        _check_replica_fits(ray, job, bundle_of(options), tp)
     ref = ray.remote(_probe_backend).options(**options).remote(job.runtime.backend)
     failure = _run_on_worker(ray, ref, "backend probe")
     if failure is not None:
         raise ConfigError(f"runtime.backend={job.runtime.backend} cannot run on the Ray workers: {failure}")
+
+
+def _check_replica_fits(ray: Any, job: JobConfig, bundle: dict[str, float], tp: int) -> None:
+    """A tensor-parallel replica's N ranks share one node (STRICT_PACK): some node must offer N bundles."""
+    best = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        best = max(best, min(int(have.get(k, 0) // v) for k, v in bundle.items()))
+    if best < tp:
+        raise ConfigError(f"runtime.tensor_parallel_size={tp}: a replica's {tp} ranks must share one node, each taking "
+                          f"{bundle}; the largest node of this cluster holds {best}. Lower tensor_parallel_size, or "
+                          "add a node with enough devices.")
 
 
 def _run_on_worker(ray: Any, ref: Any, what: str) -> Any:
@@ -170,7 +190,7 @@ def _backend_name(job: JobConfig, resources: dict[str, float]) -> str:
 
 
 def actor_options(job: JobConfig, resources: dict[str, float]) -> tuple[dict[str, Any], int, int | None]:
-    """(actor options, pool size, engine threads) for this cluster and backend."""
+    """(options of one actor (one rank), pool size in replicas, engine threads) for this cluster and backend."""
     ex, name = job.executor, _backend_name(job, resources)
     options = dict(BACKENDS[name]().ray_options(ex.resources)) if name in BACKENDS else {}
     threads = None
@@ -184,7 +204,8 @@ def actor_options(job: JobConfig, resources: dict[str, float]) -> tuple[dict[str
         needed = {"GPU": options.get("num_gpus", 0), **options.get("resources", {})}
         capacity = min((int(resources.get(k, 0) // v) for k, v in needed.items() if v),
                        default=int(resources.get("GPU", 1)))
-    return options, max(1, ex.num_actors or capacity), threads
+    # a tensor-parallel replica takes N actors' worth; `executor.num_actors` counts replicas
+    return options, max(1, ex.num_actors or capacity // job.runtime.tensor_parallel_size), threads
 
 
 class RayExecutor:
@@ -206,11 +227,10 @@ class RayExecutor:
         with ray_session(self.job, stop):
             return self._loop(ray, shards, stop, progress, result)
 
-    def _spawn(self, ray: Any, remote_cls: Any, options: dict[str, Any], ctx: WorkerContext) -> tuple[str, Any]:
+    def _spawn(self, ray: Any, remote_cls: Any, options: dict[str, Any], ctx: WorkerContext) -> tuple[Replica, Any]:
         self._spawned += 1
         name = f"flashx-worker-{os.getpid()}-{self._spawned}"
-        handle = remote_cls.options(name=name, max_restarts=0, **options).remote(self.job, ctx, name, True)
-        return name, handle
+        return start_replica(ray, remote_cls, options, self.job.runtime.tensor_parallel_size, name, (self.job, ctx))
 
     # ---- the dispatch loop ------------------------------------------------------------------
     def _loop(self, ray: Any, shards: list[ShardSpec], stop: StopFlag, progress: Progress,
@@ -219,17 +239,19 @@ class RayExecutor:
         pool = min(pool, len(shards))
         ctx = WorkerContext(**{**vars(self.ctx), "num_threads": self.ctx.num_threads or threads})
         remote_cls = ray.remote(ShardWorker)
-        log.info("ray: %d actor(s) with %s", pool, options)
+        tp = self.job.runtime.tensor_parallel_size
+        log.info("ray: %d %s with %s", pool, "actor(s)" if tp == 1 else f"replica(s) of {tp} ranks", options)
         self._new_actor = lambda: self._spawn(ray, remote_cls, options, ctx)
-        self.actors: dict[str, Any] = {}
+        self.actors: dict[str, Replica] = {}
         self.booting: dict[Any, str] = {}  # ready() ref -> actor name: no shard goes to an actor still loading
+        self.watch: dict[Any, str] = {}  # a follower rank's follow() ref -> its replica (it ends: the replica goes)
+        self.doomed: dict[str, float] = {}  # busy replicas that lost a rank -> when to kill them if still busy
         self.idle: deque[str] = deque()
         try:
             return self._dispatch_all(ray, pool, shards, stop, progress, result)
         finally:  # however the loop ends, no actor of this run outlives it (the driver unlocks next)
-            for handle in self.actors.values():
-                with contextlib.suppress(Exception):
-                    ray.kill(handle)
+            for replica in self.actors.values():
+                replica.kill(ray)
 
     def _dispatch_all(self, ray: Any, pool: int, shards: list[ShardSpec], stop: StopFlag, progress: Progress,
                       result: ExecResult) -> ExecResult:
@@ -248,17 +270,20 @@ class RayExecutor:
         while True:
             while self.idle and queue and not stop.requested:
                 name, work = self.idle.popleft(), queue.popleft()
-                ref = self.actors[name].run_shard.remote(work.spec, work.attempt)
+                ref = self.actors[name].leader.run_shard.remote(work.spec, work.attempt)
                 inflight[ref] = (name, work, time.monotonic())
                 if self.on_dispatch is not None:
                     self.on_dispatch(work.spec, work.attempt, name)
             if not inflight and (stop.requested or not queue):
                 break
-            done, _ = ray.wait([*inflight, *self.booting], num_returns=1, timeout=_WAIT_S)
+            done, _ = ray.wait([*inflight, *self.booting, *self.watch], num_returns=1, timeout=_WAIT_S)
             progress.tick()
             for ref in done:
                 if ref in self.booting:
                     self._booted(ray, ref)
+                    continue
+                if ref in self.watch:
+                    self._rank_left(ray, ref)
                     continue
                 name, work, _ = inflight.pop(ref)
                 outcome = self._settle(ray, ref, name, work)
@@ -269,6 +294,8 @@ class RayExecutor:
                 break
             if self.timeout_s is not None:
                 self._watchdog(ray, inflight, queue, result, progress)
+            if self.doomed:
+                self._end_doomed(ray)
         result.interrupted = stop.requested and bool(queue)
         return result
 
@@ -297,14 +324,18 @@ class RayExecutor:
             return DIED, WorkerFailure(DIED, type(exc).__name__, _first_line(exc), **where)
         except RayTaskError as exc:  # raised outside run_shard's own handling (e.g. an argument that failed)
             summary = {"failure": WorkerFailure.from_exception(exc, **where).as_dict()}
+        lost_rank = self.doomed.pop(name, None) is not None  # a rank of this replica left while it ran
         if "failure" in summary:
             failure = WorkerFailure.from_dict(summary["failure"])
-            if failure.kind == FATAL:  # the engine is gone: retire the actor, never retry on it
+            if failure.kind == FATAL or lost_rank:  # the engine is gone: retire the actor, never retry on it
                 self._replace(ray, name)
             else:
                 self.idle.append(name)
             return failure.kind, failure
-        self.idle.append(name)
+        if lost_rank:
+            self._replace(ray, name)
+        else:
+            self.idle.append(name)
         return "ok", summary
 
     def _follow(self, outcome: tuple[str, Any], work: Work, queue: deque, result: ExecResult,
@@ -332,9 +363,36 @@ class RayExecutor:
 
     # ---- actors -----------------------------------------------------------------------------
     def _boot(self) -> None:
-        name, handle = self._new_actor()
-        self.actors[name] = handle
-        self.booting[handle.ready.remote()] = name
+        replica, ready = self._new_actor()
+        self.actors[replica.name] = replica
+        self.booting[ready] = replica.name
+        self.watch.update({ref: replica.name for ref in replica.watch})
+
+    def _rank_left(self, ray: Any, ref: Any) -> None:
+        """A follower rank's `follow` ended: the rank died, or its replica broke. The whole replica goes:
+        an idle one is replaced now; a busy or booting one is killed, and its shard's failure (or its
+        failed boot) replaces it."""
+        name = self.watch.pop(ref)
+        replica = self.actors.get(name)
+        if replica is None:  # already replaced
+            return
+        why = _follow_outcome(ray, ref)
+        log.warning("%s: rank %d left (%s); restarting the replica", name, replica.watch.get(ref, 0), why)
+        if name in self.idle:
+            self.idle.remove(name)
+            self._replace(ray, name)
+        elif name in self.booting.values():
+            replica.kill(ray)  # its boot fails, and `_booted` starts another
+        else:  # busy: rank 0 reports the broken replica itself (a truer failure than a kill); a bounded wait
+            self.doomed[name] = time.monotonic() + _RANK_LEFT_GRACE_S
+
+    def _end_doomed(self, ray: Any) -> None:
+        """Kill busy replicas whose rank 0 has not reported a lost rank within the grace (a collective
+        library that waits out its timeout instead of failing at once): the shard fails as `died`."""
+        now = time.monotonic()
+        for name, deadline in list(self.doomed.items()):
+            if now > deadline and name in self.actors:
+                self.actors[name].kill(ray)
 
     def _booted(self, ray: Any, ref: Any) -> None:
         from ray.exceptions import RayActorError
@@ -342,8 +400,10 @@ class RayExecutor:
         name = self.booting.pop(ref)
         try:
             info = ray.get(ref)
-        except RayActorError:  # killed while loading (a node lost, a test): try another one
-            self.actors.pop(name, None)
+        except RayActorError:  # killed while loading (a node lost, a test, a rank that left): try another one
+            replica = self.actors.pop(name, None)
+            if replica is not None:
+                replica.kill(ray)
             self._boot_failures += 1
             if self._boot_failures > _MAX_BOOT_FAILURES:
                 raise
@@ -354,9 +414,9 @@ class RayExecutor:
             if failure.type in _JOB_LEVEL:
                 _raise_boot_failure(failure)
             log.warning("%s", failure.block())
-            handle = self.actors.pop(name, None)
-            if handle is not None:
-                ray.kill(handle, no_restart=True)
+            replica = self.actors.pop(name, None)
+            if replica is not None:
+                replica.kill(ray)
             self._boot_failures += 1
             if self._boot_failures > _MAX_BOOT_FAILURES:
                 raise FlashxError(f"{self._boot_failures} replacement engines in a row failed to load; last: "
@@ -367,10 +427,19 @@ class RayExecutor:
         self.idle.append(name)
 
     def _replace(self, ray: Any, name: str, dead: bool = False) -> None:
-        handle = self.actors.pop(name, None)
-        if handle is not None and not dead:
-            ray.kill(handle, no_restart=True)
+        """A new replica for `name`'s (every rank of it killed; `dead`: rank 0 is gone already)."""
+        replica = self.actors.pop(name, None)
+        if replica is not None:
+            replica.kill(ray)
         self._boot()
+
+
+def _follow_outcome(ray: Any, ref: Any) -> str:
+    """What a finished `follow` call says: why the rank stopped, or that its actor died."""
+    try:
+        return str(ray.get(ref))
+    except Exception as exc:
+        return f"its actor died: {_first_line(exc)}"
 
 
 def _raise_boot_failure(failure: WorkerFailure) -> None:

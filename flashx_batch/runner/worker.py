@@ -38,6 +38,7 @@ from flashx_batch.runner.outputs import open_output
 from flashx_batch.runner.tables import generations_table, sample_columns, score_column, score_table, stats_table
 
 if TYPE_CHECKING:
+    from flashx_batch.backends.distributed import RankSpec
     from flashx_batch.runner.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -66,20 +67,20 @@ def row_seed(job_seed: int, row_id: Any) -> int:
 
 
 class ShardWorker:
-    def __init__(self, job: JobConfig, ctx: WorkerContext, name: str = "local", defer_errors: bool = False) -> None:
+    def __init__(self, job: JobConfig, ctx: WorkerContext, name: str = "local", defer_errors: bool = False,
+                 replica_rank: int | None = None) -> None:
         """Load the engine. `defer_errors` (Ray actors): a load failure is kept as `boot_failure` and
         reported by `ready()` as data, instead of dying in the constructor, where Ray would keep only
-        its own header line of the cause."""
+        its own header line of the cause. `replica_rank`: this actor is that rank of a tensor-parallel
+        replica (`runner.replicas`); the engine loads later, in `join_replica`, once the ranks know where
+        to meet."""
         self.job, self.ctx, self.name = job, ctx, name
         storage.configure(job.storage.settings())  # input and output URIs open with the job's storage.* keys
         self.node = socket.gethostname()
         self.boot_failure: WorkerFailure | None = None
-        try:
-            self._load()
-        except Exception as exc:
-            if not defer_errors:
-                raise
-            self.boot_failure = WorkerFailure.from_exception(exc, node=self.node, worker=name, shard_id="(engine load)")
+        self.replica_rank, self.rendezvous = replica_rank, None
+        if replica_rank is None:
+            self._load_deferring(defer_errors)
         self.out = open_output(ctx.output_dir, ctx.faults, ctx.job_digest)
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
@@ -89,16 +90,75 @@ class ShardWorker:
         self._pattern = check_metric(job.eval.metric, job.eval.regex) if job.eval.metric else None
         self._text_column = text_column(job.data, job.task)
 
+    def _load_deferring(self, defer_errors: bool) -> None:
+        try:
+            self._load()
+        except Exception as exc:
+            if not defer_errors:
+                raise
+            self.boot_failure = WorkerFailure.from_exception(exc, node=self.node, worker=self.name,
+                                                             shard_id="(engine load)")
+
     def _load(self) -> None:
         from flashx_batch.runner.fingerprint import check_model_unchanged
         from flashx_batch.runtime.engine import Engine  # deferred: the driver plans without loading torch models
 
-        options = dataclasses.asdict(self.job.engine_options(self.ctx.num_threads))
+        options = self.job.engine_options(self.ctx.num_threads)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)
-        self.engine = Engine.from_pretrained(Path(self.ctx.model_dir), **options)
+        self.engine = Engine(Path(self.ctx.model_dir), options, rendezvous=self.rendezvous)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)  # not replaced while it loaded
         if self.engine.tokenizer is None:
             raise RuntimeError(f"{self.ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")
+
+    # ---- a rank of a tensor-parallel replica (Ray; `runner.replicas` calls these in order) -------
+    def host_rendezvous(self, size: int) -> RankSpec:
+        """Rank 0: open the replica's rendezvous on this node; the other ranks join it at the spec returned."""
+        import ray
+
+        from flashx_batch.backends.distributed import Rendezvous
+
+        self.rendezvous = Rendezvous.host(size, bind=ray.util.get_node_ip_address())
+        return self.rendezvous.spec
+
+    def join_replica(self, spec: RankSpec | None) -> dict[str, Any]:
+        """Load this rank's engine, meeting the other ranks at `spec` (rank 0: None, its own rendezvous);
+        returns `ready()`'s answer. A failure is kept as `boot_failure` (the other ranks learn of it in
+        the engine's start-up, rank 0 reports it)."""
+        from flashx_batch.backends.distributed import Rendezvous
+
+        if spec is not None:
+            try:
+                self.rendezvous = Rendezvous.join(dataclasses.replace(spec, rank=self.replica_rank))
+            except Exception as exc:
+                self.boot_failure = WorkerFailure.from_exception(exc, node=self.node, worker=self.name,
+                                                                 shard_id="(engine load)")
+                return self.ready()
+        self._load_deferring(True)
+        return self.ready()
+
+    def follow(self) -> str:
+        """A follower rank's life: replay rank 0's engine calls until it says stop; returns why it ended
+        (the Ray executor watches this call: its end, or this actor's death, ends the replica)."""
+        from flashx_batch.backends.distributed import ReplicaBroken
+        from flashx_batch.runtime.tensor_parallel import follow
+
+        if self.boot_failure is not None:
+            return f"not loaded: {self.boot_failure.line}"
+        try:
+            follow(self.engine.runner, self.engine.replica.comm)
+        except ReplicaBroken as exc:
+            return f"replica broken: {exc}"
+        return "stopped"
+
+    def close(self) -> None:
+        """Release the engine's other ranks (a tensor-parallel replica started here); nothing otherwise."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    def _peers(self) -> tuple[int, ...]:
+        replica = getattr(getattr(self, "engine", None), "replica", None)
+        return replica.rendezvous.peer_pids() if replica is not None and replica.rank == 0 else ()
 
     def ready(self) -> dict[str, Any]:
         """Cheap call the Ray executor awaits to know the engine loaded (and where), or why it did not
@@ -143,7 +203,7 @@ class ShardWorker:
         job = self.job
         ids, texts, passthrough, params = self._rows(spec)
         if self.faults is not None:
-            self.faults.fire("before_generate", spec.shard_id, attempt, ids)
+            self.faults.fire("before_generate", spec.shard_id, attempt, ids, peers=self._peers())
         # chat rows are template-rendered text that already carries BOS / role tokens
         token_lists = self.engine.tokenizer.encode_batch(texts, add_special_tokens=not job.data.messages_column)
         outs = self.engine.generate(token_lists, params)  # sampling.n > 1: n outputs per row, in row order
@@ -210,7 +270,7 @@ class ShardWorker:
         if bad is not None:
             raise RuntimeError(f"shard {spec.shard_id}: {bad.message}; the input or tokenizer changed after planning")
         if self.faults is not None:
-            self.faults.fire("before_generate", spec.shard_id, attempt, ids)
+            self.faults.fire("before_generate", spec.shard_id, attempt, ids, peers=self._peers())
         values: dict[str, list[Any]] = {}
         if task == "loglikelihood":
             logprobs, greedy = lm.score_pairs([e.pairs[0] for e in encoded])

@@ -95,6 +95,7 @@ class Replica:
     def __init__(self, rendezvous: Rendezvous, local: LocalRanks | None) -> None:
         self.rendezvous, self.local = rendezvous, local
         self.comm: Communicator | None = None
+        self.closed = False
 
     @property
     def rank(self) -> int:
@@ -136,6 +137,9 @@ class Replica:
     def close(self, runner: Any = None) -> None:
         """Rank 0: stop the followers (through `runner`, a ReplicaRunner, when the replica still works)
         and end the local processes."""
+        if self.closed:
+            return
+        self.closed = True
         if isinstance(runner, ReplicaRunner) and self.comm is not None and self.comm.broken is None:
             try:
                 runner.stop_followers()
