@@ -13,6 +13,11 @@ the first meta -> CPU tensor imports sympy) and the model's RoPE table: a consta
 
     PYTHONPATH=. python jobs/load_memory.py --out results/load_memory.json            # ~1.16 GB, 4 shards
     PYTHONPATH=. python jobs/load_memory.py --layers 8 --hidden 1024 --intermediate 2816 --out small.json
+    PYTHONPATH=. python jobs/load_memory.py --dtypes float32 --tensor-parallel 2,4 --out tp.json  # per rank
+
+With `--tensor-parallel N,...` every rank r of a replica of N loads its own part (`load_model` with a
+`TensorShard(r, N)`, in its own process) and the figures are per rank: its weight bytes, their share
+of the whole model's times N (1.0 = exactly 1/N), and its peak over baseline.
 
 Prints one JSON object (also written to --out).
 """
@@ -95,12 +100,16 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def measure(model_dir: Path, dtype: str) -> dict:
-    """In this process: load `model_dir` as `dtype` on the CPU and report the peak resident set over the
-    baseline taken right before (after the imports)."""
+def measure(model_dir: Path, dtype: str, rank: int = 0, ranks: int = 1) -> dict:
+    """In this process: load `model_dir` as `dtype` on the CPU (rank `rank` of a tensor-parallel replica
+    of `ranks`: its part only) and report the peak resident set over the baseline taken right before
+    (after the imports)."""
     import torch
 
     import flashx_batch.models.loader as loader  # imported before the baseline: not part of the figure
+    from flashx_batch.models.parallel import TensorShard
+
+    shard = TensorShard(rank, ranks) if ranks > 1 else None
 
     baseline = _status_kib("VmRSS")
     try:
@@ -110,13 +119,14 @@ def measure(model_dir: Path, dtype: str) -> dict:
         method = "ru_maxrss (peak since process start; no reset allowed)"
     before_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    model = loader.load_model(model_dir, getattr(torch, dtype), torch.device("cpu"), 4096)
+    model = loader.load_model(model_dir, getattr(torch, dtype), torch.device("cpu"), 4096, shard=shard)
     seconds = time.perf_counter() - started
     peak = _status_kib("VmHWM")
     after = {f: _status_kib(f) for f in ("VmRSS", "RssAnon", "RssFile")}
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # unique (ties counted once)
     peak_over = (peak - baseline) * 1024
-    return {"dtype": dtype, "method": method, "load_s": round(seconds, 2), "weight_bytes": weight_bytes,
+    return {"dtype": dtype, "rank": rank, "ranks": ranks, "method": method, "load_s": round(seconds, 2),
+            "weight_bytes": weight_bytes,
             "baseline_rss_mib": round(baseline / 1024, 1), "peak_rss_mib": round(peak / 1024, 1),
             "peak_over_baseline_mib": round(peak_over / 2**20, 1),
             "peak_ratio": round(peak_over / weight_bytes, 3),
@@ -145,13 +155,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--dtypes", default="bfloat16,float32", help="target dtypes, comma-separated")
+    parser.add_argument("--tensor-parallel", default="", help="replica sizes N, comma-separated: each rank's load too")
     parser.add_argument("--model-dir", type=Path, help="reuse (or build into) this directory instead of a temp dir")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     parser.add_argument("--measure", choices=DTYPES, help=argparse.SUPPRESS)  # internal: the child process's mode
     parser.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)  # internal: ditto
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # internal: with --measure
+    parser.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.model_dir, args.measure)))
+        print(json.dumps(measure(args.model_dir, args.measure, args.rank, args.ranks)))
         return
     if args.build_only:
         print(json.dumps(build_checkpoint(args.model_dir, args.layers, args.hidden, args.intermediate, args.heads,
@@ -172,9 +185,17 @@ def main() -> None:
             built = _child([*shape, "--model-dir", str(model_dir), "--build-only"], env)
         built["build_s"] = round(time.perf_counter() - started, 2)
         loads = [_child(["--model-dir", str(model_dir), "--measure", dtype], env) for dtype in args.dtypes.split(",")]
+        ranks = []
+        for n in [int(x) for x in args.tensor_parallel.split(",") if x]:
+            for dtype in args.dtypes.split(","):
+                whole = next(w["weight_bytes"] for w in loads if w["dtype"] == dtype)
+                for r in range(n):
+                    argv = ["--model-dir", str(model_dir), "--measure", dtype, f"--rank={r}", f"--ranks={n}"]
+                    one = _child(argv, env)
+                    ranks.append({**one, "share_x_ranks": round(one["weight_bytes"] * n / whole, 4)})
         config = json.loads((model_dir / "config.json").read_text())
     shape = {k: config[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")}
-    result = {"checkpoint": {**built, **shape}, "loads": loads}
+    result = {"checkpoint": {**built, **shape}, "loads": loads, **({"tensor_parallel": ranks} if ranks else {})}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
