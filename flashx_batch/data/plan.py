@@ -267,9 +267,11 @@ def _chunks(loaded: LoadedInput, data: DataSection, scan: _Scan) -> Iterator[tup
     for fi, offset, fr in loaded.chunks():
         while len(scan.starts) <= fi:
             scan.starts.append(len(scan.ids))
-        n = int(min(fr.num_rows, remaining))
-        if n <= 0:
+        if remaining <= 0:  # data.limit reached
             break
+        n = int(min(fr.num_rows, remaining))
+        if n == 0:  # an empty file (or chunk): the files after it still count
+            continue
         g = len(scan.ids)
         for v in fr.columns[data.id_column][:n]:
             scan.ids.append(v)

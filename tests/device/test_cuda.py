@@ -75,3 +75,15 @@ def test_decode_steps_from_cuda_graphs_give_the_eager_tokens(llama, policy):
             assert 2 <= len(graphs.graphs) < graphs.steps and not graphs.failed
             assert any(slots < cap for _, cap, slots in graphs.graphs)
     assert outs["auto"] == outs["off"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs; this machine has "
+                    f"{torch.cuda.device_count()}")
+def test_tensor_parallel_over_two_gpus_matches_one(llama):
+    """TP = 2 over NCCL (ranks on GPUs 0 and 1): float32 greedy tokens equal one GPU's."""
+    name = get_backend("auto").name
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    one = Engine.from_pretrained(llama, backend=name, dtype="float32", **OPTS).generate(_prompts(), params)
+    with Engine.from_pretrained(llama, backend=name, dtype="float32", tensor_parallel_size=2, **OPTS) as tp:
+        two = tp.generate(_prompts(), params)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]

@@ -195,7 +195,7 @@ class _ZombieFirst:
     def __init__(self, shard, zombie: ShardWorker) -> None:
         self.shard, self.zombie, self.zombie_summary = shard, zombie, None
 
-    def fire(self, point, shard, attempt, ids=None, kind=None):
+    def fire(self, point, shard, attempt, ids=None, kind=None, peers=()):
         if point == "after_generate" and shard == self.shard.shard_id and attempt == 1:
             self.zombie_summary = self.zombie.run_shard(self.shard, 2)
 

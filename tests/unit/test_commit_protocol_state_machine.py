@@ -42,7 +42,7 @@ class _CrashAt:
     def __init__(self, point: str) -> None:
         self.point = point
 
-    def fire(self, point: str, shard: str, attempt: int, ids=None, kind=None) -> None:
+    def fire(self, point: str, shard: str, attempt: int, ids=None, kind=None, peers=()) -> None:
         if point == self.point:
             raise _Crash(point)
 

@@ -66,3 +66,15 @@ def test_limit_takes_the_first_rows(tmp_path):
     path = write_parquet(tmp_path / "in.parquet", sample_rows(30))
     plan = _plan(path, "data.limit=7")
     assert plan.ids == list(range(7)) and plan.num_valid == 7
+
+
+@pytest.mark.parametrize("limit", ["null", "5"])
+def test_an_empty_file_does_not_end_the_input(tmp_path, limit):
+    """A file with no rows (sorting before the others) is skipped, not taken for the end of the input."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a-empty.csv").write_text("id,prompt\n")
+    (tmp_path / "in" / "b.csv").write_text("id,prompt\n" + "".join(f"doc-{i},the law\n" for i in range(4)))
+    (tmp_path / "in" / "c.csv").write_text("id,prompt\n" + "".join(f"doc-{i},the law\n" for i in range(4, 7)))
+    plan = _plan(tmp_path / "in", "data.format=csv", f"data.limit={limit}")
+    want = [f"doc-{i}" for i in range(7 if limit == "null" else 5)]
+    assert list(plan.ids) == want and plan.num_valid == len(want)

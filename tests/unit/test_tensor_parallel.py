@@ -69,6 +69,21 @@ def test_experts_and_latent_attention_split_too(arch, tmp_path):
     _check_against_one_rank(tmp_path / arch, (2,), policies=("static",))
 
 
+def test_prefix_reuse_on_a_replica(tiny_models):
+    """Shared prefixes computed once and read by later rows: the cache's slot plans reach every rank."""
+    model_dir = tiny_models["glm4"][0]
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, 256, (40,), generator=g).tolist()
+    rows = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 14, 6, 11)]
+    opts = dict(max_input_len=64, prefix_cache_tokens=128, segment_size=8)
+    one = cpu_engine(model_dir, **opts)
+    want = _tokens(one, rows)
+    assert one.last_stats.cached_prompt_tokens > 0
+    with cpu_engine(model_dir, tensor_parallel_size=2, **opts) as tp:
+        assert _tokens(tp, rows) == want
+        assert tp.last_stats.cached_prompt_tokens == one.last_stats.cached_prompt_tokens
+
+
 def test_loglikelihood_is_the_same_on_a_replica(tiny_models):
     model_dir = tiny_models["qwen2"][0]
     pairs = [(p[:-4], p[-4:]) for p in prompts(5, (12, 30, 21))]
