@@ -178,6 +178,9 @@ def _process_group(collective: str, store, rank: int, size: int, timeout_s: floa
         if collective == "gloo":
             return dist.ProcessGroupGloo(store, rank, size, timeout)
         if collective == "nccl":
+            # a blocking wait raises on a failed or timed-out collective, as gloo's does, instead of leaving
+            # it to NCCL's watchdog to abort the whole process
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             return dist.ProcessGroupNCCL(store, rank, size, options)

@@ -39,9 +39,9 @@ _WAIT_S = 0.5  # also the watchdog's resolution
 _MAX_BOOT_FAILURES = 8  # actors that die while loading their engine, in a row, before the job gives up
 # a replacement's load failure that no retry can cure (failures travel as data: matched by type name)
 _JOB_LEVEL = (ModelChangedError.__name__, InputChangedError.__name__)
-_PROBE_TIMEOUT_S = 300.0
+_PROBE_TIMEOUT_S = 300.0  # a busy cluster may take a while to schedule the probe; past this, go on unprobed
 # a busy replica that lost a rank: how long its rank 0 gets to report the broken replica before it is killed
-_RANK_LEFT_GRACE_S = 10.0  # a busy cluster may take a while to schedule the probe; past this, go on unprobed
+_RANK_LEFT_GRACE_S = 10.0
 
 
 @contextlib.contextmanager
@@ -125,15 +125,9 @@ def probe_cluster(job: JobConfig) -> None:
 
 def _check_replica_fits(ray: Any, job: JobConfig, bundle: dict[str, float], tp: int) -> None:
     """A tensor-parallel replica's N ranks share one node (STRICT_PACK): some node must offer N bundles."""
-    best = 0
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        have = node.get("Resources", {})
-        best = max(best, min(int(have.get(k, 0) // v) for k, v in bundle.items()))
-    if best < tp:
+    if replicas_that_fit(ray.nodes(), bundle, tp) == 0:
         raise ConfigError(f"runtime.tensor_parallel_size={tp}: a replica's {tp} ranks must share one node, each taking "
-                          f"{bundle}; the largest node of this cluster holds {best}. Lower tensor_parallel_size, or "
+                          f"{bundle}, and no node of this cluster holds {tp} of them. Lower tensor_parallel_size, or "
                           "add a node with enough devices.")
 
 
@@ -189,7 +183,8 @@ def _backend_name(job: JobConfig, resources: dict[str, float]) -> str:
     return resolve_for_ray(job.runtime.backend, resources, job.executor.resources, _ask_worker)
 
 
-def actor_options(job: JobConfig, resources: dict[str, float]) -> tuple[dict[str, Any], int, int | None]:
+def actor_options(job: JobConfig, resources: dict[str, float], nodes: list[dict[str, Any]] | None = None
+                  ) -> tuple[dict[str, Any], int, int | None]:
     """(options of one actor (one rank), pool size in replicas, engine threads) for this cluster and backend."""
     ex, name = job.executor, _backend_name(job, resources)
     options = dict(BACKENDS[name]().ray_options(ex.resources)) if name in BACKENDS else {}
@@ -204,8 +199,26 @@ def actor_options(job: JobConfig, resources: dict[str, float]) -> tuple[dict[str
         needed = {"GPU": options.get("num_gpus", 0), **options.get("resources", {})}
         capacity = min((int(resources.get(k, 0) // v) for k, v in needed.items() if v),
                        default=int(resources.get("GPU", 1)))
-    # a tensor-parallel replica takes N actors' worth; `executor.num_actors` counts replicas
-    return options, max(1, ex.num_actors or capacity // job.runtime.tensor_parallel_size), threads
+    tp = job.runtime.tensor_parallel_size
+    if tp == 1:
+        return options, max(1, ex.num_actors or capacity), threads
+    # a replica's N ranks share one node: count what each node holds (`executor.num_actors` counts replicas,
+    # capped there: a placement group that can never be placed would wait forever)
+    fit = replicas_that_fit(nodes or [], bundle_of(options), tp) if nodes is not None else capacity // tp
+    if ex.num_actors and ex.num_actors > fit:
+        log.warning("executor.num_actors=%d replicas of %d ranks asked for; the cluster's nodes hold %d",
+                    ex.num_actors, tp, fit)
+    return options, max(1, min(ex.num_actors or fit, fit)), threads
+
+
+def replicas_that_fit(nodes: list[dict[str, Any]], bundle: dict[str, float], tp: int) -> int:
+    """Tensor-parallel replicas of `tp` bundles the alive `nodes` (`ray.nodes()`) hold, each on one node."""
+    total = 0
+    for node in nodes:
+        if node.get("Alive"):
+            have = node.get("Resources", {})
+            total += min(int(have.get(k, 0) // v) for k, v in bundle.items()) // tp
+    return total
 
 
 class RayExecutor:
@@ -235,7 +248,7 @@ class RayExecutor:
     # ---- the dispatch loop ------------------------------------------------------------------
     def _loop(self, ray: Any, shards: list[ShardSpec], stop: StopFlag, progress: Progress,
               result: ExecResult) -> ExecResult:
-        options, pool, threads = actor_options(self.job, ray.cluster_resources())
+        options, pool, threads = actor_options(self.job, ray.cluster_resources(), ray.nodes())
         pool = min(pool, len(shards))
         ctx = WorkerContext(**{**vars(self.ctx), "num_threads": self.ctx.num_threads or threads})
         remote_cls = ray.remote(ShardWorker)
@@ -246,6 +259,7 @@ class RayExecutor:
         self.booting: dict[Any, str] = {}  # ready() ref -> actor name: no shard goes to an actor still loading
         self.watch: dict[Any, str] = {}  # a follower rank's follow() ref -> its replica (it ends: the replica goes)
         self.doomed: dict[str, float] = {}  # busy replicas that lost a rank -> when to kill them if still busy
+        self.rank_lost: set[str] = set()  # busy replicas that lost a rank: their shard's failure is `fatal`
         self.idle: deque[str] = deque()
         try:
             return self._dispatch_all(ray, pool, shards, stop, progress, result)
@@ -317,14 +331,17 @@ class RayExecutor:
         from ray.exceptions import RayActorError, RayTaskError
 
         where = {"worker": name, "shard_id": work.spec.shard_id, "attempt": work.attempt}
+        lost_rank = name in self.rank_lost  # a rank of this replica left while it ran
         try:
             summary = ray.get(ref)
         except RayActorError as exc:
-            self._replace(ray, name, dead=True)
+            self._replace(ray, name)
+            if lost_rank:  # killed by us (`_end_doomed`): the replica broke, rank 0 did not die of its shard
+                return FATAL, WorkerFailure(FATAL, "ReplicaBroken", "another rank of this replica died; its rank 0 "
+                                            "was stopped with the shard in flight", **where)
             return DIED, WorkerFailure(DIED, type(exc).__name__, _first_line(exc), **where)
         except RayTaskError as exc:  # raised outside run_shard's own handling (e.g. an argument that failed)
             summary = {"failure": WorkerFailure.from_exception(exc, **where).as_dict()}
-        lost_rank = self.doomed.pop(name, None) is not None  # a rank of this replica left while it ran
         if "failure" in summary:
             failure = WorkerFailure.from_dict(summary["failure"])
             if failure.kind == FATAL or lost_rank:  # the engine is gone: retire the actor, never retry on it
@@ -381,23 +398,34 @@ class RayExecutor:
         if name in self.idle:
             self.idle.remove(name)
             self._replace(ray, name)
-        elif name in self.booting.values():
-            replica.kill(ray)  # its boot fails, and `_booted` starts another
+        elif name in self.booting.values():  # its boot cannot succeed: a new one now (a failed boot, counted)
+            for boot in [r for r, n in self.booting.items() if n == name]:
+                del self.booting[boot]
+            self._boot_failures += 1
+            if self._boot_failures > _MAX_BOOT_FAILURES:
+                raise FlashxError(f"{self._boot_failures} replicas in a row lost a rank while loading; last: {name} "
+                                  f"({why})")
+            self._replace(ray, name)
         else:  # busy: rank 0 reports the broken replica itself (a truer failure than a kill); a bounded wait
+            self.rank_lost.add(name)
             self.doomed[name] = time.monotonic() + _RANK_LEFT_GRACE_S
 
     def _end_doomed(self, ray: Any) -> None:
         """Kill busy replicas whose rank 0 has not reported a lost rank within the grace (a collective
-        library that waits out its timeout instead of failing at once): the shard fails as `died`."""
+        library that waits out its timeout instead of failing at once): the shard fails as `fatal`."""
         now = time.monotonic()
         for name, deadline in list(self.doomed.items()):
-            if now > deadline and name in self.actors:
-                self.actors[name].kill(ray)
+            if now > deadline:
+                del self.doomed[name]
+                if name in self.actors:
+                    self.actors[name].kill(ray)
 
     def _booted(self, ray: Any, ref: Any) -> None:
         from ray.exceptions import RayActorError
 
         name = self.booting.pop(ref)
+        if name not in self.actors:  # replaced meanwhile (a rank left while it loaded)
+            return
         try:
             info = ray.get(ref)
         except RayActorError:  # killed while loading (a node lost, a test, a rank that left): try another one
@@ -426,8 +454,10 @@ class RayExecutor:
         self._boot_failures = 0
         self.idle.append(name)
 
-    def _replace(self, ray: Any, name: str, dead: bool = False) -> None:
-        """A new replica for `name`'s (every rank of it killed; `dead`: rank 0 is gone already)."""
+    def _replace(self, ray: Any, name: str) -> None:
+        """A new replica for `name`'s (every rank of it killed)."""
+        self.doomed.pop(name, None)
+        self.rank_lost.discard(name)
         replica = self.actors.pop(name, None)
         if replica is not None:
             replica.kill(ray)
@@ -436,10 +466,14 @@ class RayExecutor:
 
 def _follow_outcome(ray: Any, ref: Any) -> str:
     """What a finished `follow` call says: why the rank stopped, or that its actor died."""
+    from ray.exceptions import RayActorError
+
     try:
         return str(ray.get(ref))
-    except Exception as exc:
+    except RayActorError as exc:
         return f"its actor died: {_first_line(exc)}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
 def _raise_boot_failure(failure: WorkerFailure) -> None:

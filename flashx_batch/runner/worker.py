@@ -126,13 +126,15 @@ class ShardWorker:
         the engine's start-up, rank 0 reports it)."""
         from flashx_batch.backends.distributed import Rendezvous
 
-        if spec is not None:
-            try:
+        try:
+            if spec is not None:
                 self.rendezvous = Rendezvous.join(dataclasses.replace(spec, rank=self.replica_rank))
-            except Exception as exc:
-                self.boot_failure = WorkerFailure.from_exception(exc, node=self.node, worker=self.name,
-                                                                 shard_id="(engine load)")
-                return self.ready()
+            elif self.rendezvous is None:  # rank 0 whose `host_rendezvous` failed: never spawn ranks of our own
+                raise RuntimeError(f"{self.name}: rank 0 has no rendezvous (host_rendezvous failed)")
+        except Exception as exc:
+            self.boot_failure = WorkerFailure.from_exception(exc, node=self.node, worker=self.name,
+                                                             shard_id="(engine load)")
+            return self.ready()
         self._load_deferring(True)
         return self.ready()
 
@@ -144,6 +146,8 @@ class ShardWorker:
 
         if self.boot_failure is not None:
             return f"not loaded: {self.boot_failure.line}"
+        if getattr(self, "engine", None) is None:  # join_replica never ran (rank 0's rendezvous failed)
+            return "not loaded: this rank never joined its replica"
         try:
             follow(self.engine.runner, self.engine.replica.comm)
         except ReplicaBroken as exc:

@@ -26,7 +26,7 @@ from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.kvcache.spec import slot_bytes
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
-from flashx_batch.models.parallel import TensorShard
+from flashx_batch.models.parallel import TensorShard, rank_config
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
@@ -79,7 +79,7 @@ class Engine:
                 self._leave_replica(None)
                 raise
             if self.replica.rank == 0:
-                self.runner = ReplicaRunner(self.runner, self.replica.comm)
+                self.runner = ReplicaRunner(self.runner, self.replica.comm, on_broken=self.replica.close)
         log.info("engine ready: %s %s on %s (%s), arena %.1f MiB%s, %.2fs", self.config.architecture,
                  self.model_dir.name, self.device, self.dtype, self.runner.kv_bytes / 2**20,
                  f", rank {self.replica.rank} of {self.replica.size}" if self.replica else "",
@@ -89,7 +89,7 @@ class Engine:
         options = self.options
         self.backend.setup_threads(options.cpu_threads())
         assigned = lambda: self.backend.assigned_device_index(ray_accelerator_ids())  # noqa: E731
-        index = self.replica.device_index(self.backend, assigned) if self.replica is not None else assigned()
+        index = self.replica.device_index(assigned) if self.replica is not None else assigned()
         self.backend.set_device(index)
         self.device = self.backend.device(index)
         if self.replica is not None:
@@ -97,10 +97,10 @@ class Engine:
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir) if has_tokenizer else None
         self.eos_token_ids = tuple(dict.fromkeys(self.config.eos_token_ids + generation_eos(self.model_dir)))
-        # the arena's geometry (rows, slots) from the whole model's bytes per slot: every rank of a replica
-        # plans the same slots, each holding its own KV heads in them
-        options = self.options = kv_sizing.rows_for_budget(options, slot_bytes(self.config.cache_spec(),
-                                                                                self.dtype.itemsize))
+        # the arena's geometry (rows, slots) from the bytes one slot takes on this device: a tensor-parallel
+        # rank's share of the KV heads (the same on every rank, so every rank plans the same slots)
+        local = rank_config(self.config, self.replica.size) if self.replica is not None else self.config
+        options = self.options = kv_sizing.rows_for_budget(options, slot_bytes(local.cache_spec(), self.dtype.itemsize))
         merge = MergeSettings(options.merge_fraction, sinks=4, window=options.kv_observe_window,
                               evict_share=options.evict_share, protect_nats=protect_nats_for(self.config.vocab_size))
         # the most slots a prompt holds once in the cache (what a rolling merge folds a long one into)

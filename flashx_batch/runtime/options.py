@@ -45,9 +45,9 @@ class EngineOptions:
     dtype: str = knob("auto", "weight and activation dtype (model.dtype in a job); auto = float32 on CPU, bfloat16 "
                               "on accelerators", DTYPES)
     max_batch_size: int = knob(8, "rows per static batch; under segment_sparse the KV budget in full rows")
-    kv_budget_mb: float | None = knob(None, "KV arena size in MiB instead: max_batch_size becomes the full-length "
-                                            "rows that fit (whatever the model's bytes per token); None = "
-                                            "max_batch_size rows")
+    kv_budget_mb: float | None = knob(None, "KV arena size in MiB instead (per device: a tensor-parallel rank's "
+                                            "share of the KV heads): max_batch_size becomes the full-length rows that "
+                                            "fit (whatever the model's bytes per token); None = max_batch_size rows")
     max_input_len: int = knob(512, "prompt tokens a row may hold; longer prompts follow long_input")
     max_output_len: int = knob(128, "new tokens a row may generate; the KV arena holds max_batch_size x "
                                     "(max_input_len + max_output_len) tokens, allocated once")

@@ -24,6 +24,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -37,35 +38,51 @@ from flashx_batch.runtime.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
-# the runner calls that run the model: sent to every rank (anything else read through a ReplicaRunner
-# is rank 0's own state: sizes, traits, the tokenizer's view)
+# the runner calls that run the model: sent to every rank
 MIRRORED = frozenset({"run", "reset", "score", "target_logprobs", "packed_target_logprobs", "prompt_surprisal"})
-LOCAL_ONLY = frozenset({"synchronize"})
+# what else may be read through a ReplicaRunner: rank 0's own state (sizes, traits, settings, the modules for
+# inspection); anything else (the compression helper, direct forward methods) would run collectives on rank 0
+# alone
+READABLE = frozenset({"kv_bytes", "kv_bytes_per_slot", "traits", "packs_rows", "merge", "graphs", "policy",
+                      "device", "model", "arena", "synchronize"})
 _STOP = "stop"
 
 
 class ReplicaRunner:
     """Rank 0's runner of a tensor-parallel replica: the real `TorchRunner`, with every `MIRRORED` call
-    sent to the other ranks first. Calling any other runner method (the research tools' direct
-    `extend`, ...) is refused: the other ranks would not take part in its collectives."""
+    sent to the other ranks first. Anything not `MIRRORED` or `READABLE` is refused (the research tools'
+    direct `extend`, `compress`): the other ranks would not take part in its collectives.
 
-    def __init__(self, runner: Any, comm: Communicator) -> None:
-        self._runner, self._comm = runner, comm
+    A mirrored call that raises breaks the replica: the ranks may have stopped in different collectives,
+    so none of them can be trusted to be in step again. The error is raised as ReplicaBroken (naming
+    the original), `on_broken` ends the other ranks, and every later call is refused."""
+
+    def __init__(self, runner: Any, comm: Communicator, on_broken: Callable[[], None] = lambda: None) -> None:
+        self._runner, self._comm, self._on_broken = runner, comm, on_broken
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._runner, name)
         if name in MIRRORED:
-            def mirrored(*args: Any, **kwargs: Any) -> Any:
-                if name == "reset" and self._comm.broken is not None:
-                    return value()  # cleaning up after the failure that broke the replica: that error stands
-                self._comm.send_object((name, args, kwargs))
-                return value(*args, **kwargs)
+            return lambda *args, **kwargs: self._mirrored(name, args, kwargs)
+        if name not in READABLE:
+            raise TypeError(f"runner.{name} is not available on a tensor-parallel replica (only the engine's own "
+                            "calls reach every rank); use tensor_parallel_size=1 for it")
+        return getattr(self._runner, name)
 
-            return mirrored
-        if callable(value) and hasattr(value, "__self__") and name not in LOCAL_ONLY:
-            raise TypeError(f"runner.{name}() is not available on a tensor-parallel replica (only the engine's own "
-                            "calls reach every rank); run it with tensor_parallel_size=1")
-        return value
+    def _mirrored(self, name: str, args: tuple, kwargs: dict) -> Any:
+        method = getattr(self._runner, name)
+        if name == "reset" and self._comm.broken is not None:
+            return method()  # cleaning up after the failure that broke the replica: that error stands
+        try:
+            self._comm.send_object((name, args, kwargs))
+            return method(*args, **kwargs)
+        except ReplicaBroken:
+            self._on_broken()
+            raise
+        except Exception as exc:
+            self._comm.broken = f"runner.{name} raised {type(exc).__name__}: {exc}"
+            self._on_broken()
+            raise ReplicaBroken(f"rank 0 of {self._comm.size}: {self._comm.broken}; the replica's ranks may be out "
+                                "of step, so it is stopped (start a new engine)") from exc
 
     def stop_followers(self) -> None:
         """Tell the other ranks to leave `follow` (they return; their processes or actors end)."""
@@ -73,9 +90,9 @@ class ReplicaRunner:
 
 
 def follow(runner: Any, comm: Communicator) -> None:
-    """A follower rank's life: replay each call rank 0 sends until it says stop. An error a call raises
-    here is raised on rank 0 too (the same call on the same inputs: rank 0 reports it), so the rank
-    stays in step and waits for the next call; a broken replica (ReplicaBroken) ends the loop."""
+    """A follower rank's life: replay each call rank 0 sends until it says stop. Any error ends it as
+    ReplicaBroken: this rank may have stopped in another collective than the others (rank 0 learns of
+    it when this rank's connections close, and the replica is rebuilt)."""
     while True:
         name, args, kwargs = comm.receive_object()
         if name == _STOP:
@@ -85,7 +102,8 @@ def follow(runner: Any, comm: Communicator) -> None:
         except ReplicaBroken:
             raise
         except Exception as exc:
-            log.debug("rank %d: %s raised %s (rank 0 reports it)", comm.rank, name, type(exc).__name__)
+            comm.broken = f"runner.{name} raised {type(exc).__name__}: {exc}"
+            raise ReplicaBroken(f"rank {comm.rank} of {comm.size}: {comm.broken}") from exc
 
 
 class Replica:
@@ -115,7 +133,7 @@ class Replica:
         rendezvous = Rendezvous.host(options.tensor_parallel_size)
         return cls(rendezvous, LocalRanks(model_dir, options, onnx_cache_dir, rendezvous.spec))
 
-    def device_index(self, backend: Backend, assigned: Callable[[], int]) -> int:
+    def device_index(self, assigned: Callable[[], int]) -> int:
         """The device this rank drives: the spec's (local ranks: rank r on device r), else `assigned()`."""
         index = self.rendezvous.spec.device_index
         return assigned() if index is None else index
@@ -140,13 +158,14 @@ class Replica:
         if self.closed:
             return
         self.closed = True
-        if isinstance(runner, ReplicaRunner) and self.comm is not None and self.comm.broken is None:
+        healthy = self.comm is not None and self.comm.broken is None
+        if isinstance(runner, ReplicaRunner) and healthy:
             try:
                 runner.stop_followers()
             except ReplicaBroken:
-                pass
+                healthy = False
         if self.local is not None:
-            self.local.close()
+            self.local.close(10.0 if healthy else 0.0)  # a broken replica's ranks may wait in a collective
 
 
 class LocalRanks:
@@ -161,13 +180,13 @@ class LocalRanks:
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join([package_parent, *paths])
         self.processes: list[subprocess.Popen] = []
+        self._finalizer = weakref.finalize(self, _terminate, self.processes)  # also those started before a failure
         for r in range(1, spec.size):
             args = (str(model_dir), options, onnx_cache_dir, dataclasses.replace(spec, rank=r, device_index=r))
             p = subprocess.Popen([sys.executable, "-c", _RANK_ENTRY], stdin=subprocess.PIPE, env=env)
+            self.processes.append(p)
             p.stdin.write(pickle.dumps(args))
             p.stdin.close()
-            self.processes.append(p)
-        self._finalizer = weakref.finalize(self, _terminate, list(self.processes))
 
     def alive(self) -> str | None:
         """Why a rank can no longer come (its process exited), or None."""
@@ -176,13 +195,15 @@ class LocalRanks:
         return "; ".join(gone) if gone else None
 
     def close(self, timeout_s: float = 10.0) -> None:
+        """Wait up to `timeout_s` (in all) for the ranks to exit by themselves, then end the rest."""
+        deadline = time.monotonic() + timeout_s
         for p in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout_s)
+                p.wait(max(0.0, deadline - time.monotonic()))
         self._finalizer()
 
 
-_RANK_ENTRY = "from flashx_batch.runtime.tensor_parallel import local_rank_main; local_rank_main()"
+_RANK_ENTRY = "from flashx_batch.runtime.rank_process import main; main()"
 
 
 def _terminate(processes: list[subprocess.Popen]) -> None:
@@ -199,25 +220,3 @@ def local_thread_share(options: EngineOptions) -> EngineOptions:
         return options
     share = max(1, options.cpu_threads() // options.tensor_parallel_size)
     return dataclasses.replace(options, num_threads=share)
-
-
-def local_rank_main() -> None:
-    """A spawned rank (`LocalRanks`): its arguments pickled on stdin; join rank 0's rendezvous, build the
-    engine, follow until stopped."""
-    from flashx_batch.runtime.engine import Engine
-
-    model_dir, options, onnx_cache_dir, spec = pickle.loads(sys.stdin.buffer.read())
-    logging.basicConfig(level=logging.WARNING, format=f"rank {spec.rank}: %(levelname)s %(name)s: %(message)s")
-    try:
-        rendezvous = Rendezvous.join(spec)
-        engine = Engine(Path(model_dir), options, onnx_cache_dir, rendezvous=rendezvous)
-        follow(engine.runner, engine.replica.comm)
-    except ReplicaBroken as exc:
-        print(f"flashx-batch tensor-parallel rank {spec.rank}: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)
-    except BaseException as exc:  # rank 0 has been told (Engine.__init__) and reports it
-        print(f"flashx-batch tensor-parallel rank {spec.rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
-        os._exit(1)
-    # no interpreter teardown: the collective library's threads are still attached to the group
-    os._exit(0)
