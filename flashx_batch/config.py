@@ -116,7 +116,10 @@ class ExecutorSection:
     max_attempts: int = 3  # tries per shard before the job fails (resumable) or its rows become error rows
     shard_timeout_s: float | None = 3600.0  # watchdog (ray): a shard running longer has its actor killed
     grace_period_s: float = 60.0  # after SIGINT/SIGTERM, how long in-flight shards may take to commit
-    progress_interval_s: float = 10.0  # log-line period when stderr is not a TTY
+    progress_interval_s: float = 30.0  # off a TTY: a progress line this often, or each 5 % of the rows
+    # Ray runtime environment for every actor (pip / conda / env_vars / working_dir ...), passed as given;
+    # {} = the nodes' own environment (docs/cluster.md, "What every node needs")
+    runtime_env: dict[str, Any] = field(default_factory=dict)
     faults: list[str] = field(default_factory=list)  # fault injection for tests (runner/faults.py); [] = off
 
 

@@ -1,6 +1,8 @@
-"""Progress of a run: a one-line bar on a TTY, periodic log lines otherwise.
+"""Progress of a run: a one-line bar on a TTY, rate-limited log lines otherwise.
 
-Who calls it: the executors, once per committed shard (`advance`) and while waiting (`tick`).
+Who calls it: the executors, once per committed shard (`advance`) and while waiting (`tick`). Off a TTY
+(a log file, a scheduler's capture) a line is written every `interval_s` or each 5 % of the rows,
+whichever comes first, and once at the end: a 20,000-row job logs tens of lines, not one per shard.
 Written here (a dozen lines) rather than pulled from tqdm so the line shows what we care about:
 rows done, output tokens/s and the ETA, computed from rows because that is what the job counts.
 """
@@ -25,6 +27,7 @@ class Progress:
         self.interval_s = interval_s
         self.started = time.monotonic()
         self._last_log = self.started
+        self._logged_step = self._step()  # the last 5 % step a line was written at
 
     def restart_clock(self) -> None:
         """Rates count from the first dispatch, not from before the workers loaded their models."""
@@ -33,7 +36,10 @@ class Progress:
     def advance(self, rows: int, output_tokens: int) -> None:
         self.done += rows
         self.output_tokens += output_tokens
-        self.tick(force=not self.tty)
+        self.tick(force=self._step() > self._logged_step)
+
+    def _step(self) -> int:
+        return int(20 * self.done / self.total) if self.total else 20
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -42,7 +48,7 @@ class Progress:
             self.stream.flush()
         elif force or now - self._last_log >= self.interval_s:
             log.info("progress: %s", self.line(now))
-            self._last_log = now
+            self._last_log, self._logged_step = now, self._step()
 
     def close(self) -> None:
         if self.tty:

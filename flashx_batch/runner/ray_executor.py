@@ -199,6 +199,8 @@ def actor_options(job: JobConfig, resources: dict[str, float], nodes: list[dict[
         needed = {"GPU": options.get("num_gpus", 0), **options.get("resources", {})}
         capacity = min((int(resources.get(k, 0) // v) for k, v in needed.items() if v),
                        default=int(resources.get("GPU", 1)))
+    if ex.runtime_env:
+        options["runtime_env"] = dict(ex.runtime_env)
     tp = job.runtime.tensor_parallel_size
     if tp == 1:
         return options, max(1, ex.num_actors or capacity), threads

@@ -30,6 +30,7 @@ from flashx_batch.data.preflight import data_columns, text_column
 from flashx_batch.data.readers import Frame, InputFile, read_frame, read_rows
 from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.validate import RowProblem, build_prompt, encode_score_rows, row_tools, score_row
+from flashx_batch.errors import ConfigError
 from flashx_batch.evaluation.metrics import check_metric
 from flashx_batch.evaluation.metrics import score_row as metric_score
 from flashx_batch.job_errors import FatalEngineError
@@ -58,6 +59,20 @@ class WorkerContext:
     faults: Faults | None = None  # armed fault hooks (tests only); None in production
     job_digest: str | None = None  # the job's fingerprint digest, stamped on every manifest committed
     model_files: dict[str, list] = field(default_factory=dict)  # name -> [size, mtime_ns, sha256] as fingerprinted
+
+
+def _check_reserved_accelerator(engine: Any, backend: str, name: str) -> None:
+    """A Ray actor that reserved an accelerator runs on it: an engine that ended up on the CPU instead
+    (`runtime.backend=auto` finding no usable device: a torch without CUDA, a missing torch_npu) is a
+    bad job (exit 2), never a silent CPU run on a device-priced actor."""
+    from flashx_batch.backends import ray_accelerator_ids
+
+    reserved = {k: list(v) for k, v in (ray_accelerator_ids() or {}).items() if v}
+    if reserved and engine.device.type == "cpu":
+        raise ConfigError(f"{name}: Ray gave this actor {reserved}, but runtime.backend={backend} resolved to the CPU "
+                          "here (torch cannot use that device on this node); install the device's torch build on "
+                          "the node (`python -m flashx_batch.doctor` there says what is missing), or set "
+                          "runtime.backend=cpu to run on CPUs on purpose.")
 
 
 def row_seed(job_seed: int, row_id: Any) -> int:
@@ -106,6 +121,7 @@ class ShardWorker:
         options = self.job.engine_options(self.ctx.num_threads)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)
         self.engine = Engine(Path(self.ctx.model_dir), options, rendezvous=self.rendezvous)
+        _check_reserved_accelerator(self.engine, self.job.runtime.backend, self.name)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)  # not replaced while it loaded
         if self.engine.tokenizer is None:
             raise RuntimeError(f"{self.ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")

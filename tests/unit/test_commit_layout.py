@@ -100,3 +100,18 @@ def test_progress_bar_on_a_tty_and_log_lines_otherwise(caplog):
     with caplog.at_level(logging.INFO, logger="flashx_batch.runner.progress"):
         Progress(total_rows=10, stream=plain).advance(10, 5)
     assert plain.getvalue() == "" and "10/10 rows" in caplog.text
+
+
+def test_progress_off_a_tty_is_rate_limited(caplog):
+    """Off a TTY: a line each 5 % of the rows (or each interval), not one per shard."""
+    import io
+    import logging
+
+    from flashx_batch.runner.progress import Progress
+
+    with caplog.at_level(logging.INFO, logger="flashx_batch.runner.progress"):
+        progress = Progress(total_rows=20_000, interval_s=1e9, stream=io.StringIO())
+        for _ in range(1250):  # 1,250 shards of 16 rows
+            progress.advance(16, 100)
+    lines = [r for r in caplog.records if "progress:" in r.getMessage()]
+    assert 18 <= len(lines) <= 21 and "20000/20000 rows" in lines[-1].getMessage()

@@ -60,3 +60,40 @@ def test_a_named_backend_asks_no_worker(worker):
     asked = worker("rocm")
     options, pool, _ = ray_executor.actor_options(_job("cuda"), {"CPU": 8, "GPU": 2})
     assert options == {"num_gpus": 1.0, "num_cpus": 1} and pool == 2 and not asked
+
+
+def test_tensor_parallel_replicas_are_counted_per_node(worker):
+    """A replica's ranks share one node: two nodes of 3 GPUs hold two TP = 2 replicas, not three."""
+    worker("cuda")
+    job = _job("cuda")
+    job.runtime.tensor_parallel_size = 2
+    nodes = [{"Alive": True, "Resources": {"CPU": 16, "GPU": 3}}, {"Alive": True, "Resources": {"CPU": 16, "GPU": 3}},
+             {"Alive": False, "Resources": {"CPU": 16, "GPU": 8}}]
+    options, pool, _ = ray_executor.actor_options(job, {"CPU": 32, "GPU": 6}, nodes)
+    assert options["num_gpus"] == 1 and pool == 2
+    job.executor.num_actors = 5  # more than fit: capped (a placement group that never places would wait forever)
+    assert ray_executor.actor_options(job, {"CPU": 32, "GPU": 6}, nodes)[1] == 2
+
+
+def test_runtime_env_reaches_every_actor(worker):
+    job = _job("cpu")
+    job.executor.runtime_env = {"env_vars": {"HF_HUB_OFFLINE": "1"}}
+    options, _, _ = ray_executor.actor_options(job, {"CPU": 4})
+    assert options["runtime_env"] == {"env_vars": {"HF_HUB_OFFLINE": "1"}}
+
+
+def test_a_reserved_accelerator_the_engine_cannot_use_is_a_bad_job(monkeypatch):
+    import types
+
+    import torch
+
+    import flashx_batch.backends as backends
+    from flashx_batch.errors import ConfigError
+    from flashx_batch.runner.worker import _check_reserved_accelerator
+
+    on_cpu = types.SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr(backends, "ray_accelerator_ids", lambda: {"GPU": [], "NPU": ["3"]})
+    with pytest.raises(ConfigError, match=r"Ray gave this actor \{'NPU': \['3'\]\}.*resolved to the CPU"):
+        _check_reserved_accelerator(on_cpu, "auto", "flashx-worker-1")
+    monkeypatch.setattr(backends, "ray_accelerator_ids", lambda: {"GPU": []})
+    _check_reserved_accelerator(on_cpu, "auto", "flashx-worker-1")  # nothing reserved: a CPU actor
