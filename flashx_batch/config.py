@@ -41,7 +41,9 @@ class ModelSection:
 @dataclass
 class DataSection:
     path: str = "???"  # file, directory, glob, `datasets` save_to_disk folder, or bundled://<file>
-    format: str = "auto"  # auto | parquet | jsonl | csv | arrow (auto = from the suffix)
+    # auto | parquet | jsonl | csv | arrow (auto = from the suffix) | openai_batch (OpenAI Batch request lines:
+    # data/openai_batch.py sets the id, text and per-row sampling keys from them)
+    format: str = "auto"
     id_column: str = "id"
     prompt_column: str = "prompt"
     messages_column: str | None = None  # chat rows; the model's chat template renders them
@@ -138,6 +140,8 @@ class EvalSection:
 class OutputSection:
     dir: str = "outputs/job"
     report: bool = True
+    # parquet | openai_batch: also <dir>/openai_batch_output.jsonl, every row as an OpenAI Batch output line
+    format: str = "parquet"
 
 
 @dataclass
@@ -175,7 +179,9 @@ class JobConfig:
     def extra_columns(self) -> list[str]:
         """Input columns read besides the task's own: per-row sampling columns, the eval references."""
         refs = [self.eval.reference_column] if self.eval.metric and self.eval.reference_column else []
-        return list(dict.fromkeys([*self.sampling.from_columns.values(), *refs]))
+        # an OpenAI Batch line's own checks (data/openai_batch.py: row_problem)
+        requests = ["url", "request_error", "logprobs"] if self.data.format == "openai_batch" else []
+        return list(dict.fromkeys([*self.sampling.from_columns.values(), *refs, *requests]))
 
     def engine_options(self, num_threads: int | None = None) -> EngineOptions:
         """The runtime.* knobs as the engine takes them (raises ConfigError on bad values).
@@ -227,8 +233,12 @@ def validate(job: JobConfig) -> None:
         (job.executor.progress_interval_s > 0,
          f"executor.progress_interval_s must be > 0, got {job.executor.progress_interval_s}"),
         (job.runtime.shard_size >= 1, f"runtime.shard_size must be >= 1, got {job.runtime.shard_size}"),
-        (job.data.format in ("auto", "parquet", "jsonl", "csv", "arrow"),
-         f"data.format={job.data.format!r} is not one of auto, parquet, jsonl, csv, arrow"),
+        (job.data.format in ("auto", "parquet", "jsonl", "csv", "arrow", "openai_batch"),
+         f"data.format={job.data.format!r} is not one of auto, parquet, jsonl, csv, arrow, openai_batch"),
+        (job.output.format in ("parquet", "openai_batch"),
+         f"output.format={job.output.format!r} is not one of parquet, openai_batch"),
+        (job.output.format != "openai_batch" or job.task == "generate",
+         f"output.format=openai_batch writes completions: it needs task=generate, not {job.task}"),
         (job.data.limit is None or job.data.limit >= 1, f"data.limit must be >= 1 or null, got {job.data.limit}"),
         (job.data.max_row_bytes >= 1, f"data.max_row_bytes must be >= 1, got {job.data.max_row_bytes}"),
         (all(e >= 1 for e in job.runtime.bucket_edges), "runtime.bucket_edges must be positive token counts"),

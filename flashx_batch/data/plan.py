@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from flashx_batch.config import DataSection, JobConfig
+from flashx_batch.data import openai_batch
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import Frame, InputFile
 from flashx_batch.data.row_sampling import row_params
@@ -290,6 +291,7 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
     segment = job.runtime.segment_size if job.runtime.prefix_cache_tokens else 0
     limit, truncate = job.runtime.max_input_len, job.runtime.long_input != "error"
     scan = _Scan(IdColumn(loaded.id_kind), _Rows(signatures=bool(segment)), [], [])
+    openai = data.format == "openai_batch"  # a request line's own problems come first (data.openai_batch)
     for fi, offset, g0, fr, n in _chunks(loaded, data, scan):
         pending: list[tuple[int, str]] = []  # (row index in the chunk, prompt text)
         for i in range(n):
@@ -297,7 +299,9 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
             value = fr.columns[text_col][i]
             text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
                                 tokenizer, row_tools(data, fr.columns, i), data.chat_template_kwargs)
-            if isinstance(text, RowProblem):
+            if openai and isinstance(bad_request := openai_batch.row_problem(job, fr.columns, i), RowProblem):
+                scan.errors.append(RowError((fi, ri), row_id, bad_request.code, bad_request.message, "validate"))
+            elif isinstance(text, RowProblem):
                 scan.errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
             elif job.sampling.from_columns and isinstance(
                     bad := row_params(job.sampling, fr.columns, i, 0, job.runtime.max_output_len), RowProblem):

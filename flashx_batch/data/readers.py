@@ -229,6 +229,12 @@ def read_frame(file: InputFile, columns: list[str], text_column: str | None = No
     try:
         if file.format == "jsonl":
             return _read_jsonl(file.path, data, columns)
+        if file.format == "openai_batch":  # one request per line, read as fixed columns (data.openai_batch)
+            from flashx_batch.data import openai_batch
+
+            values = openai_batch.parse(file.path, data)
+            _check_header(file, list(values), columns)
+            return Frame({c: values[c] for c in columns}, {c: None for c in columns}, len(values["custom_id"]))
         table = _read_arrow_table(file, data, columns, text_column)
     except (InputError, MemoryError):  # running out of memory is the machine's state, not the file's
         raise

@@ -33,9 +33,10 @@ from typing import Any, TextIO
 import flashx_batch
 from flashx_batch import storage
 from flashx_batch.config import JobConfig, resolve_data_path, resolve_model_dir, validate
+from flashx_batch.data import openai_batch
 from flashx_batch.data.plan import Plan, build_plan, format_plan
 from flashx_batch.data.preflight import LoadedInput, load_inputs
-from flashx_batch.data.readers import verify_unchanged
+from flashx_batch.data.readers import resolve_inputs, verify_unchanged
 from flashx_batch.data.validate import RowProblem, check_tools
 from flashx_batch.errors import ConfigError, FlashxError, ModelLoadError
 from flashx_batch.job_errors import FingerprintMismatchError, LockHeldError, ShardFailedError
@@ -102,6 +103,9 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     validate(job)
     storage.configure(job.storage.settings())
     faults.load(job.executor.faults, quiet=True)  # a malformed fault spec: a bad job (exit 2) before anything runs
+    if job.data.format == "openai_batch":  # the data keys point at the columns its requests read as
+        first = resolve_inputs(resolve_data_path(job.data.path), "openai_batch")[0]
+        openai_batch.configure(job, openai_batch.endpoint_of(first.path))
     problem = reserved_column_problem(list(job.data.passthrough_columns))
     if problem:
         raise ConfigError(problem)
@@ -357,6 +361,13 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     if stop.requested:
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
+    if job.output.format == "openai_batch":  # from the verified pieces, before _SUCCESS: every custom_id once
+        from flashx_batch.runner import openai_output
+        from flashx_batch.runtime.tokenizer import Tokenizer
+
+        lines = openai_output.write(output, job, verified, Path(model_dir).name, int(time.time()),
+                                    Tokenizer(model_dir).decode)
+        log.info("%s: %d line(s)", openai_output.FILE_NAME, lines)
     stop.set_on_force(None)  # past here a forced exit must not overwrite the success being written
     finish("succeeded", verified, totals=totals, finished_at=time.time(), worker_failures=failures)
     output.finish(totals, verified, {"errors": errors_table([], plan.id_kind, [], [], [])})

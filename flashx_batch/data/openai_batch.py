@@ -1,0 +1,184 @@
+"""OpenAI Batch input (`data.format=openai_batch`): the JSONL that OpenAI's and other hosted batch APIs and
+vLLM's `run-batch` take, one request per line:
+
+    {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [{"role": "user", "content": "..."}], "max_tokens": 64, "temperature": 0.7}}
+
+Each line becomes a row (`flat_columns`): its `custom_id` the row id, `body.messages` (chat) or
+`body.prompt` (completions) its text, the sampling fields per-row sampling columns (`sampling.from_columns`,
+so they are validated like the job-wide `sampling.*` and a bad one is a `bad_sampling_param` error row).
+A line that is not a request this runner serves — unknown fields, another method or endpoint, `n` other
+than 1, logprobs the job was not asked for — is a `bad_request` error row with the reason; a line that
+is not JSON at all stops the job (the file is corrupt). One endpoint per job, as OpenAI's batches have:
+the first line's `url` (`endpoint_of`); lines for the other endpoint are `bad_request` rows.
+
+The output side (`output.format=openai_batch`) is `runner.openai_output`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from flashx_batch.config import JobConfig
+from flashx_batch.data.validate import RowProblem
+from flashx_batch.job_errors import InputError
+
+log = logging.getLogger(__name__)
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+BAD_REQUEST = "bad_request"
+# body field -> the row column it becomes (a per-row sampling column where it is a sampling knob)
+SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                   "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop"}
+# fields accepted and not acted on: identification, and knobs whose value here is their default
+INERT = {"model", "user", "stream", "n", "logprobs", "top_logprobs", "metadata", "store"}
+BODY_FIELDS = {CHAT: {"messages", "tools", *SAMPLING_FIELDS, *INERT}, COMPLETIONS: {"prompt", *SAMPLING_FIELDS, *INERT}}
+LINE_FIELDS = {"custom_id", "method", "url", "body"}
+# the columns every openai_batch file reads as (the job's data.* keys are pointed at them: `configure`)
+COLUMNS = ("custom_id", "url", "prompt", "messages", "tools", "model", "request_error", "logprobs",
+           *dict.fromkeys(SAMPLING_FIELDS.values()))
+
+
+def configure(job: JobConfig, endpoint: str) -> None:
+    """Point the job's data and sampling keys at the columns an openai_batch file reads as, for the
+    batch's `endpoint` (CHAT: messages through the chat template; COMPLETIONS: the prompt as is)."""
+    data = job.data
+    data.id_column, data.prompt_column = "custom_id", "prompt"
+    data.messages_column = "messages" if endpoint == CHAT else None
+    data.tools_column = "tools" if endpoint == CHAT else None
+    dropped = [c for c in data.passthrough_columns if c != "model"]
+    if dropped:  # a request line has no other columns to carry (a preset's passthrough_columns, say)
+        log.warning("data.format=openai_batch: passthrough_columns %s ignored (request lines carry `model` only)",
+                    dropped)
+    data.passthrough_columns = ["model"]
+    job.sampling.from_columns = {**{c: c for c in dict.fromkeys(SAMPLING_FIELDS.values())},
+                                 **job.sampling.from_columns}
+
+
+def endpoint(job: JobConfig) -> str:
+    """The endpoint a configured openai_batch job serves."""
+    return CHAT if job.data.messages_column else COMPLETIONS
+
+
+def endpoint_of(path: str) -> str:
+    """A batch's endpoint: its first request's `url` (CHAT when that names neither endpoint)."""
+    from flashx_batch import storage
+
+    fs, inner = storage.filesystem(path)
+    with fs.open_input_stream(inner) as fh:
+        head = fh.read(1 << 20)
+    for raw in head.splitlines():
+        if raw.strip():
+            try:
+                record = json.loads(raw.decode("utf-8", errors="surrogateescape").lstrip("\ufeff"))
+            except ValueError:
+                raise InputError(f"{path}:1: not valid JSON; an openai_batch file holds one JSON request per "
+                                 "line.") from None
+            url = record.get("url") if isinstance(record, dict) else None
+            return COMPLETIONS if url == COMPLETIONS else CHAT
+    return CHAT
+
+
+def parse(path: str, data: bytes) -> dict[str, list[Any]]:
+    """Every line of an openai_batch file as row columns (`COLUMNS`); `request_error` says why a line is
+    not a request this runner serves (None: it is)."""
+    columns: dict[str, list[Any]] = {c: [] for c in COLUMNS}
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+        except (ValueError, RecursionError) as exc:
+            raise InputError(f"{path}:{lineno}: not valid JSON ({str(exc)[:120]}); the file is corrupt.") from None
+        row = _row(record, lineno)
+        for c in COLUMNS:
+            columns[c].append(row.get(c))
+    return columns
+
+
+def _row(record: Any, lineno: int) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        return {"custom_id": f"(line {lineno})", "request_error": f"line {lineno} is a JSON {type(record).__name__}, "
+                                                                  "not a request object"}
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return {"custom_id": f"(line {lineno})", "request_error": f"line {lineno} has no custom_id (a non-empty "
+                                                                  "string)"}
+    row: dict[str, Any] = {"custom_id": custom_id, "url": record.get("url")}
+    body = record.get("body")
+    endpoint = record.get("url")
+    problem = _line_problem(record, body)
+    if problem is None:
+        problem = _body_problem(body, endpoint)
+    if problem is not None:
+        return {**row, "request_error": problem}
+    row["model"] = body.get("model") if isinstance(body.get("model"), str) else None
+    row["messages" if endpoint == CHAT else "prompt"] = body.get("messages" if endpoint == CHAT else "prompt")
+    row["tools"] = body.get("tools")
+    for field, column in SAMPLING_FIELDS.items():
+        if body.get(field) is not None:
+            row[column] = body[field]
+    row["logprobs"] = _logprobs_asked(body, endpoint)
+    return row
+
+
+def _line_problem(record: Mapping[str, Any], body: Any) -> str | None:
+    unknown = sorted(set(record) - LINE_FIELDS)
+    if unknown:
+        return f"unknown field(s) {unknown}; a request line has {sorted(LINE_FIELDS)}"
+    if record.get("method", "POST") != "POST":
+        return f"method {record.get('method')!r}: batch requests are POST"
+    url = record.get("url")
+    if url not in (CHAT, COMPLETIONS):
+        return f"url {url!r}: this runner serves {CHAT} and {COMPLETIONS}"
+    if not isinstance(body, dict):
+        return "body is missing or not an object"
+    return None
+
+
+def _body_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
+    unknown = sorted(set(body) - BODY_FIELDS[endpoint])
+    if unknown:
+        return f"body field(s) {unknown} are not supported for {endpoint} (supported: {sorted(BODY_FIELDS[endpoint])})"
+    if body.get("stream"):
+        return "stream=true: batch responses are written whole"
+    n = body.get("n", 1)
+    if n != 1:
+        return f"n={n!r}: one choice per request line here; send a line per sample (with its own seed)"
+    if endpoint == CHAT and "messages" not in body:
+        return "body.messages is missing"
+    if endpoint == COMPLETIONS and not isinstance(body.get("prompt"), str):
+        return "body.prompt must be one string (lists of prompts: one request line each)"
+    return None
+
+
+def _logprobs_asked(body: Mapping[str, Any], endpoint: str) -> int | None:
+    """The top-K logprobs a line asks for (0: the chosen tokens' only), None when it asks for none."""
+    if endpoint == CHAT:
+        if not body.get("logprobs"):
+            return None
+        top = body.get("top_logprobs")
+        return int(top) if isinstance(top, int) and not isinstance(top, bool) else 0
+    value = body.get("logprobs")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def row_problem(job: JobConfig, columns: Mapping[str, list[Any]], i: int) -> RowProblem | None:
+    """Row `i`'s request-level problem: its line's `request_error`, or logprobs the job does not produce
+    (`sampling.logprobs` is job-wide: every response carries them, or none does)."""
+    error = columns["request_error"][i]
+    if error is not None:
+        return RowProblem(BAD_REQUEST, error)
+    if columns["url"][i] != endpoint(job):
+        return RowProblem(BAD_REQUEST, f"url {columns['url'][i]!r} in a batch for {endpoint(job)} (its first line's): "
+                                       "one endpoint per batch")
+    asked, job_k = columns["logprobs"][i], job.sampling.logprobs or 0
+    if asked is not None and (not job_k or asked > job_k):
+        return RowProblem(BAD_REQUEST, f"asks for logprobs (top {asked}), and this job produces "
+                                       f"{'none' if not job_k else f'the top {job_k}'}: run it with "
+                                       f"sampling.logprobs={max(asked, 1)} or drop logprobs from the line")
+    return None
