@@ -69,6 +69,7 @@ def _run_all(job: JobConfig, ctx: WorkerContext, workers: list[ShardWorker], sha
         if "failure" in summary:  # any failure of one shard is retried, then reported, never swallowed
             failure = WorkerFailure.from_dict(summary["failure"])
             result.record(failure)
+            progress.metrics.failed(failure.kind)
             decision = decide(work, failure.kind, job.executor.max_attempts)
             if decision.abort:
                 result.aborted = failure
@@ -83,4 +84,5 @@ def _run_all(job: JobConfig, ctx: WorkerContext, workers: list[ShardWorker], sha
             continue
         result.done.append(work.spec.shard_id)
         progress.advance(summary["rows"], summary["output_tokens"])
+        progress.metrics.committed(summary, summary.get("wall_s"))
     return result

@@ -44,6 +44,7 @@ from flashx_batch.runner import faults, fingerprint, pieces
 from flashx_batch.runner.executor import ExecResult, run_local
 from flashx_batch.runner.failures import FailedRows
 from flashx_batch.runner.layout import TornJobJsonError, write_atomic
+from flashx_batch.runner.metrics import JobMetrics
 from flashx_batch.runner.outputs import Output, open_output, output_root
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.signals import Interrupted, StopFlag
@@ -306,11 +307,12 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     pending = [p for s in plan.shards for p in pieces.uncovered(s, committed)]
     if pending or any(s.shard_id not in committed for s in plan.error_shards):
         output.unmark_finished()  # files removed since it finished: not finished now
-    _commit_plan_errors(plan, output, set(committed))
+    metrics = JobMetrics(str(output.root))  # live counters on Ray's metrics endpoint (a no-op without Ray)
+    metrics.error_rows_committed(_commit_plan_errors(plan, output, set(committed)))
     log.info("%s: %d of %d shard(s) already committed, %d piece(s) to run", output.root,
              sum(not pieces.uncovered(s, committed) for s in plan.shards), len(plan.shards), len(pending))
     progress = Progress(plan.num_valid, plan.num_valid - sum(p.num_rows for p in pending),
-                        job.executor.progress_interval_s)
+                        job.executor.progress_interval_s, metrics=metrics)
     ctx = WorkerContext(str(model_dir), str(output.root), loaded.files, loaded.id_kind,
                         _passthrough_types(job, loaded), faults=faults.load(job.executor.faults),
                         job_digest=output.job_digest, model_files=model_stats)
@@ -393,8 +395,10 @@ def _dispatch(job: JobConfig, ctx: WorkerContext, pending: list, stop: StopFlag,
     return RayExecutor(job, ctx, failed_rows, on_dispatch).run(pending, stop, progress)
 
 
-def _commit_plan_errors(plan: Plan, output: Output, committed: set[str]) -> None:
-    """Rows rejected while planning go through the same commit protocol as generated ones."""
+def _commit_plan_errors(plan: Plan, output: Output, committed: set[str]) -> int:
+    """Rows rejected while planning go through the same commit protocol as generated ones; returns how
+    many this call committed."""
+    count = 0
     for spec in plan.error_shards:
         if spec.shard_id in committed:
             continue
@@ -403,6 +407,8 @@ def _commit_plan_errors(plan: Plan, output: Output, committed: set[str]) -> None
                              [r.stage for r in rows])
         output.commit(spec.shard_id, 1, {"errors": table}, {"kind": "invalid", "rows": 0, "rows_failed": len(rows),
                                                             "worker": "driver"})
+        count += len(rows)
+    return count
 
 
 def _verify(plan: Plan, output: Output, samples: int = 1) -> tuple[dict[str, Any], dict[str, dict]]:

@@ -14,12 +14,16 @@ import sys
 import time
 from typing import TextIO
 
+from flashx_batch.runner.metrics import JobMetrics
+
 log = logging.getLogger(__name__)
 
 
 class Progress:
     def __init__(self, total_rows: int, done_rows: int = 0, interval_s: float = 10.0,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, metrics: JobMetrics | None = None) -> None:
+        """`metrics`: the job's live metrics (`runner.metrics`), fed by the executors through this object."""
+        self.metrics = metrics or JobMetrics("")
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.total, self.done, self.start_done = total_rows, done_rows, done_rows
@@ -43,6 +47,7 @@ class Progress:
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()
+        self.metrics.tokens_per_s(self.output_tokens / max(now - self.started, 1e-9))
         if self.tty:
             self.stream.write("\r" + self.line(now))
             self.stream.flush()

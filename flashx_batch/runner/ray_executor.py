@@ -301,9 +301,9 @@ class RayExecutor:
                 if ref in self.watch:
                     self._rank_left(ray, ref)
                     continue
-                name, work, _ = inflight.pop(ref)
+                name, work, since = inflight.pop(ref)
                 outcome = self._settle(ray, ref, name, work)
-                self._follow(outcome, work, queue, result, progress)
+                self._follow(outcome, work, queue, result, progress, time.monotonic() - since)
                 if result.aborted is not None:
                     break
             if result.aborted is not None:
@@ -358,13 +358,15 @@ class RayExecutor:
         return "ok", summary
 
     def _follow(self, outcome: tuple[str, Any], work: Work, queue: deque, result: ExecResult,
-                progress: Progress) -> None:
+                progress: Progress, latency_s: float | None = None) -> None:
         kind, detail = outcome
         if kind == "ok":
             result.done.append(work.spec.shard_id)
             progress.advance(detail["rows"], detail["output_tokens"])
+            progress.metrics.committed(detail, latency_s)
             return
         result.record(detail)
+        progress.metrics.failed(kind)
         decision = decide(work, kind, self.job.executor.max_attempts)
         if decision.abort:
             result.aborted = detail
@@ -376,7 +378,9 @@ class RayExecutor:
         if decision.give_up is not None:
             message = (f"{'the worker process died' if kind == DIED else 'timed out'} on this row "
                        f"{work.attempt} time(s); last: {detail.line}")
-            progress.advance(self.failed_rows.commit(work, decision.give_up, message), 0)
+            given_up = self.failed_rows.commit(work, decision.give_up, message)
+            progress.advance(given_up, 0)
+            progress.metrics.error_rows_committed(given_up)
         if decision.fail:
             result.failed[work.spec.shard_id] = detail.line
 
