@@ -116,6 +116,7 @@ class ExecutorSection:
     cpus_per_actor: int = 1
     resources: dict[str, float] = field(default_factory=dict)  # extra custom resources per actor
     max_attempts: int = 3  # tries per shard before the job fails (resumable) or its rows become error rows
+    node_failure_limit: int = 3  # ray: a node whose last N attempts all failed is excluded for the rest of the job
     shard_timeout_s: float | None = 3600.0  # watchdog (ray): a shard running longer has its actor killed
     grace_period_s: float = 60.0  # after SIGINT/SIGTERM, how long in-flight shards may take to commit
     progress_interval_s: float = 30.0  # off a TTY: a progress line this often, or each 5 % of the rows
@@ -225,6 +226,8 @@ def validate(job: JobConfig) -> None:
         (job.executor.max_attempts >= 1, f"executor.max_attempts must be >= 1, got {job.executor.max_attempts}"),
         (job.executor.num_actors is None or job.executor.num_actors >= 1,
          f"executor.num_actors must be >= 1 or null, got {job.executor.num_actors}"),
+        (job.executor.node_failure_limit >= 1,
+         f"executor.node_failure_limit must be >= 1, got {job.executor.node_failure_limit}"),
         (job.executor.cpus_per_actor >= 1, f"executor.cpus_per_actor must be >= 1, got {job.executor.cpus_per_actor}"),
         (job.executor.shard_timeout_s is None or job.executor.shard_timeout_s > 0,
          f"executor.shard_timeout_s must be > 0 or null, got {job.executor.shard_timeout_s}"),

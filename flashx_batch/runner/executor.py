@@ -28,6 +28,7 @@ class ExecResult:
     failures: list[WorkerFailure] = field(default_factory=list)  # every failed try, in order (job.json)
     aborted: WorkerFailure | None = None  # a failure that makes the whole job impossible (exit 2)
     interrupted: bool = False
+    nodes: dict[str, dict] = field(default_factory=dict)  # Ray: per node, placements, commits, failures, exclusion
 
     def record(self, failure: WorkerFailure) -> None:
         """Log a failed try in one readable block and keep it (the last few go to job.json)."""

@@ -12,10 +12,12 @@ A spec is `ACTION[:key=value]...`:
   fatal    raise FatalEngineError (a dead device)                    default at=before_generate
   enospc   fail the staged write of one file with ENOSPC             default at=write
   kill_rank SIGKILL rank 1 of this worker's tensor-parallel replica    default at=before_generate
+  delay    sleep `seconds=` (default 1) and go on: a slow node          default at=before_generate
 Point `job_json` is the driver writing job.json; there `shard=` matches the status being written
 (`running`, `succeeded`, ...), e.g. `enospc:at=job_json:shard=succeeded` (a disk full at the end).
 Filters (all optional, all must match): `at=` point, `shard=` glob on the piece id, `attempt=N`,
-`row=ID` (the piece holds that row id), `kind=` generations|errors|stats (for `write`).
+`row=ID` (the piece holds that row id), `kind=` generations|errors|stats (for `write`), `node=` the
+Ray node id or host name of the worker (a bad node).
 Examples: `crash:at=after_publish:attempt=1`, `crash:row=17` (a poison row), `hang:row=3`,
 `fatal:attempt=1:shard=b05-*`, `enospc:kind=generations`.
 """
@@ -39,8 +41,8 @@ log = logging.getLogger(__name__)
 ENV_VAR = "FLASHX_FAULTS"
 POINTS = ("before_generate", "after_generate", "write", "after_publish", "before_manifest", "job_json")
 DEFAULT_POINT = {"hang": "before_generate", "fatal": "before_generate", "enospc": "write",
-                 "kill_rank": "before_generate"}
-_KEYS = ("at", "shard", "attempt", "row", "kind")
+                 "kill_rank": "before_generate", "delay": "before_generate"}
+_KEYS = ("at", "shard", "attempt", "row", "kind", "node", "seconds")
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,13 @@ class Fault:
     attempt: int | None = None
     row: str | None = None
     kind: str | None = None
+    node: str | None = None  # the Ray node id (or host name) of the worker it fires on
+    seconds: float = 1.0  # delay: how long
 
-    def matches(self, point: str, shard: str, attempt: int, ids: Iterable[Any] | None, kind: str | None) -> bool:
+    def matches(self, point: str, shard: str, attempt: int, ids: Iterable[Any] | None, kind: str | None,
+                nodes: tuple[str, ...] = ()) -> bool:
         return (self.at == point and fnmatch.fnmatchcase(shard, self.shard)
+                and (self.node is None or self.node in nodes)
                 and (self.attempt is None or self.attempt == attempt)
                 and (self.kind is None or self.kind == kind)
                 and (self.row is None or (ids is not None and self.row in {str(i) for i in ids})))
@@ -70,10 +76,21 @@ class Faults:
         """Act out the first armed fault matching this point, if any; returns only if none matched.
         `peers`: the process ids of the other ranks of the worker's tensor-parallel replica."""
         ids = list(ids) if ids is not None else None
+        nodes = _this_node()
         for f in self.faults:
-            if f.matches(point, shard, attempt, ids, kind):
+            if f.matches(point, shard, attempt, ids, kind, nodes):
                 _act(f, point, shard, attempt, kind, peers)
                 return
+
+
+def _this_node() -> tuple[str, ...]:
+    """This process's Ray node id (inside Ray) and host name: what `node=` matches."""
+    import socket
+    import sys
+
+    ray = sys.modules.get("ray")
+    node_id = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
+    return tuple(x for x in (node_id, socket.gethostname()) if x)
 
 
 def _act(f: Fault, point: str, shard: str, attempt: int, kind: str | None, peers: tuple[int, ...] = ()) -> None:
@@ -89,6 +106,9 @@ def _act(f: Fault, point: str, shard: str, attempt: int, kind: str | None, peers
         raise FatalEngineError(what)
     if f.action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device ({what}, {kind})")
+    if f.action == "delay":
+        time.sleep(f.seconds)
+        return
     if f.action == "kill_rank":  # the ranks of a replica share one node: the pid is this machine's
         if not peers:
             raise RuntimeError(f"{what}: this worker has no other tensor-parallel ranks to kill")
@@ -98,8 +118,9 @@ def _act(f: Fault, point: str, shard: str, attempt: int, kind: str | None, peers
 def parse(spec: str) -> Fault:
     """One spec string → a Fault; ConfigError (exit 2) naming what is wrong."""
     action, *pairs = spec.strip().split(":")
-    if action not in ("crash", "hang", "fatal", "enospc", "kill_rank"):
-        raise ConfigError(f"fault {spec!r}: unknown action {action!r}; use crash, hang, fatal, enospc or kill_rank.")
+    if action not in ("crash", "hang", "fatal", "enospc", "kill_rank", "delay"):
+        raise ConfigError(f"fault {spec!r}: unknown action {action!r}; use crash, hang, fatal, enospc, kill_rank or "
+                          "delay.")
     values: dict[str, Any] = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
@@ -114,6 +135,11 @@ def parse(spec: str) -> Fault:
         if not values["attempt"].isdigit():
             raise ConfigError(f"fault {spec!r}: attempt={values['attempt']} is not a positive integer.")
         values["attempt"] = int(values["attempt"])
+    if values.get("seconds") is not None:
+        try:
+            values["seconds"] = float(values["seconds"])
+        except ValueError:
+            raise ConfigError(f"fault {spec!r}: seconds={values['seconds']} is not a number.") from None
     return Fault(action, **values)
 
 

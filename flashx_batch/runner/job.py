@@ -326,17 +326,17 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
              "+ %(pending_rows)d not yet run", counts)
     failures = [f.as_dict() for f in result.failures[-_FAILURES_KEPT:]]
     if result.aborted is not None:
-        finish("failed", reason=result.aborted.line, worker_failures=failures)
+        finish("failed", reason=result.aborted.line, worker_failures=failures, nodes=result.nodes)
         raise JobAborted(f"{result.aborted.message} (found by {result.aborted.worker} on shard "
                          f"{result.aborted.shard_id})")
     if remaining and stop.requested:
-        finish("interrupted", exit_code=stop.exit_code, worker_failures=failures)
+        finish("interrupted", exit_code=stop.exit_code, worker_failures=failures, nodes=result.nodes)
         log.warning("interrupted: %d piece(s) committed this run, %d left; rerun the same command to resume",
                     len(result.done), len(remaining))
         return stop.exit_code
     if remaining:
         failed = result.failed or {p.shard_id: "not run" for p in remaining}
-        finish("failed", failed_shards=failed, worker_failures=failures)
+        finish("failed", failed_shards=failed, worker_failures=failures, nodes=result.nodes)
         raise ShardFailedError(
             f"{len(failed)} shard(s) failed {job.executor.max_attempts} time(s): "
             + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items())[:5])
@@ -371,7 +371,8 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
                                     Tokenizer(model_dir).decode)
         log.info("%s: %d line(s)", openai_output.FILE_NAME, lines)
     stop.set_on_force(None)  # past here a forced exit must not overwrite the success being written
-    finish("succeeded", verified, totals=totals, finished_at=time.time(), worker_failures=failures)
+    finish("succeeded", verified, totals=totals, finished_at=time.time(), worker_failures=failures,
+           nodes=result.nodes)
     output.finish(totals, verified, {"errors": errors_table([], plan.id_kind, [], [], [])})
     log.info("done: %d generated, %d error rows, %d output tokens -> %s", totals["generated_rows"],
              totals["error_rows"], totals["output_tokens"], output.root)

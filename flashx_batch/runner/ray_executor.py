@@ -29,6 +29,7 @@ from flashx_batch.errors import ConfigError, FlashxError
 from flashx_batch.job_errors import InputChangedError, ModelChangedError
 from flashx_batch.runner.executor import ExecResult
 from flashx_batch.runner.failures import BAD_JOB, DIED, FATAL, TIMEOUT, FailedRows, Work, WorkerFailure, clean, decide
+from flashx_batch.runner.node_book import NodeBook
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.replicas import Replica, bundle_of, start_replica
 from flashx_batch.runner.signals import Interrupted, StopFlag
@@ -36,6 +37,7 @@ from flashx_batch.runner.worker import ShardWorker, WorkerContext
 
 log = logging.getLogger(__name__)
 _WAIT_S = 0.5  # also the watchdog's resolution
+_POLL_S = 2.0  # how often the pool reads Ray's node table (nodes joining, leaving)
 _MAX_BOOT_FAILURES = 8  # actors that die while loading their engine, in a row, before the job gives up
 # a replacement's load failure that no retry can cure (failures travel as data: matched by type name)
 _JOB_LEVEL = (ModelChangedError.__name__, InputChangedError.__name__)
@@ -242,9 +244,18 @@ class RayExecutor:
         with ray_session(self.job, stop):
             return self._loop(ray, shards, stop, progress, result)
 
-    def _spawn(self, ray: Any, remote_cls: Any, options: dict[str, Any], ctx: WorkerContext) -> tuple[Replica, Any]:
+    def _spawn(self, ray: Any, remote_cls: Any, options: dict[str, Any], ctx: WorkerContext
+               ) -> tuple[Replica, Any] | None:
+        """A new replica (booting), or None when no usable node has room for one."""
+        name = f"flashx-worker-{os.getpid()}-{self._spawned + 1}"
+        if self.book is not None:  # single-rank actors are placed on a node of our choosing (`runner.node_book`)
+            node_id = self.book.place(name)
+            if node_id is None:
+                return None
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options = {**options, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
         self._spawned += 1
-        name = f"flashx-worker-{os.getpid()}-{self._spawned}"
         return start_replica(ray, remote_cls, options, self.job.runtime.tensor_parallel_size, name, (self.job, ctx))
 
     # ---- the dispatch loop ------------------------------------------------------------------
@@ -257,6 +268,16 @@ class RayExecutor:
         tp = self.job.runtime.tensor_parallel_size
         log.info("ray: %d %s with %s", pool, "actor(s)" if tp == 1 else f"replica(s) of {tp} ranks", options)
         self._new_actor = lambda: self._spawn(ray, remote_cls, options, ctx)
+        # placement, failure domains, exclusion and the elastic pool: single-rank actors (a tensor-parallel
+        # replica's placement group is placed by Ray)
+        ex = self.job.executor
+        self.book = NodeBook(bundle_of(options), ex.node_failure_limit, ex.num_actors) if tp == 1 else None
+        if self.book is not None:
+            self.book.refresh(ray.nodes())
+        self._polled = time.monotonic()
+        self._short_logged: tuple | None = None
+        self._most = 0  # the most actors the pool has held at once
+        self._ray = ray
         self.actors: dict[str, Replica] = {}
         self.booting: dict[Any, str] = {}  # ready() ref -> actor name: no shard goes to an actor still loading
         self.watch: dict[Any, str] = {}  # a follower rank's follow() ref -> its replica (it ends: the replica goes)
@@ -268,6 +289,8 @@ class RayExecutor:
         finally:  # however the loop ends, no actor of this run outlives it (the driver unlocks next)
             for replica in self.actors.values():
                 replica.kill(ray)
+            if self.book is not None:
+                result.nodes = self.book.summary()
 
     def _dispatch_all(self, ray: Any, pool: int, shards: list[ShardSpec], stop: StopFlag, progress: Progress,
                       result: ExecResult) -> ExecResult:
@@ -284,12 +307,12 @@ class RayExecutor:
         queue = deque(Work(spec, 1) for spec in shards)
         inflight: dict[Any, tuple[str, Work, float]] = {}  # ref -> (actor, work, dispatched at)
         while True:
-            while self.idle and queue and not stop.requested:
-                name, work = self.idle.popleft(), queue.popleft()
-                ref = self.actors[name].leader.run_shard.remote(work.spec, work.attempt)
-                inflight[ref] = (name, work, time.monotonic())
-                if self.on_dispatch is not None:
-                    self.on_dispatch(work.spec, work.attempt, name)
+            self._dispatch(queue, inflight, stop)
+            if self.book is not None and time.monotonic() - self._polled >= _POLL_S:
+                self._rescale(ray, len(queue) + len(inflight))
+            if queue and not inflight and not self.actors and self.book is not None and self.book.all_excluded():
+                _every_node_excluded(self.book, queue, result)
+                break
             if not inflight and (stop.requested or not queue):
                 break
             done, _ = ray.wait([*inflight, *self.booting, *self.watch], num_returns=1, timeout=_WAIT_S)
@@ -303,7 +326,7 @@ class RayExecutor:
                     continue
                 name, work, since = inflight.pop(ref)
                 outcome = self._settle(ray, ref, name, work)
-                self._follow(outcome, work, queue, result, progress, time.monotonic() - since)
+                self._follow(outcome, work, queue, result, progress, time.monotonic() - since, name)
                 if result.aborted is not None:
                     break
             if result.aborted is not None:
@@ -314,6 +337,68 @@ class RayExecutor:
                 self._end_doomed(ray)
         result.interrupted = stop.requested and bool(queue)
         return result
+
+    def _dispatch(self, queue: deque, inflight: dict, stop: StopFlag) -> None:
+        """Idle actors take queued work in queue order, each the first piece it may run: not one that
+        failed on its node while another node has actors (`NodeBook.may_run`)."""
+        for name in list(self.idle):
+            if not queue or stop.requested:
+                return
+            index = next((i for i, w in enumerate(queue)
+                          if self.book is None or self.book.may_run(w.spec.shard_id, name)), None)
+            if index is None:
+                continue
+            work = queue[index]
+            del queue[index]
+            self.idle.remove(name)
+            ref = self.actors[name].leader.run_shard.remote(work.spec, work.attempt)
+            inflight[ref] = (name, work, time.monotonic())
+            if self.on_dispatch is not None:
+                self.on_dispatch(work.spec, work.attempt, name)
+
+    def _rescale(self, ray: Any, work_left: int) -> None:
+        """The elastic pool, from Ray's node table: actors on nodes that left are dropped (a busy one's
+        shard fails and is retried), nodes that joined get actors, up to `executor.num_actors` and no more
+        than the work left; a pool short of that says what it waits for."""
+        self._polled = time.monotonic()
+        self._refresh_nodes(ray)
+        while len(self.actors) < work_left and self.book.room() > 0:
+            if not self._boot():
+                break
+        self._most = max(self._most, len(self.actors))
+        # a pool below its former size with no room left anywhere: a replacement waits, and says for what
+        short = min(work_left, self._most) - len(self.actors)
+        state = (short, tuple(sorted(n for n, r in self.book.nodes.items() if r.excluded or not r.alive)))
+        if short > 0 and self.book.room() == 0 and state != self._short_logged:
+            log.warning("pool: %d actor(s), %d replacement(s) waiting for a node with %s (usable nodes full; "
+                        "excluded or gone: %s)", len(self.actors), short, self.book.bundle,
+                        ", ".join(n[:12] for n in state[1]) or "none")
+            self._short_logged = state
+
+    def _refresh_nodes(self, ray: Any) -> None:
+        """Read Ray's node table: log nodes that joined; actors on nodes that left are dropped at once
+        when idle (a busy one's shard fails and is retried; a booting one's boot fails)."""
+        joined, lost = self.book.refresh(ray.nodes())
+        for node_id in joined:
+            log.info("pool: node %s joined with room for %d actor(s)", node_id[:12], self.book.nodes[node_id].capacity)
+        for name in lost:
+            log.warning("pool: %s's node left the cluster", name)
+            if name in self.idle:
+                self.idle.remove(name)
+                replica = self.actors.pop(name, None)
+                if replica is not None:
+                    replica.kill(ray)
+                self.book.remove(name)
+
+    def _exclude(self, node_id: str) -> None:
+        """Exclude a node for the rest of the job: its idle actors go now (replaced elsewhere if there is
+        room), its busy ones when their shard ends (`_settle`)."""
+        log.warning("pool: node %s excluded for the rest of the job: %s", node_id,
+                    self.book.nodes[node_id].excluded)
+        for name in self.book.actors_on(node_id):
+            if name in self.idle:
+                self.idle.remove(name)
+                self._replace(self._ray, name)
 
     def _watchdog(self, ray: Any, inflight: dict, queue: deque, result: ExecResult, progress: Progress) -> None:
         """Kill the actor of every piece running past its budget; the piece fails as a `timeout`."""
@@ -326,7 +411,7 @@ class RayExecutor:
                 failure = WorkerFailure(TIMEOUT, "Timeout", f"no result within executor.shard_timeout_s="
                                         f"{self.timeout_s}s", worker=name, shard_id=work.spec.shard_id,
                                         attempt=work.attempt)
-                self._follow((TIMEOUT, failure), work, queue, result, progress)
+                self._follow((TIMEOUT, failure), work, queue, result, progress, None, name)
 
     def _settle(self, ray: Any, ref: Any, name: str, work: Work) -> tuple[str, Any]:
         """("ok", summary) or (failure kind, WorkerFailure); replaces the actor when it died or its engine did."""
@@ -337,6 +422,8 @@ class RayExecutor:
         try:
             summary = ray.get(ref)
         except RayActorError as exc:
+            if self.book is not None:  # its node may have left: place the replacement with the table as it is now
+                self._refresh_nodes(ray)
             self._replace(ray, name)
             if lost_rank:  # killed by us (`_end_doomed`): the replica broke, rank 0 did not die of its shard
                 return FATAL, WorkerFailure(FATAL, "ReplicaBroken", "another rank of this replica died; its rank 0 "
@@ -344,6 +431,7 @@ class RayExecutor:
             return DIED, WorkerFailure(DIED, type(exc).__name__, _first_line(exc), **where)
         except RayTaskError as exc:  # raised outside run_shard's own handling (e.g. an argument that failed)
             summary = {"failure": WorkerFailure.from_exception(exc, **where).as_dict()}
+        lost_rank = lost_rank or self._on_excluded_node(name)
         if "failure" in summary:
             failure = WorkerFailure.from_dict(summary["failure"])
             if failure.kind == FATAL or lost_rank:  # the engine is gone: retire the actor, never retry on it
@@ -357,16 +445,26 @@ class RayExecutor:
             self.idle.append(name)
         return "ok", summary
 
+    def _on_excluded_node(self, name: str) -> bool:
+        node_id = self.book.node_of.get(name) if self.book is not None else None
+        return node_id is not None and self.book.nodes[node_id].excluded is not None
+
     def _follow(self, outcome: tuple[str, Any], work: Work, queue: deque, result: ExecResult,
-                progress: Progress, latency_s: float | None = None) -> None:
+                progress: Progress, latency_s: float | None = None, name: str | None = None) -> None:
         kind, detail = outcome
         if kind == "ok":
             result.done.append(work.spec.shard_id)
             progress.advance(detail["rows"], detail["output_tokens"])
             progress.metrics.committed(detail, latency_s)
+            if self.book is not None and name is not None:
+                self.book.succeeded(name)
             return
         result.record(detail)
         progress.metrics.failed(kind)
+        if self.book is not None and name is not None and kind != BAD_JOB:
+            excluded = self.book.failed(name, work.spec.shard_id, detail.line)
+            if excluded is not None:
+                self._exclude(excluded)
         decision = decide(work, kind, self.job.executor.max_attempts)
         if decision.abort:
             result.aborted = detail
@@ -385,11 +483,16 @@ class RayExecutor:
             result.failed[work.spec.shard_id] = detail.line
 
     # ---- actors -----------------------------------------------------------------------------
-    def _boot(self) -> None:
-        replica, ready = self._new_actor()
+    def _boot(self) -> bool:
+        """Start one replica; False when no usable node has room (the pool is short until one does)."""
+        made = self._new_actor()
+        if made is None:
+            return False
+        replica, ready = made
         self.actors[replica.name] = replica
         self.booting[ready] = replica.name
         self.watch.update({ref: replica.name for ref in replica.watch})
+        return True
 
     def _rank_left(self, ray: Any, ref: Any) -> None:
         """A follower rank's `follow` ended: the rank died, or its replica broke. The whole replica goes:
@@ -427,17 +530,22 @@ class RayExecutor:
                     self.actors[name].kill(ray)
 
     def _booted(self, ray: Any, ref: Any) -> None:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnschedulableError, RayActorError
 
         name = self.booting.pop(ref)
         if name not in self.actors:  # replaced meanwhile (a rank left while it loaded)
             return
         try:
             info = ray.get(ref)
-        except RayActorError:  # killed while loading (a node lost, a test, a rank that left): try another one
+        except (RayActorError, ActorUnschedulableError):  # killed while loading (a node lost, a test, a rank that
+            # left), or placed on a node that left before it started: try another one
+            if self.book is not None:
+                self._refresh_nodes(ray)
             replica = self.actors.pop(name, None)
             if replica is not None:
                 replica.kill(ray)
+            if self.book is not None:
+                self.book.remove(name)
             self._boot_failures += 1
             if self._boot_failures > _MAX_BOOT_FAILURES:
                 raise
@@ -451,6 +559,8 @@ class RayExecutor:
             replica = self.actors.pop(name, None)
             if replica is not None:
                 replica.kill(ray)
+            if self.book is not None:
+                self.book.remove(name)
             self._boot_failures += 1
             if self._boot_failures > _MAX_BOOT_FAILURES:
                 raise FlashxError(f"{self._boot_failures} replacement engines in a row failed to load; last: "
@@ -461,13 +571,28 @@ class RayExecutor:
         self.idle.append(name)
 
     def _replace(self, ray: Any, name: str) -> None:
-        """A new replica for `name`'s (every rank of it killed)."""
+        """A new replica for `name`'s (every rank of it killed), where there is room (`_rescale` adds it
+        later otherwise)."""
         self.doomed.pop(name, None)
         self.rank_lost.discard(name)
+        if self.book is not None:
+            self.book.remove(name)
         replica = self.actors.pop(name, None)
         if replica is not None:
             replica.kill(ray)
         self._boot()
+
+
+def _every_node_excluded(book: NodeBook, queue: deque, result: ExecResult) -> None:
+    """No node may run work any more: the job fails (resumable) with each node's record."""
+    lines = [f"node {n}: {r['failed_attempts']} failed attempt(s), {r['shards']} committed; "
+             f"{r['excluded'] or ('left the cluster' if not r['alive'] else 'no room')}"
+             for n, r in book.summary().items()]
+    log.error("every node of the cluster is excluded or gone; %d piece(s) not run:\n  %s", len(queue),
+              "\n  ".join(lines))
+    for work in queue:
+        result.failed[work.spec.shard_id] = "not run: every node excluded (job.json: nodes)"
+    queue.clear()
 
 
 def _follow_outcome(ray: Any, ref: Any) -> str:
