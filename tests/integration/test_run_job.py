@@ -51,3 +51,18 @@ def test_what_run_job_refuses(tmp_path):
     job = overrides(tiny_model_dir(), "unused", tmp_path / "out", "executor.kind=ray", "executor.address=auto")
     with pytest.raises(ConfigError, match="pass staging_dir="):
         run_job([a for a in job if not a.startswith("data.path")], data=pd.DataFrame(ROWS))
+
+
+def test_a_ray_dataset_gives_the_parquet_generations(from_parquet, tmp_path):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        import ray.data
+
+        ds = ray.data.from_arrow(pa.Table.from_pylist(ROWS))
+        base = [a for a in overrides(tiny_model_dir(), "unused", tmp_path / "out", *LOCAL)
+                if not a.startswith("data.path")]
+        assert run_job(base, data=ds, staging_dir=str(tmp_path / "stage")) == 0
+    finally:
+        ray.shutdown()
+    assert generations(tmp_path / "out") == from_parquet
