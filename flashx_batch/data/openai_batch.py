@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flashx_batch.config import JobConfig
+from flashx_batch.data.jsonl import json_lines
 from flashx_batch.data.validate import RowProblem
 from flashx_batch.job_errors import InputError
 
@@ -85,15 +86,7 @@ def parse(path: str, data: bytes) -> dict[str, list[Any]]:
     """Every line of an openai_batch file as row columns (`COLUMNS`); `request_error` says why a line is
     not a request this runner serves (None: it is)."""
     columns: dict[str, list[Any]] = {c: [] for c in COLUMNS}
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    for lineno, raw in enumerate(data.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
-        except (ValueError, RecursionError) as exc:
-            raise InputError(f"{path}:{lineno}: not valid JSON ({str(exc)[:120]}); the file is corrupt.") from None
+    for lineno, record in json_lines(path, data):
         row = _row(record, lineno)
         for c in COLUMNS:
             columns[c].append(row.get(c))

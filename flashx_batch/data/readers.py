@@ -28,6 +28,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from flashx_batch import storage
+from flashx_batch.data.jsonl import json_lines
 from flashx_batch.job_errors import InputChangedError, InputError, InputUnavailableError
 
 log = logging.getLogger(__name__)
@@ -384,19 +385,7 @@ def _read_arrow_table(file: InputFile, data: bytes, columns: list[str], text_col
 def _read_jsonl(path: str, data: bytes, columns: list[str]) -> Frame:
     values: dict[str, list[Any]] = {c: [] for c in columns}
     seen: set[str] = set()
-    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (editors on Windows write one)
-        data = data[3:]
-    for lineno, raw in enumerate(data.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            # surrogateescape keeps invalid UTF-8 bytes visible, so validation can flag the row
-            record = json.loads(raw.decode("utf-8", errors="surrogateescape"))
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg}); the file is corrupt.") from None
-        except (ValueError, RecursionError) as exc:  # a number past Python's digit limit, nesting too deep
-            raise InputError(f"{path}:{lineno}: cannot be read as JSON ({type(exc).__name__}: "
-                             f"{str(exc)[:120]}).") from None
+    for lineno, record in json_lines(path, data):
         if not isinstance(record, dict):
             raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}.")
         seen.update(record)
