@@ -116,7 +116,7 @@ class ExecutorSection:
     cpus_per_actor: int = 1
     resources: dict[str, float] = field(default_factory=dict)  # extra custom resources per actor
     max_attempts: int = 3  # tries per shard before the job fails (resumable) or its rows become error rows
-    node_failure_limit: int = 3  # ray: a node whose last N attempts all failed is excluded for the rest of the job
+    node_failure_limit: int = 3  # ray: a node where N different shards failed in a row is excluded (never the last)
     shard_timeout_s: float | None = 3600.0  # watchdog (ray): a shard running longer has its actor killed
     grace_period_s: float = 60.0  # after SIGINT/SIGTERM, how long in-flight shards may take to commit
     progress_interval_s: float = 30.0  # off a TTY: a progress line this often, or each 5 % of the rows

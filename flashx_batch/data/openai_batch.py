@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from flashx_batch.config import JobConfig
@@ -68,15 +69,19 @@ def endpoint_of(path: str) -> str:
     from flashx_batch import storage
 
     fs, inner = storage.filesystem(path)
-    with fs.open_input_stream(inner) as fh:
-        head = fh.read(1 << 20)
+    head = b""
+    with fs.open_input_stream(inner) as fh:  # up to the end of the first non-blank line, however long
+        while chunk := fh.read(1 << 20):
+            head += chunk
+            if b"\n" in head.lstrip():
+                break
     for raw in head.splitlines():
         if raw.strip():
             try:
                 record = json.loads(raw.decode("utf-8", errors="surrogateescape").lstrip("\ufeff"))
             except ValueError:
-                raise InputError(f"{path}:1: not valid JSON; an openai_batch file holds one JSON request per "
-                                 "line.") from None
+                raise InputError(f"{path}: its first line is not valid JSON; an openai_batch file holds one JSON "
+                                 "request per line.") from None
             url = record.get("url") if isinstance(record, dict) else None
             return COMPLETIONS if url == COMPLETIONS else CHAT
     return CHAT
@@ -87,20 +92,20 @@ def parse(path: str, data: bytes) -> dict[str, list[Any]]:
     not a request this runner serves (None: it is)."""
     columns: dict[str, list[Any]] = {c: [] for c in COLUMNS}
     for lineno, record in json_lines(path, data):
-        row = _row(record, lineno)
+        row = _row(record, lineno, Path(path).name)
         for c in COLUMNS:
             columns[c].append(row.get(c))
     return columns
 
 
-def _row(record: Any, lineno: int) -> dict[str, Any]:
+def _row(record: Any, lineno: int, file: str) -> dict[str, Any]:
+    where = f"({file} line {lineno})"  # the id of a line without a usable custom_id
     if not isinstance(record, dict):
-        return {"custom_id": f"(line {lineno})", "request_error": f"line {lineno} is a JSON {type(record).__name__}, "
-                                                                  "not a request object"}
+        return {"custom_id": where, "request_error": f"line {lineno} is a JSON {type(record).__name__}, not a "
+                                                     "request object"}
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return {"custom_id": f"(line {lineno})", "request_error": f"line {lineno} has no custom_id (a non-empty "
-                                                                  "string)"}
+        return {"custom_id": where, "request_error": f"line {lineno} has no custom_id (a non-empty string)"}
     row: dict[str, Any] = {"custom_id": custom_id, "url": record.get("url")}
     body = record.get("body")
     endpoint = record.get("url")

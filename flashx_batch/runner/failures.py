@@ -163,10 +163,11 @@ class FailedRows:
         self.output, self.id_of, self.id_kind = output, id_of, id_kind
 
     def commit(self, work: Work, code: str, message: str) -> int:
-        """Write one error row per row of the piece; returns the number of rows."""
+        """Write one error row per row of the piece; returns the number of rows committed (0 when the
+        piece was committed meanwhile)."""
         ids = [self.id_of[ref] for ref in work.spec.refs]
         table = errors_table(ids, self.id_kind, [code] * len(ids), [message] * len(ids), ["generate"] * len(ids))
-        self.output.commit(work.spec.shard_id, work.attempt, {"errors": table},
-                           {"kind": code, "rows": 0, "rows_failed": len(ids), "worker": "driver",
-                            "finished_at": time.time()})
-        return len(ids)
+        won = self.output.commit(work.spec.shard_id, work.attempt, {"errors": table},
+                                 {"kind": code, "rows": 0, "rows_failed": len(ids), "worker": "driver",
+                                  "finished_at": time.time()})
+        return len(ids) if won else 0  # a late attempt committed the piece first: its rows are counted there

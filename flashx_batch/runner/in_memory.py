@@ -47,7 +47,9 @@ def run_job(config: JobConfig | Sequence[str], data: Any = None, staging_dir: st
     else:  # with data, a preset without data.path composes too (the user's overrides come after and win)
         job = compose_job((["data.path=in-memory"] if data is not None else []) + list(config))
     if data is not None:
-        uri = stage_table(as_arrow(data), staging_dir or _default_staging(job), storage_settings=job)
+        # schema metadata (pandas' records its own version) is no part of the rows: equal rows, equal digest
+        table = as_arrow(data).replace_schema_metadata(None)
+        uri = stage_table(table, staging_dir or _default_staging(job), storage_settings=job)
         job.data.path, job.data.format = uri, "parquet"
     return run(job)
 
@@ -66,7 +68,7 @@ def as_arrow(data: Any) -> pa.Table:
     if kind.startswith("ray.data.") and hasattr(data, "to_arrow_refs"):
         import ray
 
-        tables = ray.get(data.to_arrow_refs())
+        tables = ray.get(data.to_arrow_refs())  # in the dataset's block order (its rows' order)
         return pa.concat_tables(tables) if tables else pa.table({})
     if isinstance(data, Mapping):
         return pa.table(dict(data))

@@ -40,7 +40,7 @@ from flashx_batch.data.readers import resolve_inputs, verify_unchanged
 from flashx_batch.data.validate import RowProblem, check_tools
 from flashx_batch.errors import ConfigError, FlashxError, ModelLoadError
 from flashx_batch.job_errors import FingerprintMismatchError, LockHeldError, ShardFailedError
-from flashx_batch.runner import faults, fingerprint, pieces
+from flashx_batch.runner import faults, fingerprint, openai_output, pieces
 from flashx_batch.runner.executor import ExecResult, run_local
 from flashx_batch.runner.failures import FailedRows
 from flashx_batch.runner.layout import TornJobJsonError, write_atomic
@@ -198,6 +198,8 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
         differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []
         if previous is not None and not differences and _already_done(previous, committed, plan, output):
             log.info("%s: already done (_SUCCESS); nothing to run, nothing rewritten", output.root)
+            if job.output.format == "openai_batch" and not output.has_file(openai_output.FILE_NAME):
+                _write_openai_output(job, output, committed, model_dir)  # asked for after the job finished
             return EXIT_OK
         if differences and not _replaceable(committed, output):
             raise FingerprintMismatchError(str(output.root), differences + fingerprint.input_changes(previous, plan))
@@ -337,8 +339,10 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     if remaining:
         failed = result.failed or {p.shard_id: "not run" for p in remaining}
         finish("failed", failed_shards=failed, worker_failures=failures, nodes=result.nodes)
+        not_run = sum(str(v).startswith("not run") for v in failed.values())
         raise ShardFailedError(
-            f"{len(failed)} shard(s) failed {job.executor.max_attempts} time(s): "
+            f"{len(failed)} shard(s) not committed ({len(failed) - not_run} failed {job.executor.max_attempts} "
+            f"time(s), {not_run} not run): "
             + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items())[:5])
             + ". Rerun the same command to retry them (committed shards are kept).")
     verify_unchanged(plan.files)  # the last word on the input: every row came from the planned bytes
@@ -364,12 +368,7 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
         finish("interrupted", exit_code=stop.exit_code)
         return stop.exit_code
     if job.output.format == "openai_batch":  # from the verified pieces, before _SUCCESS: every custom_id once
-        from flashx_batch.runner import openai_output
-        from flashx_batch.runtime.tokenizer import Tokenizer
-
-        lines = openai_output.write(output, job, verified, Path(model_dir).name, int(time.time()),
-                                    Tokenizer(model_dir).decode)
-        log.info("%s: %d line(s)", openai_output.FILE_NAME, lines)
+        _write_openai_output(job, output, verified, model_dir)
     stop.set_on_force(None)  # past here a forced exit must not overwrite the success being written
     finish("succeeded", verified, totals=totals, finished_at=time.time(), worker_failures=failures,
            nodes=result.nodes)
@@ -377,6 +376,14 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
     log.info("done: %d generated, %d error rows, %d output tokens -> %s", totals["generated_rows"],
              totals["error_rows"], totals["output_tokens"], output.root)
     return EXIT_OK
+
+
+def _write_openai_output(job: JobConfig, output: Output, committed: dict[str, dict], model_dir: Path) -> None:
+    from flashx_batch.runtime.tokenizer import Tokenizer
+
+    lines = openai_output.write(output, job, committed, Path(model_dir).name, int(time.time()),
+                                Tokenizer(model_dir).decode)
+    log.info("%s: %d line(s)", openai_output.FILE_NAME, lines)
 
 
 def accounting(plan: Plan, committed: dict[str, dict]) -> dict[str, int]:

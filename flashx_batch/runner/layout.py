@@ -263,6 +263,10 @@ class OutputDir:
     def is_finished(self) -> bool:
         return (self.root / SUCCESS).is_file()
 
+    def has_file(self, name: str) -> bool:
+        """Whether the directory holds the top-level file `name` (report.md, a batch output file)."""
+        return (self.root / name).is_file()
+
     def unmark_finished(self) -> None:
         (self.root / SUCCESS).unlink(missing_ok=True)
 

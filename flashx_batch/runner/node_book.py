@@ -8,8 +8,11 @@ Policy:
   when one leaves.
 - **Failure domains.** A shard whose attempt failed on a node is retried on another node while one
   has actors (`may_run`); it waits for one rather than go back to the node that failed it.
-- **Exclusion.** A node whose last `limit` attempts all failed (errors, dead actors, timeouts; not bad
-  jobs) is excluded for the rest of the job: its actors go, none is placed there again.
+- **Exclusion.** A node where `limit` different shards failed in a row (errors, dead actors, timeouts,
+  engines that would not load there; not bad jobs) is excluded for the rest of the job: its actors go,
+  none is placed there again. One shard failing again and again counts once (that is the shard's
+  problem, which max_attempts and splitting handle), and the last usable node is never excluded (a
+  single-device job keeps its device).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class NodeRecord:
     actors: set[str] = field(default_factory=set)  # actor names placed on it (booting or ready)
     shards: int = 0  # attempts committed on it
     failures: int = 0  # attempts failed on it
-    streak: int = 0  # failures since its last success
+    streak: set[str] = field(default_factory=set)  # the shards (base ids) failed there since its last success
     excluded: str | None = None  # why, once excluded
     last_failure: str = ""
     placed: int = 0  # actors ever placed on it
@@ -42,7 +45,9 @@ class NodeBook:
         the most actors at once (None: as many as the nodes hold)."""
         self.bundle, self.limit, self.ceiling = bundle, limit, ceiling
         self.nodes: dict[str, NodeRecord] = {}
-        self.node_of: dict[str, str] = {}  # actor name -> node id
+        self.node_of: dict[str, str] = {}  # actor name -> node id, while the actor is in the pool
+        self.placed_on: dict[str, str] = {}  # actor name -> node id, kept after it leaves (its late results)
+        self.ready: set[str] = set()  # actors whose engine has loaded
         self.avoid: dict[str, set[str]] = {}  # shard id -> nodes where an attempt of it failed
 
     # ---- the cluster ---------------------------------------------------------------------------
@@ -89,37 +94,44 @@ class NodeBook:
         best = min(options, key=lambda r: (len(r.actors) - r.capacity, r.placed, r.node_id))
         best.actors.add(actor)
         best.placed += 1
-        self.node_of[actor] = best.node_id
+        self.node_of[actor] = self.placed_on[actor] = best.node_id
         return best.node_id
 
     def remove(self, actor: str) -> None:
         node_id = self.node_of.pop(actor, None)
+        self.ready.discard(actor)
         if node_id is not None:
             self.nodes[node_id].actors.discard(actor)
+
+    def usable(self, actor: str) -> bool:
+        """Whether `actor`'s node is alive and not excluded (an actor elsewhere gets no more work)."""
+        record = self.nodes.get(self.node_of.get(actor, ""))
+        return record is not None and record.alive and record.excluded is None
 
     def _usable(self) -> list[NodeRecord]:
         return [r for r in self.nodes.values() if r.alive and r.excluded is None]
 
     # ---- attempts ------------------------------------------------------------------------------
     def succeeded(self, actor: str) -> None:
-        record = self.nodes.get(self.node_of.get(actor, ""))
+        record = self.nodes.get(self.placed_on.get(actor, ""))
         if record is not None:
             record.shards += 1
-            record.streak = 0
+            record.streak.clear()
 
     def failed(self, actor: str, shard_id: str, line: str) -> str | None:
-        """An attempt of `shard_id` failed on `actor`'s node: the shard avoids that node from now on;
-        returns the node id if this failure excludes it."""
-        node_id = self.node_of.get(actor)
-        record = self.nodes.get(node_id or "")
+        """An attempt of `shard_id` failed on the node `actor` was placed on (whether or not the actor is
+        still there): the shard avoids that node from now on; returns the node id if this failure
+        excludes it."""
+        record = self.nodes.get(self.placed_on.get(actor, ""))
         if record is None:
             return None
         self.avoid.setdefault(_base(shard_id), set()).add(record.node_id)
         record.failures += 1
-        record.streak += 1
+        record.streak.add(_base(shard_id))
         record.last_failure = line
-        if record.excluded is None and record.streak >= self.limit:
-            record.excluded = f"{record.streak} failed attempts in a row (last: {line})"
+        others = [r for r in self._usable() if r is not record and r.capacity > 0]
+        if record.excluded is None and len(record.streak) >= self.limit and others:
+            record.excluded = f"{len(record.streak)} different shards failed in a row (last: {line})"
             return record.node_id
         return None
 
@@ -130,14 +142,16 @@ class NodeBook:
         node_id = self.node_of.get(actor)
         if not avoid or node_id not in avoid:
             return True
-        return not any(r.actors and r.node_id not in avoid for r in self._usable())
+        return not any(r.node_id not in avoid and r.actors & self.ready for r in self._usable())
 
     def actors_on(self, node_id: str) -> list[str]:
         return sorted(self.nodes[node_id].actors) if node_id in self.nodes else []
 
     def all_excluded(self) -> bool:
-        """Every node that could hold an actor is excluded (or gone)."""
-        return not any(r.capacity > 0 for r in self._usable())
+        """Every node that ever could hold an actor is excluded (nodes that only left may come back: the
+        pool waits for them)."""
+        able = [r for r in self.nodes.values() if r.capacity > 0]
+        return bool(able) and all(r.excluded is not None for r in able)
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per node, for job.json: capacity, actors placed, shards committed, failed attempts, exclusion."""

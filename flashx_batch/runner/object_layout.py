@@ -180,6 +180,9 @@ class ObjectOutputDir:
     def is_finished(self) -> bool:
         return self._exists(SUCCESS)
 
+    def has_file(self, name: str) -> bool:
+        return self._exists(name)
+
     def unmark_finished(self) -> None:
         self._delete(SUCCESS)
 

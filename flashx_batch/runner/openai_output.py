@@ -75,7 +75,7 @@ def _success(custom_id: str, samples: list[dict], chat: bool, model_name: str, c
         choices.append(choice)
     prompt_tokens = int(samples[0]["num_input_tokens"])
     completion_tokens = sum(int(r["num_generated_tokens"]) for r in samples)
-    body = {"id": _batch_id("chatcmpl" if chat else "cmpl", custom_id),
+    body = {"id": _batch_id("chatcmpl" if chat else "cmpl", custom_id, "-"),
             "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": samples[0].get("model") or model_name, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -100,6 +100,7 @@ def _logprobs(r: dict, chat: bool, decode: Any) -> dict[str, Any] | None:
             "text_offset": []}
 
 
-def _batch_id(prefix: str, custom_id: Any) -> str:
-    """A stable id for a line (the same custom_id, the same id, whatever run wrote it)."""
-    return f"{prefix}_{hashlib.sha256(str(custom_id).encode('utf-8', 'surrogatepass')).hexdigest()[:24]}"
+def _batch_id(prefix: str, custom_id: Any, sep: str = "_") -> str:
+    """A stable id for a line (the same custom_id, the same id, whatever run wrote it), in OpenAI's
+    spelling: `batch_req_...`, `req_...`, `chatcmpl-...`, `cmpl-...`."""
+    return f"{prefix}{sep}{hashlib.sha256(str(custom_id).encode('utf-8', 'surrogatepass')).hexdigest()[:24]}"

@@ -290,6 +290,8 @@ class RayExecutor:
             for replica in self.actors.values():
                 replica.kill(ray)
             if self.book is not None:
+                with contextlib.suppress(Exception):  # the summary as the cluster stands at the end
+                    self.book.refresh(ray.nodes())
                 result.nodes = self.book.summary()
 
     def _dispatch_all(self, ray: Any, pool: int, shards: list[ShardSpec], stop: StopFlag, progress: Progress,
@@ -302,6 +304,8 @@ class RayExecutor:
             if "failure" in info:
                 _raise_boot_failure(WorkerFailure.from_dict(info["failure"]))
         self.idle.extend(self.booting.values())
+        if self.book is not None:
+            self.book.ready.update(self.booting.values())
         self.booting.clear()
         progress.restart_clock()
         queue = deque(Work(spec, 1) for spec in shards)
@@ -431,7 +435,7 @@ class RayExecutor:
             return DIED, WorkerFailure(DIED, type(exc).__name__, _first_line(exc), **where)
         except RayTaskError as exc:  # raised outside run_shard's own handling (e.g. an argument that failed)
             summary = {"failure": WorkerFailure.from_exception(exc, **where).as_dict()}
-        lost_rank = lost_rank or self._on_excluded_node(name)
+        lost_rank = lost_rank or (self.book is not None and not self.book.usable(name))
         if "failure" in summary:
             failure = WorkerFailure.from_dict(summary["failure"])
             if failure.kind == FATAL or lost_rank:  # the engine is gone: retire the actor, never retry on it
@@ -444,10 +448,6 @@ class RayExecutor:
         else:
             self.idle.append(name)
         return "ok", summary
-
-    def _on_excluded_node(self, name: str) -> bool:
-        node_id = self.book.node_of.get(name) if self.book is not None else None
-        return node_id is not None and self.book.nodes[node_id].excluded is not None
 
     def _follow(self, outcome: tuple[str, Any], work: Work, queue: deque, result: ExecResult,
                 progress: Progress, latency_s: float | None = None, name: str | None = None) -> None:
@@ -541,12 +541,7 @@ class RayExecutor:
             # left), or placed on a node that left before it started: try another one
             if self.book is not None:
                 self._refresh_nodes(ray)
-            replica = self.actors.pop(name, None)
-            if replica is not None:
-                replica.kill(ray)
-            if self.book is not None:
-                self.book.remove(name)
-            self._boot_failures += 1
+            self._boot_failed(ray, name, "its actor died while loading the engine")
             if self._boot_failures > _MAX_BOOT_FAILURES:
                 raise
             self._boot()
@@ -556,19 +551,32 @@ class RayExecutor:
             if failure.type in _JOB_LEVEL:
                 _raise_boot_failure(failure)
             log.warning("%s", failure.block())
-            replica = self.actors.pop(name, None)
-            if replica is not None:
-                replica.kill(ray)
-            if self.book is not None:
-                self.book.remove(name)
-            self._boot_failures += 1
+            self._boot_failed(ray, name, failure.line)
             if self._boot_failures > _MAX_BOOT_FAILURES:
                 raise FlashxError(f"{self._boot_failures} replacement engines in a row failed to load; last: "
                                   f"{failure.line} on node {failure.node}")
             self._boot()
             return
         self._boot_failures = 0
+        if self.book is not None:
+            if not self.book.usable(name):  # its node was excluded or left while it loaded
+                self._replace(ray, name)
+                return
+            self.book.ready.add(name)
         self.idle.append(name)
+
+    def _boot_failed(self, ray: Any, name: str, why: str) -> None:
+        """A replica that did not load goes; its node is charged with a failure (an engine that will not
+        load on a node is that node's problem once it happens for several)."""
+        replica = self.actors.pop(name, None)
+        if replica is not None:
+            replica.kill(ray)
+        self._boot_failures += 1
+        if self.book is not None:
+            self.book.remove(name)
+            excluded = self.book.failed(name, f"(engine load: {name})", why)
+            if excluded is not None:
+                self._exclude(excluded)
 
     def _replace(self, ray: Any, name: str) -> None:
         """A new replica for `name`'s (every rank of it killed), where there is room (`_rescale` adds it
@@ -588,10 +596,10 @@ def _every_node_excluded(book: NodeBook, queue: deque, result: ExecResult) -> No
     lines = [f"node {n}: {r['failed_attempts']} failed attempt(s), {r['shards']} committed; "
              f"{r['excluded'] or ('left the cluster' if not r['alive'] else 'no room')}"
              for n, r in book.summary().items()]
-    log.error("every node of the cluster is excluded or gone; %d piece(s) not run:\n  %s", len(queue),
+    log.error("every node of the cluster is excluded; %d piece(s) not run:\n  %s", len(queue),
               "\n  ".join(lines))
     for work in queue:
-        result.failed[work.spec.shard_id] = "not run: every node excluded (job.json: nodes)"
+        result.failed[work.spec.shard_id] = "not run: every node of the cluster was excluded (job.json: nodes)"
     queue.clear()
 
 

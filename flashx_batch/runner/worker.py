@@ -68,7 +68,8 @@ def _check_reserved_accelerator(engine: Any, backend: str, name: str) -> None:
     from flashx_batch.backends import ray_accelerator_ids
 
     reserved = {k: list(v) for k, v in (ray_accelerator_ids() or {}).items() if v}
-    if reserved and engine.device.type == "cpu":
+    # ONNX Runtime drives its device itself (its engine's torch device is the host's): not this check's
+    if reserved and engine.device.type == "cpu" and engine.backend.torch_runtime:
         raise ConfigError(f"{name}: Ray gave this actor {reserved}, but runtime.backend={backend} resolved to the CPU "
                           "here (torch cannot use that device on this node); install the device's torch build on "
                           "the node (`python -m flashx_batch.doctor` there says what is missing), or set "

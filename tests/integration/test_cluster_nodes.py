@@ -72,7 +72,7 @@ def test_a_node_failing_every_attempt_is_excluded(cluster, data, tmp_path):
     # every attempt there fails as a disk that is full (an `error`: the actor stays, and keeps failing)
     assert run(_job(data, out, faults_override([f"enospc:node={bad}"]))) == 0
     nodes = _nodes_record(out)
-    assert nodes[bad]["excluded"] and "3 failed attempts in a row" in nodes[bad]["excluded"]
+    assert nodes[bad]["excluded"] and "3 different shards failed in a row" in nodes[bad]["excluded"]
     assert nodes[bad]["shards"] == 0 and nodes[bad]["failed_attempts"] == 3
     good = [w.node_id for w in workers[1:]]
     committed = pq.read_table(out / "stats").num_rows  # one stats row per committed shard
@@ -90,8 +90,9 @@ def test_a_node_added_mid_job_gets_an_actor_and_work(cluster, data, tmp_path):
 
     dispatched: list[str] = []
     out = tmp_path / "out"
-    # each shard takes a second more: work is left when the new node's actor has loaded its engine
-    assert run(_job(data, out, faults_override(["delay:seconds=1"])), on_dispatch=add_after_first_shards) == 0
+    # the first nodes take a second more per shard: work is left when the new node's actor has loaded its engine
+    slow = faults_override([f"delay:node={w.node_id}:seconds=1" for w in workers])
+    assert run(_job(data, out, slow), on_dispatch=add_after_first_shards) == 0
     nodes = _nodes_record(out)
     new = added[0].node_id
     assert nodes[new]["actors_placed"] >= 1 and nodes[new]["shards"] >= 1

@@ -14,7 +14,7 @@ import urllib.request
 import pyarrow.parquet as pq
 import pytest
 import ray
-from batch_support import REPO, overrides, sample_rows, tiny_model_dir, write_parquet
+from batch_support import REPO, faults_override, overrides, sample_rows, tiny_model_dir, write_parquet
 
 from flashx_batch.config import compose_job
 from flashx_batch.runner import run
@@ -62,12 +62,18 @@ def test_counters_move_during_the_run_and_end_at_the_accounting(tmp_path):
 
     thread = threading.Thread(target=scraper, daemon=True)
     try:
+        from ray.util.metrics import Gauge
+
+        Gauge("flashx_probe", description="the endpoint is up").set(1)
+        deadline = time.monotonic() + 60
+        while "flashx_probe" not in _scrape(port) and time.monotonic() < deadline:  # the agent is exporting
+            time.sleep(0.2)
         thread.start()
         # one actor, one row at a time, long generations: several seconds of commits to scrape
         job = compose_job(overrides(tiny_model_dir(), data, out, "executor.kind=ray", "executor.num_actors=1",
                                     "runtime.shard_size=2", "runtime.max_batch_size=1", "runtime.batch_growth=1",
                                     "runtime.max_output_len=96", "sampling.max_new_tokens=96",
-                                    "sampling.ignore_eos=true"))
+                                    "sampling.ignore_eos=true", faults_override(["delay:seconds=0.3"])))
         assert run(job) == 0
         record = json.loads((out / "job.json").read_text())
         acc = record["accounting"]

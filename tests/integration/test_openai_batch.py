@@ -109,15 +109,23 @@ def test_a_batch_runs_end_to_end_in_the_openai_shape(finished):
 
 
 def test_per_line_sampling_is_each_lines_own(finished, tmp_path):
-    """A sampled line's output depends on its own seed and temperature, not on the batch around it."""
-    lines = _requests()
-    alone = tmp_path / "alone.jsonl"
-    alone.write_text(json.dumps(lines[11]) + "\n" + json.dumps(lines[12]) + "\n")
+    """A line's sampling comes from its own body: the same seed and temperature give the same text under
+    another custom_id and in another batch; another seed or a temperature of 0 give another one."""
+    message = _requests()[11]["body"]["messages"]
+
+    def line(custom_id, **sampling):
+        return {"custom_id": custom_id, "method": "POST", "url": openai_batch.CHAT,
+                "body": {"model": "tiny", "messages": message, **sampling}}
+
+    lines = [line("a", temperature=1.0, seed=11), line("b", temperature=1.0, seed=11),
+             line("c", temperature=1.0, seed=12), line("d", temperature=0.0), line("e")]
+    path = tmp_path / "sampling.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "out"
-    assert run(compose_job(_args(alone, out))) == 0
-    again = {x["custom_id"]: x["response"]["body"]["choices"] for x in _lines(out)}
-    within = {x["custom_id"]: x["response"]["body"]["choices"] for x in _lines(finished) if x["custom_id"] in again}
-    assert len(again) == 2 and again == within
+    assert run(compose_job(_args(path, out))) == 0
+    text = {x["custom_id"]: x["response"]["body"]["choices"][0]["message"]["content"] for x in _lines(out)}
+    assert text["a"] == text["b"] != text["c"]  # the line's seed, not its custom_id, seeds it
+    assert text["d"] == text["e"] != text["a"]  # temperature 0 (the job's default too): greedy
 
 
 def test_killed_and_resumed_every_custom_id_once(batch_file, finished, tmp_path):
@@ -149,7 +157,7 @@ def test_request_lines_are_checked_one_by_one():
         b'{"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 3}}',
     ])
     cols = openai_batch.parse("f.jsonl", raw)
-    assert cols["custom_id"] == ["(line 1)", "(line 2)", "a", "b", "c", "d"]
+    assert cols["custom_id"] == ["(f.jsonl line 1)", "(f.jsonl line 2)", "a", "b", "c", "d"]
     problems = cols["request_error"]
     assert "not a request object" in problems[0] and "no custom_id" in problems[1]
     assert "method 'GET'" in problems[2] and "/v1/embeddings" in problems[3] and "one string" in problems[4]
