@@ -162,3 +162,26 @@ def test_request_lines_are_checked_one_by_one():
     assert "not a request object" in problems[0] and "no custom_id" in problems[1]
     assert "method 'GET'" in problems[2] and "/v1/embeddings" in problems[3] and "one string" in problems[4]
     assert problems[5] is None and cols["prompt"][5] == "hi" and cols["max_new_tokens"][5] == 3
+
+
+def test_a_completions_batch_with_logprobs(tmp_path):
+    """/v1/completions: text_completion bodies; with sampling.logprobs set, each choice's logprobs in the
+    completions shape (tokens, token_logprobs, top_logprobs), one entry per generated token."""
+    lines = [{"custom_id": f"c-{i}", "method": "POST", "url": openai_batch.COMPLETIONS,
+              "body": {"model": "tiny", "prompt": " ".join(WORDS[i : i + 6]), "max_tokens": 4 + i % 3,
+                       **({"logprobs": 2} if i % 2 else {})}} for i in range(6)]
+    path = tmp_path / "completions.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    assert run(compose_job(_args(path, out, "sampling.logprobs=2"))) == 0
+    got = {x["custom_id"]: x for x in _lines(out)}
+    assert sorted(got) == [f"c-{i}" for i in range(6)] and all(x["error"] is None for x in got.values())
+    for i in range(6):
+        body = got[f"c-{i}"]["response"]["body"]
+        choice = body["choices"][0]
+        assert body["object"] == "text_completion" and isinstance(choice["text"], str) and "message" not in choice
+        n = body["usage"]["completion_tokens"]
+        assert n <= 4 + i % 3
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+        assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(t) <= 2 for t in lp["top_logprobs"])
