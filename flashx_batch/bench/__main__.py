@@ -2,6 +2,11 @@
 
     python -m flashx_batch.bench --out DIR [--quick] [--model NAME|PATH ...] [--threads N] [--repeats N]
                                  [--no-memory] [--no-eval | --eval-only]
+    python -m flashx_batch.bench --out DIR --peers ctranslate2 [--model PATH] [--threads N] [--quick]
+
+`--peers`: instead of the above, ours against the engines named (`bench.peers`: their own converters,
+same precision class, W1 and equal lengths, token agreement at float32) on `--model` (a directory with
+tokenizer.json; default the bundled model), writing DIR/peers/peers.json. Peers are optional extras.
 
 Models (`--model`, repeatable; default all three names): `bundled-tiny` (the bundled model),
 `llama-27m` (a random ~27 M-parameter Llama), `qwen3-moe` (a random 78 M-parameter Qwen3-MoE, 8
@@ -239,7 +244,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="override the interleaved repeat count")
     parser.add_argument("--batch-size", type=int, default=None, help="override the main batch size (default 8)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peers", default=None, metavar="NAME,...",
+                        help="compare with these engines instead (bench.peers: ctranslate2)")
     return parser.parse_args(argv)
+
+
+def run_peers(args: argparse.Namespace) -> int:
+    """`--peers`: the peer comparison (`bench.peers`) with this harness's model, threads and repeats."""
+    from flashx_batch.bench import peers
+
+    models = args.model or []
+    if len(models) > 1 or any(m in BUILTIN_MODELS for m in models):
+        log.error("--peers takes one --model directory (with tokenizer.json), or none for the bundled model")
+        return 2
+    argv = ["--out", str(args.out / "peers"), "--peers", args.peers, "--threads", str(args.threads)]
+    argv += [*(["--model", models[0]] if models else []), *(["--quick"] if args.quick else []),
+             *(["--repeats", str(args.repeats)] if args.repeats is not None else []),
+             *(["--batch", str(args.batch_size)] if args.batch_size is not None else [])]
+    return peers.main(argv)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -261,6 +283,8 @@ def eval_settings(s: Settings) -> eval_mc.EvalSettings:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.peers:
+        return run_peers(args)
     s = settings_from(args)
     torch.set_num_threads(s.threads)
     scratch = Path(tempfile.mkdtemp(prefix="flashx-bench-"))  # the random built-in models, removed at the end

@@ -206,3 +206,20 @@ def test_paged_schedule_count_admits_rows_as_their_own_slots_free():
     assert paged_decode_steps([16], [1], slots=64, max_rows=8) == 0  # done at its prefill
     with pytest.raises(ValueError, match="row 0 needs 100 slots"):
         paged_decode_steps([100], [5], slots=64, max_rows=8)
+
+
+def test_peers_flag_hands_the_comparison_to_bench_peers(monkeypatch, tmp_path):
+    """`python -m flashx_batch.bench --peers ...` runs `bench.peers` with the harness's model, threads,
+    repeats and size; a peer that is not wired in, or a missing optional extra, is a clear refusal."""
+    from flashx_batch.bench import peers
+
+    seen = []
+    monkeypatch.setattr(peers, "main", lambda argv: seen.append(argv) or 0)
+    assert harness.main(["--out", str(tmp_path), "--peers", "ctranslate2", "--threads", "2", "--repeats", "5",
+                         "--quick", "--model", "/models/x"]) == 0
+    assert seen == [["--out", str(tmp_path / "peers"), "--peers", "ctranslate2", "--threads", "2",
+                     "--model", "/models/x", "--quick", "--repeats", "5"]]
+    assert harness.main(["--out", str(tmp_path), "--peers", "ctranslate2", "--model", "llama-27m"]) == 2
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="not wired in"):
+        peers.main(["--out", str(tmp_path), "--peers", "llama_cpp"])
