@@ -49,7 +49,7 @@ def run_job(config: JobConfig | Sequence[str], data: Any = None, staging_dir: st
     if data is not None:
         # schema metadata (pandas' records its own version) is no part of the rows: equal rows, equal digest
         table = as_arrow(data).replace_schema_metadata(None)
-        uri = stage_table(table, staging_dir or _default_staging(job), storage_settings=job)
+        uri = stage_table(table, staging_dir or _default_staging(job), job)
         job.data.path, job.data.format = uri, "parquet"
     return run(job)
 
@@ -84,12 +84,13 @@ def content_digest(table: pa.Table) -> str:
     return hashlib.sha256(sink.getvalue()).hexdigest()
 
 
-def stage_table(table: pa.Table, staging_dir: str, storage_settings: JobConfig | None = None) -> str:
-    """Write `table` as `<staging_dir>/input-<digest>.parquet` unless that file exists; returns its path or URI."""
+def stage_table(table: pa.Table, staging_dir: str, job: JobConfig | None = None) -> str:
+    """Write `table` as `<staging_dir>/input-<digest>.parquet` unless that file exists; returns its path or URI
+    (an object-store staging_dir opens with `job`'s storage.* keys)."""
     if table.num_rows == 0:
         raise ConfigError("run_job(data=...): the table has no rows.")
-    if storage_settings is not None:
-        storage.configure(storage_settings.storage.settings())
+    if job is not None:
+        storage.configure(job.storage.settings())
     name = f"input-{content_digest(table)[:32]}.parquet"
     if storage.is_remote(staging_dir):
         uri = f"{staging_dir.rstrip('/')}/{name}"

@@ -23,9 +23,10 @@ LATENCY_BOUNDARIES = [0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800]
 
 
 class JobMetrics:
-    def __init__(self, job_name: str) -> None:
+    def __init__(self, job_name: str | None) -> None:
+        """`job_name`: the `job` tag; None: a recorder that records nothing (a progress bar without a job)."""
         ray = sys.modules.get("ray")  # never import Ray just for metrics: a local job has none
-        self.enabled = ray is not None and ray.is_initialized()
+        self.enabled = job_name is not None and ray is not None and ray.is_initialized()
         if not self.enabled:
             return
         from ray.util.metrics import Counter, Gauge, Histogram

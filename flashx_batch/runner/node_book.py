@@ -31,7 +31,6 @@ class NodeRecord:
     failures: int = 0  # attempts failed on it
     streak: set[str] = field(default_factory=set)  # the shards (base ids) failed there since its last success
     excluded: str | None = None  # why, once excluded
-    last_failure: str = ""
     placed: int = 0  # actors ever placed on it
 
     def summary(self) -> dict[str, Any]:
@@ -128,7 +127,6 @@ class NodeBook:
         self.avoid.setdefault(_base(shard_id), set()).add(record.node_id)
         record.failures += 1
         record.streak.add(_base(shard_id))
-        record.last_failure = line
         others = [r for r in self._usable() if r is not record and r.capacity > 0]
         if record.excluded is None and len(record.streak) >= self.limit and others:
             record.excluded = f"{len(record.streak)} different shards failed in a row (last: {line})"

@@ -23,7 +23,7 @@ class Progress:
     def __init__(self, total_rows: int, done_rows: int = 0, interval_s: float = 10.0,
                  stream: TextIO | None = None, metrics: JobMetrics | None = None) -> None:
         """`metrics`: the job's live metrics (`runner.metrics`), fed by the executors through this object."""
-        self.metrics = metrics or JobMetrics("")
+        self.metrics = metrics or JobMetrics(None)
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.total, self.done, self.start_done = total_rows, done_rows, done_rows

@@ -25,10 +25,6 @@ class Replica:
     group: Any = None  # the placement group (tensor-parallel replicas only)
     watch: dict[Any, int] = field(default_factory=dict)  # follow() reference -> the rank it watches
 
-    @property
-    def size(self) -> int:
-        return 1 + len(self.followers)
-
     def kill(self, ray: Any) -> None:
         """Every rank ends and the placement group's resources go back to the cluster."""
         for handle in (self.leader, *self.followers):

@@ -38,7 +38,7 @@ from flashx_batch.runtime.results import GenerateStats, RequestOutput
 from flashx_batch.runtime.rows import Row
 from flashx_batch.runtime.runner import ModelRunner
 from flashx_batch.runtime.scheduler import Scheduler, SchedulerConfig
-from flashx_batch.runtime.tensor_parallel import Replica, ReplicaRunner, local_thread_share
+from flashx_batch.runtime.tensor_parallel import ReplicaRank, ReplicaRunner, local_thread_share
 from flashx_batch.runtime.tokenizer import Tokenizer
 from flashx_batch.runtime.torch_runner import PrefillPolicy, TorchRunner
 
@@ -61,11 +61,11 @@ class Engine:
         self.backend: Backend = get_backend(options.backend)
         self.config = effective_config(ModelConfig.from_dir(self.model_dir), options)
         self.dtype = check_options(options, self.config, self.backend)
-        self.replica: Replica | None = None
+        self.replica: ReplicaRank | None = None  # this engine's place in a tensor-parallel replica
         if options.tensor_parallel_size > 1:
             if rendezvous is None:  # local ranks share this machine's cores
                 options = self.options = local_thread_share(options)
-            self.replica = Replica.start(self.model_dir, options, onnx_cache_dir, rendezvous)
+            self.replica = ReplicaRank.start(self.model_dir, options, onnx_cache_dir, rendezvous)
         try:
             self._build(onnx_cache_dir)
         except BaseException as exc:

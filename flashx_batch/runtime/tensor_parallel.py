@@ -106,7 +106,7 @@ def follow(runner: Any, comm: Communicator) -> None:
             raise ReplicaBroken(f"rank {comm.rank} of {comm.size}: {comm.broken}") from exc
 
 
-class Replica:
+class ReplicaRank:
     """One rank's membership of a tensor-parallel replica: its rendezvous, its communicator, and on
     rank 0 of a local replica the processes of the other ranks."""
 
@@ -125,7 +125,7 @@ class Replica:
 
     @classmethod
     def start(cls, model_dir: Path, options: EngineOptions, onnx_cache_dir: Path | None,
-              rendezvous: Rendezvous | None) -> Replica:
+              rendezvous: Rendezvous | None) -> ReplicaRank:
         """Join the replica `rendezvous` belongs to; None: this process is rank 0 of a new local replica,
         whose other ranks are spawned here."""
         if rendezvous is not None:

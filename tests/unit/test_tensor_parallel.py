@@ -188,7 +188,7 @@ def test_an_error_inside_a_step_stops_the_replica_and_close_stops_healthy_ranks(
     too_far = torch.tensor([[0, 10_000]])  # past the rotary table: the runner's own check raises on every rank
     with pytest.raises(ReplicaBroken, match="ValueError"):
         engine.runner.target_logprobs(torch.tensor([[5, 6]]), torch.tensor([0]), torch.tensor([7]), too_far)
-    assert all(p.wait(10) is not None for p in processes)
+    assert all(p.wait(10) != 0 for p in processes)  # ended by rank 0 (or by their own broken collective)
     with pytest.raises(ReplicaBroken):
         engine.generate(prompts(1, (5,)), PARAMS)
     engine.close()
