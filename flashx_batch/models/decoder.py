@@ -17,6 +17,7 @@ from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.forward import (
     Decode,
     Extend,
+    FinalLayerInputs,
     ForwardMeta,
     Packed,
     PackedTrees,
@@ -190,10 +191,36 @@ class Attention(nn.Module):
         """Packed rows, final layer: every token's K and V into the arena, but only each row's last
         query attends (to its whole row, so no causal mask) -> [1, H, rows, D]."""
         self._packed_write(q, k, v, ctx, cache)
+        if ctx.final is not None:
+            ctx.final.q, ctx.final.k, ctx.final.v = q, k, v
         first = 0 if self.window is None else -self.window  # a sliding layer's last query: its last keys only
         outs = [self._attend_one(q_r[:, -1:], k_r[:, first:].transpose(1, 2), v_r[:, first:].transpose(1, 2), None)
                 for q_r, k_r, v_r in split_rows(ctx.row_lengths, q, k, v)]  # [rows, H, 1, D] each
         return torch.cat(outs, dim=0).transpose(0, 2)
+
+    def attend_positions(self, final: FinalLayerInputs, row_lengths: tuple[int, ...],
+                         index: torch.Tensor) -> torch.Tensor:
+        """Attention output of the packed positions `index` (ascending) from the queries, keys and
+        values a `last_only` packed pass kept: each query sees its own row's keys up to itself
+        -> [1, n, hidden] (after o_proj)."""
+        if self.window is not None:
+            raise ValueError("attend_positions serves layers without a sliding window")
+        bounds = torch.tensor((0, *row_lengths), device=index.device).cumsum(0)
+        cuts = torch.searchsorted(index, bounds).tolist()
+        outs = []
+        for r in range(len(row_lengths)):
+            picked = index[cuts[r] : cuts[r + 1]]
+            if len(picked) == 0:
+                continue
+            a, b = int(bounds[r]), int(bounds[r + 1])
+            # query at row position p sees keys 0..p of its row
+            visible = torch.arange(b - a, device=index.device)[None] <= (picked - a)[:, None]
+            out = F.scaled_dot_product_attention(final.q[:, picked].transpose(1, 2), final.k[:, a:b].transpose(1, 2),
+                                                 final.v[:, a:b].transpose(1, 2), attn_mask=visible[None, None],
+                                                 scale=self.scale, enable_gqa=True)  # [1, H, n_r, D]
+            outs.append(out.transpose(1, 2))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self.o_proj.forward(out.flatten(-2))
 
     def _paged(self, q, k, v, ctx: Paged, cache: KVView) -> torch.Tensor:
         batch, seq = q.shape[:2]
@@ -335,8 +362,21 @@ class DecoderModel(nn.Module):
         # here uses) costs a few microseconds per call, ~10 calls per layer per decode step.
         final = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            if i == final and isinstance(meta, Packed) and meta.final is not None:
+                meta.final.residual = x  # not written in place below: `block` adds into fresh tensors
             x = layer.forward(x, meta, None if caches is None else caches[i], meta.last_only and i == final)
         return self.norm.forward(x)
+
+    def final_hidden_at(self, meta: Packed, index: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [n, hidden] of the packed positions `index` (ascending) after a
+        `last_only` packed pass that kept its final layer's inputs (`meta.final`): the final layer
+        runs for those positions only, so a caller that needs a few positions' logits pays for those."""
+        final, layer = meta.final, self.layers[-1]
+        if final is None or final.residual is None or final.q is None or not isinstance(layer.attn, Attention):
+            raise ValueError("final_hidden_at needs a last_only packed pass of a standard-attention model that kept "
+                             "its final layer's inputs (Packed.final)")
+        hidden = layer.block(final.residual[:, index], lambda _: layer.attn.attend_positions(final, meta.row_lengths, index))
+        return self.norm.forward(hidden)[0]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> embeddings [B, T, hidden]. A tensor-parallel rank looks up the ids in its

@@ -40,13 +40,26 @@ class TeacherForced:
 
 
 @dataclass
+class FinalLayerInputs:
+    """What the final layer of a `last_only` packed prefill computed for every token, kept so that
+    the hidden states of chosen positions can follow afterwards (`DecoderModel.final_hidden_at`):
+    segment-sparse asks for the surprisal of the few groups it would compress, not of every token."""
+
+    residual: torch.Tensor | None = None  # [1, N, hidden]: the final layer's input
+    q: torch.Tensor | None = None  # [1, N, H, D] post-RoPE queries
+    k: torch.Tensor | None = None  # [1, N, Hkv, D] post-RoPE keys
+    v: torch.Tensor | None = None  # [1, N, Hkv, D]
+
+
+@dataclass
 class Packed:
     """Rows' prompts end to end in one [1, N] sequence, no padding: token t goes to flat slot
     `write_flat[t]`; each row attends causally to its own `row_lengths[r]` tokens only, so the
     matmuls run on N real tokens instead of B x longest. With `last_only` the final layer computes
     attention, o_proj and MLP for each row's last token only (it still writes every token's K and V;
     the caller wants last-token logits). With `observe`, each layer adds the attention each row's last
-    `observe` queries pay its keys to `scores` [N] (segment-sparse compression)."""
+    `observe` queries pay its keys to `scores` [N] (segment-sparse compression). With `final`, a
+    `last_only` pass keeps the final layer's inputs there."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -55,6 +68,7 @@ class Packed:
     last_only: bool = False
     observe: int = 0
     scores: torch.Tensor | None = None
+    final: FinalLayerInputs | None = None  # filled by a last_only pass: later positions on demand
 
     def last_tokens(self, device: torch.device) -> torch.Tensor:
         """Sequence positions of each row's last token."""

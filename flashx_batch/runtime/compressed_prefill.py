@@ -14,10 +14,12 @@ import torch
 from flashx_batch.errors import ConfigError
 from flashx_batch.models.layers import RotaryTable
 from flashx_batch.runtime.kv_merge import (
+    GROUP,
     MergeSettings,
+    ProtectionSearch,
     apply_plan,
     apply_plans,
-    choose_compression,
+    group_tokens,
     plan_groups,
     plan_oldest,
 )
@@ -47,12 +49,18 @@ class CompressedPrefill:
             lengths = [len(p) for p in prompts[done:]]
             count = staged_rows(row * cap, num_slots, cap, lengths)
             starts = (num_slots - torch.tensor(lengths[:count]).flip(0).cumsum(0).flip(0)).tolist()
-            logits, scores, surprisal = self.runner.prefill_packed_at(
+            logits, scores, probe = self.runner.prefill_packed_at(
                 prompts[done : done + count], starts, observe=self.merge.window, surprisal=self.merge.surprisal)
+            searches = [ProtectionSearch(row_scores, n, self.merge) for n, row_scores in zip(lengths, scores)]
+            # every row's next groups in one call: the final layer and LM head for those tokens only
+            while any(wanted := [s.wanted() for s in searches]):
+                surprisal = probe.tokens([group_tokens(w) for w in wanted])
+                for search, groups, values in zip(searches, wanted, surprisal, strict=True):
+                    if groups:
+                        search.feed(groups, values.view(-1, GROUP).sum(-1))
             jobs = []
-            for j, (n, src, row_scores) in enumerate(zip(lengths, starts, scores)):
-                merge, evict = choose_compression(row_scores, n, self.merge,
-                                                  surprisal[j] if surprisal is not None else None)
+            for j, (n, src, search) in enumerate(zip(lengths, starts, searches)):
+                merge, evict = search.plan()
                 plan = plan_groups(n, merge, evict=evict)
                 jobs.append((src, n, (row + j) * cap, plan))
             slots += apply_plans(self.runner.arena, jobs, rotary=self.rotary)  # reads every row before writing

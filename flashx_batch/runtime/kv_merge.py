@@ -18,6 +18,7 @@ score-weighted merges, evict-only, random groups, StreamingLLM, no bias) live in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ class MergeSettings:
     # of the slots the fraction frees, the share freed by evicting the least attended groups outright;
     # the rest by 4:1 merges of the next least attended (0 = merge only, 1 = evict only)
     evict_share: float = KV_PRESETS["balanced"][1]
-    # mean surprisal per token (nats) from which a group is protected (`group_importance`); the
+    # mean surprisal per token (nats) from which a group is protected (`ProtectionSearch`); the
     # engine sets it from the vocabulary (`protect_nats_for`); None: attention only
     protect_nats: float | None = None
 
@@ -121,14 +122,6 @@ def _per_group(values: torch.Tensor, groups: list[int]) -> torch.Tensor:
     return values[:upto].float().view(-1, GROUP)[groups].sum(-1)
 
 
-def _ranks(values: torch.Tensor) -> torch.Tensor:
-    """Percentile rank of each value in (0, 1] (ties broken by position, lowest first)."""
-    order = torch.argsort(values, stable=True)
-    ranks = torch.empty(len(values), dtype=torch.float32)
-    ranks[order] = torch.arange(1, len(values) + 1, dtype=torch.float32) / len(values)
-    return ranks
-
-
 def least_attended(scores: torch.Tensor, length: int, settings: MergeSettings, count: int) -> list[int]:
     """The `count` eligible groups whose tokens received the least attention (pooled sum of
     `scores`, one per token), least attended first. `count` must be at least 1."""
@@ -137,49 +130,106 @@ def least_attended(scores: torch.Tensor, length: int, settings: MergeSettings, c
     return [groups[i] for i in torch.argsort(lost, stable=True)[:count].tolist()]
 
 
-def group_importance(scores: torch.Tensor, surprisal: torch.Tensor | None, length: int,
-                     settings: MergeSettings) -> tuple[list[int], torch.Tensor]:
-    """(eligible groups, how much each is worth keeping: higher is kept longer).
-
-    - Attention orders the groups: what the observation window (the prompt's last tokens, where
-      the question sits) paid the group, or the group before it. The tokens after an attended one
-      are what copying or recalling needs next, and the window attends to where a match starts.
-    - Surprisal protects: a group whose tokens carried, on average, at least `settings.protect_nats`
-      that their context did not predict (about as unpredictable as random vocabulary: ids, keys,
-      numbers, a string to copy) is worth more than any other group, however little the window
-      looked at it. A question that arrives after the prompt (the next request about a document,
-      the queries of a recall task) is invisible to attention; what it will need is where the
-      surprise was, and the model cannot reconstruct it. Protected groups are ordered among
-      themselves by surprisal, so an over-full budget gives up the least surprising first.
-
-    Without `surprisal` (or with `settings.protect_nats` None) attention alone."""
+def attention_order(scores: torch.Tensor, length: int, settings: MergeSettings) -> list[int]:
+    """The eligible groups, least worth keeping by attention first: ordered by what the observation
+    window (the prompt's last tokens, where the question sits) paid the group, or the group before
+    it. The tokens after an attended one are what copying or recalling needs next, and the window
+    attends to where a match starts. Ties go to the earlier group."""
     groups = eligible_groups(length, settings)
     attention = _per_group(scores, groups)
     attention = torch.maximum(attention, torch.cat((attention[:1], attention[:-1])))
-    worth = _ranks(attention)  # (0, 1]
-    if surprisal is not None and settings.protect_nats is not None:
-        info = _per_group(surprisal, groups)
-        protected = info >= GROUP * settings.protect_nats
-        if bool(protected.any()):
-            worth[protected] = 1.0 + _ranks(info[protected])
-    return groups, worth
+    return [groups[i] for i in torch.argsort(attention, stable=True).tolist()]
+
+
+class ProtectionSearch:
+    """The segment-sparse plan of one prompt, asking for surprisal only where it decides anything.
+
+    Attention orders the groups (`attention_order`); surprisal protects: a group whose tokens
+    carried, on average, at least `settings.protect_nats` that their context did not predict (about
+    as unpredictable as random vocabulary: ids, keys, numbers, a string to copy) is worth more than
+    any unprotected group, however little the window looked at it. A question that arrives after
+    the prompt (the next request about a document, the queries of a recall task) is invisible to
+    attention; what it will need is where the surprise was, and the model cannot reconstruct it.
+    Protected groups are ordered among themselves by surprisal, so an over-full budget gives up the
+    least surprising first.
+
+    The plan compresses the least attended unprotected groups, so only the groups at the bottom of the
+    attention order need their surprisal: `wanted()` names the next ones (the shortfall and a few
+    more, `slack`), `feed()` takes their per-group sums,
+    until `wanted()` is empty; then `plan()`. The plan is exactly the one every group's surprisal would
+    give. Without `settings.protect_nats` nothing is wanted: attention alone."""
+
+    def __init__(self, scores: torch.Tensor, length: int, settings: MergeSettings) -> None:
+        self.merged, self.evicted = compression_counts(length, settings)
+        self.need = self.merged + self.evicted
+        self.order = attention_order(scores, length, settings) if self.need else []
+        self.bar = None if settings.protect_nats is None else GROUP * settings.protect_nats
+        self.asked = 0  # groups of `order` whose surprisal is known
+        self.unprotected: list[int] = []
+        self.protected: dict[int, float] = {}
+
+    def wanted(self) -> list[int]:
+        if self.bar is None or len(self.unprotected) >= self.need or self.asked >= len(self.order):
+            return []
+        short = self.need - len(self.unprotected)
+        return self.order[self.asked : self.asked + short + self.slack(short)]
+
+    @staticmethod
+    def slack(short: int) -> int:
+        """Groups asked for beyond the shortfall: a protected group or two among them costs no
+        second round (each round runs the final layer once more), more would be paid for every prompt."""
+        return 1 + short // 16
+
+    def feed(self, groups: list[int], info: torch.Tensor) -> None:
+        """`info[i]`: the summed surprisal of groups[i]'s tokens, for the groups `wanted()` returned."""
+        if groups != self.order[self.asked : self.asked + len(groups)]:
+            raise ValueError("ProtectionSearch.feed takes the groups wanted() returned, in that order")
+        for g, value in zip(groups, info.tolist(), strict=True):
+            if value >= self.bar:
+                self.protected[g] = value
+            else:
+                self.unprotected.append(g)
+        self.asked += len(groups)
+
+    def plan(self) -> tuple[list[int], list[int]]:
+        """(groups to merge, groups to evict): the least valuable `evicted` groups go, the next `merged`
+        are merged 4:1 (equal weights, log 4 bias), so a merge spends its slot where an approximation is
+        worth keeping while groups the model can do without are dropped."""
+        if self.wanted():
+            raise ValueError("ProtectionSearch.plan before every wanted group was fed")
+        if self.bar is None:
+            ranked = self.order
+        else:  # every group was asked for, or enough unprotected ones were found
+            ranked = self.unprotected + sorted(self.protected, key=lambda g: (self.protected[g], g))
+        chosen = ranked[: self.need]
+        return sorted(chosen[self.evicted :]), sorted(chosen[: self.evicted])
+
+
+def group_sums(values: torch.Tensor, groups: list[int]) -> torch.Tensor:
+    """Sum of a per-token tensor over each listed 4-token group (any order)."""
+    if not groups:
+        return torch.zeros(0)
+    index = torch.tensor(groups, dtype=torch.long)
+    return values.float()[(index[:, None] * GROUP + torch.arange(GROUP)).reshape(-1)].view(-1, GROUP).sum(-1)
+
+
+def group_tokens(groups: list[int]) -> torch.Tensor:
+    """The token positions of the listed 4-token groups, group after group."""
+    return (torch.tensor(groups, dtype=torch.long)[:, None] * GROUP + torch.arange(GROUP)).reshape(-1)
 
 
 def choose_compression(scores: torch.Tensor, length: int, settings: MergeSettings,
                        surprisal: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
-    """(groups to merge, groups to evict): the segment-sparse plan for one prompt.
-
-    `scores`: the attention each token received from the observation window (one value per token);
-    `surprisal`: each token's -log p given the tokens before it (`group_importance`). The least
-    valuable groups are evicted; the next ones are merged 4:1 (equal weights, log 4 bias), so a merge
-    spends its slot where an approximation is worth keeping while groups the model can do without
-    are dropped. The measurements behind the split are in docs/benchmarks.md ("Segment-sparse KV")."""
-    merged, evicted = compression_counts(length, settings)
-    if merged + evicted == 0:
-        return [], []
-    groups, worth = group_importance(scores, surprisal, length, settings)
-    order = [groups[i] for i in torch.argsort(worth, stable=True)[: merged + evicted].tolist()]
-    return sorted(order[evicted:]), sorted(order[:evicted])
+    """(groups to merge, groups to evict): the segment-sparse plan for one prompt (`ProtectionSearch`)
+    from every token's surprisal at hand. `scores`: the attention each token received from the
+    observation window (one value per token); `surprisal`: each token's -log p given the tokens before
+    it (None: attention only). The measurements behind the split are in docs/benchmarks.md
+    ("Segment-sparse KV")."""
+    search = ProtectionSearch(scores, length, settings if surprisal is not None
+                              else dataclasses.replace(settings, protect_nats=None))
+    while wanted := search.wanted():
+        search.feed(wanted, group_sums(surprisal, wanted))
+    return search.plan()
 
 
 def plan_groups(length: int, groups: list[int], evict: list[int] | tuple[int, ...] = ()) -> MergePlan:

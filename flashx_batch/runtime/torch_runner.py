@@ -18,7 +18,7 @@ import torch
 from flashx_batch.backends import Backend
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
-from flashx_batch.models.forward import Decode, Extend, Packed, PackedTrees, Paged, TeacherForced
+from flashx_batch.models.forward import Decode, Extend, FinalLayerInputs, Packed, PackedTrees, Paged, TeacherForced
 from flashx_batch.models.layers import Linear
 from flashx_batch.runtime.compressed_prefill import CompressedPrefill
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
@@ -261,10 +261,10 @@ class TorchRunner(ModelRunner):
     @torch.inference_mode()
     def prefill_packed_at(self, prompts: list[list[int]], starts: list[int], observe: int = 0,
                           surprisal: bool = False
-                          ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
+                          ) -> tuple[torch.Tensor, list[torch.Tensor] | None, SurprisalProbe | None]:
         """Packed prefill with row r's KV written to flat slots starts[r], starts[r] + 1, ...
         -> (last-token logits [B, V], with `observe` each row's pooled window scores [len_r], with
-        `surprisal` each row's per-token surprisal [len_r] (`token_surprisal`))."""
+        `surprisal` a `SurprisalProbe`: any of the prompts' tokens' surprisal, on demand)."""
         lengths = [len(p) for p in prompts]
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)[None]
         positions = torch.cat([self._range(n) for n in lengths])
@@ -273,41 +273,40 @@ class TorchRunner(ModelRunner):
         cos, sin = self.model.rotary.lookup(positions[None])
         scores = torch.zeros(len(positions), device=self.device) if observe else None
         meta = Packed(cos, sin, write_flat=first_slots + positions, row_lengths=tuple(lengths),
-                      last_only=not surprisal, observe=observe, scores=scores)
-        hidden = self.model.hidden_states(ids, meta, self.caches)[0]  # [B, hidden], or [N, hidden] for every token
-        info = None
-        if surprisal:
-            info = list(self.token_surprisal(hidden, ids[0], lengths).split(lengths))
-            hidden = hidden[torch.tensor(lengths, device=self.device).cumsum(0) - 1]
+                      last_only=True, observe=observe, scores=scores,
+                      final=FinalLayerInputs() if surprisal else None)
+        hidden = self.model.hidden_states(ids, meta, self.caches)[0]  # [B, hidden]: each row's last token
         logits = self.model.logits(hidden)  # [B, V]
-        return logits, (list(scores.split(lengths)) if observe else None), info
+        probe = SurprisalProbe(self, meta, ids[0]) if surprisal else None
+        return logits, (list(scores.split(lengths)) if observe else None), probe
 
     def token_surprisal(self, hidden: torch.Tensor, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """-log p(token | the tokens before it in its row), in nats, for packed rows: hidden [N, H] and
         ids [N] of rows `lengths` end to end -> [N] float32 on the host. A row's first token has no
         prediction: 0. How much a token tells that its context did not: segment-sparse protects the
-        surprising tokens (random strings, ids, keys) and compresses the predictable ones.
-
-        Only a ranking signal, so on a float32 CPU model the LM head runs in bfloat16 (a cached
-        bfloat16 copy of its weight): the LM head over every prompt token is most of what this costs."""
+        surprising tokens (random strings, ids, keys) and compresses the predictable ones."""
         ends = torch.tensor(lengths).cumsum(0)
         predicted = torch.ones(len(ids), dtype=torch.bool)
         predicted[ends - torch.tensor(lengths)] = False  # a row's first token
         at = predicted.nonzero().squeeze(1)
-        picked = hidden[(at - 1).to(self.device)]
-        targets = ids[at.to(ids.device)]
+        out = torch.zeros(len(ids), dtype=torch.float32)
+        if len(at):
+            out[at] = self.next_token_loss(hidden[(at - 1).to(self.device)], ids[at.to(ids.device)])
+        return out
+
+    def next_token_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """-log p(targets[i]) under the logits of final-norm hidden states [n, H] -> [n] float32 on the host.
+
+        Only a ranking signal, so on a float32 CPU model the LM head runs in bfloat16 (a cached
+        bfloat16 copy of its weight): the LM head is most of what this costs."""
         head = self._surprisal_head()
         chunk = self._logit_rows
         values = []
-        for a in range(0, len(picked), chunk):
-            h = picked[a : a + chunk]
-            logits = self.model.logits(h, head)
-            t = targets[a : a + chunk, None]
+        for a in range(0, len(hidden), chunk):
+            logits = self.model.logits(hidden[a : a + chunk], head)
+            t = targets[a : a + chunk, None].to(logits.device)
             values.append(torch.logsumexp(logits, -1) - logits.gather(1, t)[:, 0])
-        out = torch.zeros(len(ids), dtype=torch.float32)
-        if values:
-            out[at] = torch.cat(values).cpu()
-        return out
+        return torch.cat(values).cpu() if values else torch.zeros(0)
 
     @property
     def _logit_rows(self) -> int:
@@ -556,3 +555,41 @@ class TorchRunner(ModelRunner):
         if n > len(self._slot_range):
             self._slot_range = torch.arange(n, device=self.device)
         return self._slot_range[:n]
+
+
+class SurprisalProbe:
+    """The surprisal of a packed prefill's prompt tokens, computed when asked: the prefill ran its
+    final layer for each row's last token only (as a plain prefill does) and kept that layer's
+    inputs, so asking for some tokens runs the final layer and the LM head for their predecessors
+    only. Segment-sparse asks for the groups it would compress (`kv_merge.ProtectionSearch`) —
+    about half a prompt at the balanced preset — instead of paying for every token."""
+
+    def __init__(self, runner: TorchRunner, meta: Packed, ids: torch.Tensor) -> None:
+        self.runner, self.meta, self.ids = runner, meta, ids
+        self.offsets = [0, *torch.tensor(meta.row_lengths).cumsum(0).tolist()]
+
+    @torch.inference_mode()
+    def tokens(self, positions: list[torch.Tensor]) -> list[torch.Tensor]:
+        """positions[r]: row-local token positions of row r (any order, may be empty) -> the
+        surprisal of each, in nats, float32 on the host (a row's first token: 0)."""
+        packed, wanted = [], []
+        for r, pos in enumerate(positions):
+            pos = pos.to(torch.long)
+            wanted.append(pos)
+            packed.append(pos[pos > 0] + self.offsets[r])
+        at = torch.cat(packed) if packed else torch.zeros(0, dtype=torch.long)
+        at, inverse = torch.unique(at, sorted=True, return_inverse=True)
+        values = torch.zeros(0)
+        if len(at):
+            device = self.runner.device
+            hidden = self.runner.model.final_hidden_at(self.meta, (at - 1).to(device))
+            values = self.runner.next_token_loss(hidden, self.ids[at.to(self.ids.device)])
+        out, used = [], 0
+        for pos in wanted:
+            row = torch.zeros(len(pos), dtype=torch.float32)
+            inside = pos > 0
+            count = int(inside.sum())
+            row[inside] = values[inverse[used : used + count]]
+            used += count
+            out.append(row)
+        return out

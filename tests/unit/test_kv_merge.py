@@ -13,6 +13,7 @@ from flashx_batch.kvcache.spec import LayerCache
 from flashx_batch.runtime.kv_merge import (
     GROUP,
     MergeSettings,
+    ProtectionSearch,
     apply_plan,
     choose_compression,
     compressed_length,
@@ -20,6 +21,7 @@ from flashx_batch.runtime.kv_merge import (
     eligible_groups,
     least_attended,
     max_compressed_length,
+    group_sums,
     plan_groups,
     plan_oldest,
     protect_nats_for,
@@ -180,6 +182,57 @@ def test_surprising_groups_are_kept_even_when_the_window_ignores_them():
     assert not {15, 16} & set(merge + evict)  # group 15 and the one after it (what copying reads next)
 
 
+def _plan_from_every_group(scores, surprisal, length, s):
+    """The segment-sparse plan written the direct way: every eligible group's worth (attention rank,
+    or 1 + surprisal rank when protected), the least valuable evicted, the next merged."""
+    merged, evicted = compression_counts(length, s)
+    groups = eligible_groups(length, s)
+    if merged + evicted == 0:
+        return [], []
+    attention = torch.stack([scores[4 * g : 4 * g + 4].sum() for g in groups])
+    attention = torch.maximum(attention, torch.cat((attention[:1], attention[:-1])))
+    rank = lambda v: torch.argsort(torch.argsort(v, stable=True), stable=True).float()  # noqa: E731
+    worth = rank(attention) / len(groups)
+    info = torch.stack([surprisal[4 * g : 4 * g + 4].sum() for g in groups])
+    protected = info >= 4 * s.protect_nats
+    if protected.any():
+        worth[protected] = 2.0 + rank(info[protected])
+    order = [groups[i] for i in torch.argsort(worth, stable=True)[: merged + evicted].tolist()]
+    return sorted(order[evicted:]), sorted(order[:evicted])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_protection_search_asks_for_few_groups_and_plans_as_if_it_knew_all(seed):
+    """The production plan asks for the surprisal of the groups it would compress (and a few
+    more), round after round while protected groups push the cut further up; the plan is the one
+    every group's surprisal gives — here against the direct computation, on prompts where none, a
+    few, or most groups are protected."""
+    g = torch.Generator().manual_seed(seed)
+    length = int(torch.randint(40, 400, (1,), generator=g))
+    protect = protect_nats_for(4096)
+    s = MergeSettings(fraction=[0.3, 0.6, 0.9, 1.0][seed % 4], sinks=4, window=16,
+                      evict_share=[0.0, 0.8, 1.0][seed % 3], protect_nats=protect)
+    scores = torch.rand(length, generator=g)
+    share = [0.0, 0.05, 0.3, 0.9][seed % 4]  # of groups made as unpredictable as random vocabulary
+    surprisal = torch.rand(length, generator=g) * 4
+    for group in range(length // 4):
+        if torch.rand(1, generator=g) < share:
+            surprisal[4 * group : 4 * group + 4] = math.log(4096) + torch.rand(4, generator=g)
+    search, asked = ProtectionSearch(scores, length, s), 0
+    while wanted := search.wanted():
+        asked += len(wanted)
+        search.feed(wanted, group_sums(surprisal, wanted))
+    assert search.plan() == _plan_from_every_group(scores, surprisal, length, s) == choose_compression(
+        scores, length, s, surprisal)
+    merged, evicted = compression_counts(length, s)
+    if share == 0.0:  # nothing protected: one round, the groups compressed and a few more
+        assert asked <= merged + evicted + ProtectionSearch.slack(merged + evicted)
+    fresh = ProtectionSearch(scores, length, s)
+    if fresh.wanted():  # a plan before the surprisal it needs is a caller's bug, not a guess
+        with pytest.raises(ValueError, match="wanted"):
+            fresh.plan()
+
+
 def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
     """The per-token surprisal segment-sparse ranks groups with is -log p from a plain forward, row by
     row, for rows packed end to end."""
@@ -187,7 +240,12 @@ def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
     runner = engine.runner
     prompts = _prompts((40, 17, 33))
     starts = [0, 64, 128]
-    _, _, surprisal = runner.prefill_packed_at(prompts, starts, surprisal=True)
+    _, _, probe = runner.prefill_packed_at(prompts, starts, surprisal=True)
+    surprisal = probe.tokens([torch.arange(len(p)) for p in prompts])
+    # asked for a few tokens, out of order: the same numbers as asking for all of them
+    some = [torch.tensor([9, 3, 0, 39]), torch.tensor([], dtype=torch.long), torch.tensor([16, 1])]
+    for got, want_at, everything in zip(probe.tokens(some), some, surprisal):
+        assert torch.allclose(got, everything[want_at], atol=1e-5)
     for prompt, got in zip(prompts, surprisal):
         logits = runner.score([prompt])[0]
         want = -torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
