@@ -375,7 +375,8 @@ class DecoderModel(nn.Module):
         if final is None or final.residual is None or final.q is None or not isinstance(layer.attn, Attention):
             raise ValueError("final_hidden_at needs a last_only packed pass of a standard-attention model that kept "
                              "its final layer's inputs (Packed.final)")
-        hidden = layer.block(final.residual[:, index], lambda _: layer.attn.attend_positions(final, meta.row_lengths, index))
+        attend = layer.attn.attend_positions
+        hidden = layer.block(final.residual[:, index], lambda _: attend(final, meta.row_lengths, index))
         return self.norm.forward(hidden)[0]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
