@@ -85,14 +85,30 @@ def moe_shape(model_dir: Path) -> dict | None:
             "expert_parameters": sparse * experts * per_expert, "active_expert_parameters": sparse * top_k * per_expert}
 
 
+# ~134 M parameters (134,289,408): a GPT-2-small / SmolLM-class shape, 768 wide, 12 layers of 12 heads
+# (no grouping), a 32 K vocabulary tied to the LM head (24.6 M).
+LLAMA_134M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2944, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+
+
 def random_llama_with_bundled_tokenizer(shape: dict, out_dir: Path | None = None, seed: int = 0) -> Path:
-    """A random Llama of `shape` that reads text: the bundled tokenizer's files copied beside it (its
-    vocabulary must be at most `shape`'s). For speed comparisons on wider models than the bundled one."""
+    """A random Llama of `shape` with a tokenizer of exactly its vocabulary: the bundled tokenizer,
+    its vocabulary filled up with placeholder tokens `<|fill_N|>` (never produced by encoding text) when
+    `shape`'s is larger. Peers that take token strings or build their vocabulary from the tokenizer
+    (CTranslate2, llama.cpp's converter) then see every id the model can emit."""
     import shutil
 
     from flashx_batch.runtime.options import bundled_model_dir
 
     model = random_llama(shape, seed=seed, out_dir=out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(bundled_model_dir() / name, model / name)
+    tokenizer = json.loads((bundled_model_dir() / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    taken = len(set(vocab.values()) | {t["id"] for t in tokenizer.get("added_tokens", [])})
+    if taken > shape["vocab_size"]:
+        raise ValueError(f"the bundled tokenizer has {taken} tokens, more than vocab_size={shape['vocab_size']}")
+    for i in range(taken, shape["vocab_size"]):
+        vocab[f"<|fill_{i}|>"] = i
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    shutil.copy(bundled_model_dir() / "tokenizer_config.json", model / "tokenizer_config.json")
     return model

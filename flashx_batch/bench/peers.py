@@ -1,21 +1,22 @@
-"""Ours against the engines a user would pick instead, side by side in one process: CTranslate2.
+"""Ours against the engines a user would pick instead, side by side in one process: CTranslate2 and llama.cpp.
 
-    python -m flashx_batch.bench.peers --out results/peers [--model PATH | --random-wide] [--threads 1,2]
-        [--repeats 3] [--quick] [--batch 8]
+    python -m flashx_batch.bench.peers --out results/peers [--model PATH | --shape NAME]
+        [--peers ctranslate2,llama_cpp] [--threads 1,2] [--repeats 3] [--quick] [--batch 8]
 
-CTranslate2 is an optional benchmark extra (`pip install ctranslate2`), never a dependency. The same
-checkpoint is converted with its own converter (`TransformersConverter`), float32 and int8
-(`int8_float32`: int8 weights and activations, float32 elsewhere), and compared with ours in the same
-precision class: float32 with float32, our int8 (`int8_dynamic`, every linear layer) with its int8.
-Workloads: W1 (mixed intake) and W2 (equal lengths) from `bench.workloads`, token-id prompts, each row
-its own number of greedy tokens with EOS ignored. Each engine batches its own way with at most
-`--batch` rows at once: ours one `generate` call over the workload; CTranslate2 `generate_batch` over
-chunks of `--batch` rows sorted by prompt length (what its own `max_batch_size` does), each row stopped
-at its length by the step callback. Both run interleaved `--repeats` times per thread count (rotating
-who goes first); the ratio is ours ÷ peer in useful output tokens/s, median of the paired repeats.
-Token agreement at float32 (rows whose greedy tokens are identical) is checked on every run.
-llama.cpp (`llama-cpp-python`, built from source) is not wired in yet: asking for it is an error.
-Writes OUT/peers.json.
+Both peers are optional benchmark extras, never dependencies: `pip install ctranslate2`; `pip install
+llama-cpp-python` plus a llama.cpp source tree for its converter (`bench.peer_llama_cpp`). The same
+checkpoint is converted with each peer's own converter and compared with ours in the same precision
+class: float32 with float32; our int8 (`int8_dynamic`: int8 weights, activations quantized to int8 per
+row, every linear layer) with CTranslate2's `int8_float32` and llama.cpp's `q8_0`. Workloads: W1 (mixed
+intake) and W2 (equal lengths) from `bench.workloads`, token-id prompts, each row its own number of
+greedy tokens with EOS ignored. Each engine batches its own way with at most `--batch` rows at once:
+ours one `generate` call over the workload; CTranslate2 `generate_batch` over chunks of `--batch` rows
+sorted by prompt length (what its own `max_batch_size` does), each row stopped at its length by the
+step callback; llama.cpp a continuous-batching loop on its low-level API (a finished row's sequence
+freed, the next prompt decoded with the live rows' next tokens). All run interleaved `--repeats` times
+per thread count (rotating who goes first); the ratio is ours ÷ peer in useful output tokens/s, median
+of the paired repeats. Token agreement at float32 (rows whose greedy tokens are identical) is checked on
+every run. Writes OUT/peers.json.
 """
 
 from __future__ import annotations
@@ -31,11 +32,18 @@ from pathlib import Path
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.bench.int8_cpu import quantize_all
+from flashx_batch.bench.models import LLAMA_27M, LLAMA_134M
 from flashx_batch.bench.workloads import FULL, QUICK, Workload, equal_lengths, mixed_intake
 from flashx_batch.runtime.options import bundled_model_dir
 
 log = logging.getLogger("flashx_batch.bench.peers")
-PEERS = ("ctranslate2",)
+PEERS = ("ctranslate2", "llama_cpp")
+# random Llamas to compare on besides a checkpoint: shape, and what it is
+SHAPES = {
+    "wide-24m": ({**LLAMA_27M, "vocab_size": 4096}, "the 27 M shape on the bundled 4,096-token vocabulary, 24 M"),
+    "llama-27m": (LLAMA_27M, "512 wide, 8 layers, vocab 8 K, 27 M"),
+    "llama-134m": (LLAMA_134M, "768 wide, 12 layers, vocab 32 K, 134 M"),
+}
 
 
 class CT2:
@@ -85,7 +93,19 @@ def _timed(fn) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, out
 
 
-def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool, work: Path) -> dict:
+def _peer(name: str, model_dir: Path, work: Path, precision: str, threads: int, batch: int,
+          workloads: list[Workload]):
+    if name == "ctranslate2":
+        return CT2(model_dir, work, {"float32": "float32", "int8": "int8_float32"}[precision], threads)
+    from flashx_batch.bench.peer_llama_cpp import LlamaCpp
+
+    longest = max(w.max_prompt_len for w in workloads)
+    return LlamaCpp(model_dir, work, precision, threads, batch, longest + max(w.max_output_len for w in workloads),
+                    longest)
+
+
+def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool, work: Path,
+            peers: list[str]) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     sizes = QUICK if quick else FULL
     workloads = [mixed_intake(sizes, vocab, 0), equal_lengths(sizes, vocab, 0)]
@@ -93,45 +113,70 @@ def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool
     most = max(w.max_output_len for w in workloads)
     common = dict(backend="cpu", dtype="float32", max_batch_size=batch, max_input_len=longest, max_output_len=most,
                   num_threads=threads)
-    ours = {"float32": Engine.from_pretrained(model_dir, **common), "int8": Engine.from_pretrained(model_dir, **common)}
-    quantize_all(ours["int8"])
-    peer = {"float32": CT2(model_dir, work, "float32", threads), "int8": CT2(model_dir, work, "int8_float32", threads)}
     result: dict = {}
-    for w in workloads:
-        for precision in ("float32", "int8"):
-            mine, theirs = ours[precision], peer[precision]
-            _ours(mine, w), theirs.generate(w, batch)  # warm-up
-            pairs, agree = [], None
+    for precision in ("float32", "int8"):
+        mine = Engine.from_pretrained(model_dir, **common)
+        if precision == "int8":
+            quantize_all(mine)
+        others = {name: _peer(name, model_dir, work, precision, threads, batch, workloads) for name in peers}
+        for w in workloads:
+            runs = {"ours": lambda m=mine, w=w: _ours(m, w)}
+            runs.update({name: (lambda p=p, w=w: p.generate(w, batch)) for name, p in others.items()})
+            for fn in runs.values():
+                fn()  # warm-up
+            pairs: dict[str, list[float]] = {name: [] for name in others}
+            agree: dict[str, int] = {}
             for r in range(repeats):
-                runs = [("ours", lambda m=mine, w=w: _ours(m, w)),
-                        ("ctranslate2", lambda t=theirs, w=w: t.generate(w, batch))]
-                times = {}
-                for name, fn in (runs if r % 2 == 0 else runs[::-1]):
-                    times[name], tokens = _timed(fn)
-                    if name == "ours":
-                        ours_tokens = tokens
-                    else:
-                        ct2_tokens = tokens
-                pairs.append(times["ctranslate2"] / times["ours"])  # ours ÷ peer in tokens/s
-                if precision == "float32":
-                    agree = sum(a == b for a, b in zip(ours_tokens, ct2_tokens, strict=True))
+                order = list(runs)
+                order = order[r % len(order):] + order[: r % len(order)]  # who goes first rotates
+                times, tokens = {}, {}
+                for name in order:
+                    times[name], tokens[name] = _timed(runs[name])
+                for name in others:
+                    pairs[name].append(times[name] / times["ours"])  # ours ÷ peer in tokens/s
+                    if precision == "float32":
+                        agree[name] = sum(a == b for a, b in zip(tokens["ours"], tokens[name], strict=True))
             key = f"{w.name}/{precision}"
-            result[key] = {"ratio_ours_over_ctranslate2": statistics.median(pairs), "pairs": pairs,
-                           "output_tokens": w.output_tokens, "rows": w.rows}
-            if agree is not None:
-                result[key]["float32_rows_identical"] = f"{agree}/{w.rows}"
-            log.info("%d thread(s) %s: ours ÷ CTranslate2 %.2f (%s)", threads, key, result[key]
-                     ["ratio_ours_over_ctranslate2"], result[key].get("float32_rows_identical", "int8"))
+            result[key] = {"output_tokens": w.output_tokens, "rows": w.rows}
+            for name in others:
+                result[key][f"ratio_ours_over_{name}"] = statistics.median(pairs[name])
+                result[key][f"pairs_{name}"] = pairs[name]
+                if name in agree:
+                    result[key][f"float32_rows_identical_{name}"] = f"{agree[name]}/{w.rows}"
+                same = f"{agree[name]}/{w.rows}" if name in agree else "int8, no"
+                log.info("%d thread(s) %s: ours ÷ %s %.2f (%s rows identical)", threads, key, name,
+                         result[key][f"ratio_ours_over_{name}"], same)
+        for p in others.values():
+            if hasattr(p, "close"):
+                p.close()
     return result
+
+
+def check_installed(peers: list[str]) -> None:
+    """A SystemExit naming the install step of any asked-for peer that is missing (before any work)."""
+    if "ctranslate2" in peers:
+        try:
+            import ctranslate2  # noqa: F401
+        except ImportError:
+            raise SystemExit("CTranslate2 is an optional benchmark extra: pip install ctranslate2") from None
+    if "llama_cpp" in peers:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise SystemExit("llama.cpp is an optional benchmark extra: pip install llama-cpp-python (builds from "
+                             "source, ~14 minutes on 2 cores)") from None
+        from flashx_batch.bench.peer_llama_cpp import converter_source
+
+        converter_source()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/peers"))
     parser.add_argument("--model", type=Path, default=None)
-    parser.add_argument("--random-wide", action="store_true",
-                        help="a random Llama of the 27 M shape (512 wide, 8 layers) with the bundled tokenizer's "
-                             "4,096-token vocabulary (24 M parameters): speed on a wider model")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default=None,
+                        help="a random Llama instead of --model: "
+                        + "; ".join(f"{k}: {v[1]}" for k, v in SHAPES.items()))
     parser.add_argument("--peers", default="ctranslate2")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--batch", type=int, default=8)
@@ -139,25 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the small workload sizes (bench --quick's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    unknown = [p for p in args.peers.split(",") if p not in PEERS]
+    peers = args.peers.split(",")
+    unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise SystemExit(f"--peers {','.join(unknown)}: not wired in; available: {', '.join(PEERS)}")
-    try:
-        import ctranslate2  # noqa: F401
-    except ImportError:
-        raise SystemExit("CTranslate2 is an optional benchmark extra: pip install ctranslate2") from None
+    check_installed(peers)
     work = Path(tempfile.mkdtemp(prefix="flashx-peers-"))
     try:
         model = args.model or bundled_model_dir()  # a directory with tokenizer.json (CTranslate2's vocabulary)
-        if args.random_wide:
-            from flashx_batch.bench.models import LLAMA_27M, random_llama_with_bundled_tokenizer
+        if args.shape:
+            from flashx_batch.bench.models import random_llama_with_bundled_tokenizer
 
-            model = random_llama_with_bundled_tokenizer({**LLAMA_27M, "vocab_size": 4096}, work / "llama-wide")
-        result = {"model": "random-wide (LLAMA_27M shape, vocab 4096)" if args.random_wide else str(model),
-                  "batch": args.batch,
+            model = random_llama_with_bundled_tokenizer(SHAPES[args.shape][0], work / args.shape)
+        result = {"model": f"{args.shape} ({SHAPES[args.shape][1]})" if args.shape else str(model),
+                  "peers": peers, "batch": args.batch,
                   "workloads": "quick" if args.quick else "full", "threads": {}}
         for n in [int(t) for t in args.threads.split(",")]:
-            result["threads"][n] = compare(model, n, args.batch, args.repeats, args.quick, work)
+            result["threads"][n] = compare(model, n, args.batch, args.repeats, args.quick, work, peers)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)

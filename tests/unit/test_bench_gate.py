@@ -3,7 +3,9 @@ stated mix; the written results follow the issue's schema. Tiny random model: a 
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -222,4 +224,12 @@ def test_peers_flag_hands_the_comparison_to_bench_peers(monkeypatch, tmp_path):
     assert harness.main(["--out", str(tmp_path), "--peers", "ctranslate2", "--model", "llama-27m"]) == 2
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="not wired in"):
+        peers.main(["--out", str(tmp_path), "--peers", "vllm"])
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as on a machine without the extra: import fails
+    with pytest.raises(SystemExit, match="pip install llama-cpp-python"):
         peers.main(["--out", str(tmp_path), "--peers", "llama_cpp"])
+    monkeypatch.undo()
+    monkeypatch.delenv("LLAMA_CPP_SOURCE", raising=False)
+    if importlib.util.find_spec("llama_cpp") is not None:  # installed: the converter's source is asked for next
+        with pytest.raises(SystemExit, match="LLAMA_CPP_SOURCE"):
+            peers.main(["--out", str(tmp_path), "--peers", "llama_cpp"])
