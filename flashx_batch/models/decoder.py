@@ -25,7 +25,7 @@ from flashx_batch.models.forward import (
     TeacherForced,
     split_rows,
 )
-from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_, decode_step
+from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_
 from flashx_batch.models.mla import IndexerChoice, MLAttention
 from flashx_batch.models.moe import SparseMoE
 from flashx_batch.models.parallel import TensorShard, rank_config
@@ -361,11 +361,10 @@ class DecoderModel(nn.Module):
         # `.forward` directly, here and inside the layers: nn.Module.__call__ (hooks, which nothing
         # here uses) costs a few microseconds per call, ~10 calls per layer per decode step.
         final = len(self.layers) - 1
-        with decode_step(isinstance(meta, Decode)):
-            for i, layer in enumerate(self.layers):
-                if i == final and isinstance(meta, Packed) and meta.final is not None:
-                    meta.final.residual = x  # not written in place below: `block` adds into fresh tensors
-                x = layer.forward(x, meta, None if caches is None else caches[i], meta.last_only and i == final)
+        for i, layer in enumerate(self.layers):
+            if i == final and isinstance(meta, Packed) and meta.final is not None:
+                meta.final.residual = x  # not written in place below: `block` adds into fresh tensors
+            x = layer.forward(x, meta, None if caches is None else caches[i], meta.last_only and i == final)
         return self.norm.forward(x)
 
     def final_hidden_at(self, meta: Packed, index: torch.Tensor) -> torch.Tensor:

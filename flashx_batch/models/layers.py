@@ -6,10 +6,7 @@ float32 positions) so that float32 greedy decoding is token-identical to it.
 
 from __future__ import annotations
 
-import contextvars
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -212,24 +209,3 @@ class GatedMLP(nn.Module):
         # in place on the projection's own output: the same values as silu(gate) * up without two
         # fresh [tokens, intermediate] temporaries (page faults on CPU; docs/architecture.md, "CPU decode path")
         return self.down.forward(F.silu(gate, inplace=True).mul_(up))
-
-
-_DECODE_STEP = contextvars.ContextVar("decode_step", default=False)
-
-
-@contextmanager
-def decode_step(active: bool = True) -> Iterator[None]:
-    """Marks a forward as one decode step (one new token per live row). A weight kernel may pick a
-    different implementation for it (`quant.linear`: prefill and decode GEMMs are best served by
-    different int8 kernels), as long as a row's result never depends on its batch: the choice follows
-    the kind of pass, never how many rows it carries."""
-    token = _DECODE_STEP.set(active)
-    try:
-        yield
-    finally:
-        _DECODE_STEP.reset(token)
-
-
-def in_decode_step() -> bool:
-    return _DECODE_STEP.get()
-

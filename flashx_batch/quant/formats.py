@@ -208,66 +208,6 @@ def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor
     return out.reshape(*x.shape[:-1], q_t.shape[1])
 
 
-class PackedInt8:
-    """int8 weights [N, K] with per-row scales, prepacked for fbgemm's dynamic int8 linear.
-
-    fbgemm quantizes a call's whole input with one scale and zero point (asymmetric uint8 over its
-    min..max). To keep per-row activation scales (a row's result never depending on its batch),
-    `matmul` divides each row by its own absolute maximum, appends a guard row holding +1 and -1 so
-    that the range is exactly [-1, 1] whatever the rows, and multiplies each output row back: every
-    row is rounded on the same grid (2/255 of its own maximum) alone or in any batch, and the int8 x
-    uint8 products are exact int32 sums. Prepacked weights are why this beats `torch._int_mm`
-    (oneDNN reorders an unpacked weight on every call) at decode's few rows: measured in the module
-    docstring of `quant.linear`."""
-
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
-        import warnings
-
-        out_features, in_features = q.shape
-        with warnings.catch_warnings():  # torch marks quantized tensor construction as deprecated
-            warnings.simplefilter("ignore")
-            weight = torch._make_per_channel_quantized_tensor(
-                q.contiguous(), scales.reshape(-1).double(), torch.zeros(out_features, dtype=torch.long), 0)
-            self.packed = torch.ops.quantized.linear_prepack(weight, None)
-        self.out_features, self.in_features = out_features, in_features
-        # full 8-bit activations need VNNI's int32 dot products; without them fbgemm's u8 x s8 pairs sum in
-        # saturating int16, so it is told to use 7 bits (the grid halves, still the same for every row)
-        self.reduce_range = not _has_vnni()
-        self.guard = torch.zeros(in_features)
-        self.guard[0], self.guard[-1] = 1.0, -1.0
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x float32 [..., K] -> [..., N]."""
-        rows = _as_rows(x)
-        peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12)
-        normed = torch.empty(len(rows) + 1, self.in_features)
-        torch.div(rows, peak, out=normed[:-1])
-        normed[-1] = self.guard
-        out = torch.ops.quantized.linear_dynamic(normed, self.packed, self.reduce_range)[:-1].mul_(peak)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def int8_weight(self) -> torch.Tensor:
-        """The int8 values [N, K] it holds (read back from the packed form)."""
-        weight, _ = torch.ops.quantized.linear_unpack(self.packed)
-        return weight.int_repr()
-
-
-def _has_vnni() -> bool:
-    """Whether the CPU has int8 dot products into int32 (AVX-512 VNNI, AVX-VNNI or AMX), from
-    /proc/cpuinfo's flags; False where that cannot be read (the safe answer: 7-bit activations)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
-
-
-def fbgemm_available() -> bool:
-    """Whether this torch build has fbgemm's quantized engine (x86 builds do)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
-
-
 def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """What `int8_dynamic_matmul` does to its input, in float: the reference its tests compare with."""
     rows = _as_rows(x)

@@ -13,19 +13,11 @@ speeds: docs/benchmarks.md, "Mixed-precision weights"):
                      same int8 tensors run `x @ q^T * scales` through float BLAS (10x faster at 256 rows).
                      For fp32 activations the CPU kernel has no vector path (4x slower than fp32
                      F.linear at one row), so fp32 always takes the BLAS route (`dequant`).
-  int8_dynamic       float32 activations on CPU: int8 weights, and activations quantized to 8 bits per
-                     row (per token: a row's result never depends on its batch) at each call, products
-                     summed exactly in int32 by `torch._int_mm` (oneDNN's VNNI / AMX GEMM). oneDNN
-                     reorders an unpacked weight on every call, which dominates at decode's few rows, so
-                     a weight of at least FBGEMM_DECODE_MIN_WEIGHTS also keeps a copy prepacked for
-                     fbgemm's dynamic linear (`formats.PackedInt8`, x86 torch builds) that decode steps
-                     use (`models.layers.decode_step`: chosen by the kind of pass, never by row count,
-                     so batch invariance holds). One thread, 2026-12-02, microseconds for 8 rows /
-                     512 rows, oneDNN vs fbgemm (f32 F.linear): 768 -> 2944 339 / 3214 vs 236 / 6071
-                     (990 / 13017); 512 -> 2816 212 vs 135 (648); 256 -> 4096 125 vs 117 (475);
-                     704 -> 256 47 vs 57 (24). The activation rounding is a second error beyond the
-                     weight's: measurements for such an engine run this kernel itself instead of
-                     `simulated`, so the planner measures what will run.
+  int8_dynamic       float32 activations on CPU: int8 weights, and activations quantized to int8 per
+                     row (per token: a row's result never depends on its batch) at each call; int8 x int8
+                     in int32 by `torch._int_mm` (oneDNN's VNNI / AMX GEMM). The activation rounding is a
+                     second error beyond the weight's: measurements for such an engine run this kernel
+                     itself instead of `simulated`, so the planner measures what will run.
   int4pack_mm_cpu    `_weight_int4pack_mm_for_cpu` for bf16 / fp16 activations: 2-4x faster than bf16
                      F.linear at one row, ~10x slower at 256 rows (prefill). Its packed layout is
                      blocked by the CPU's vector width (opaque, machine specific), so no float copy is
@@ -48,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashx_batch.models.layers import in_decode_step
 from flashx_batch.quant import formats as fm
 
 log = logging.getLogger(__name__)
@@ -56,8 +47,6 @@ log = logging.getLogger(__name__)
 KERNELS = ("native", "cast", "int8pack_mm", "int8_dynamic", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant",
            "simulated")
 SMALL_M = 16  # int8pack_mm runs calls of at most this many rows; larger ones take float BLAS
-# int8_dynamic weights from this size on get fbgemm's prepacked copy for decode steps (module docstring)
-FBGEMM_DECODE_MIN_WEIGHTS = 1 << 20
 _HALF = (torch.bfloat16, torch.float16)
 _probed: dict[tuple[str, str, torch.dtype], bool] = {}
 
@@ -119,7 +108,6 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         self.register_buffer("bias", None)
         self._int4: fm.Int4Operands | None = None
-        self._fbgemm: fm.PackedInt8 | None = None  # int8_dynamic's prepacked weight, where torch has fbgemm
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: str, dtype: torch.dtype, group_size: int | None = None,
@@ -154,10 +142,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight", weight.to(fm.FLOAT_FORMATS[self.fmt]).contiguous().clone())
         elif self.fmt == "int8":
             q, scales = fm.quantize_int8(weight)
-            if self.kernel == "int8_dynamic":  # the GEMM reads the weight as [K, N]
+            if self.kernel == "int8_dynamic":  # the GEMM reads the weight as [K, N]; one copy kept
                 self.register_buffer("qweight_t", q.t().contiguous())
-                if fm.fbgemm_available() and q.numel() >= FBGEMM_DECODE_MIN_WEIGHTS and self.in_features >= 2:
-                    self._fbgemm = fm.PackedInt8(q, scales)  # a second, prepacked copy for decode steps
             else:
                 self.register_buffer("qweight", q)
             self.register_buffer("scales", scales.to(dtype))
@@ -198,8 +184,6 @@ class QuantLinear(nn.Module):
             out = F.linear(x, self.weight)
         elif kernel == "cast":
             out = F.linear(x, self.weight.to(x.dtype))
-        elif self._fbgemm is not None and in_decode_step():
-            out = self._fbgemm.matmul(x)
         elif kernel == "int8_dynamic":
             out = fm.int8_dynamic_matmul(x, self.qweight_t, self.scales)
         elif self.fmt == "int8":
@@ -215,8 +199,7 @@ class QuantLinear(nn.Module):
 
     def nbytes(self) -> int:
         """Resident bytes of this module's weight (bias excluded: it is never quantized)."""
-        packed = self.out_features * self.in_features if self._fbgemm is not None else 0  # one byte a weight
-        return packed + sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != "bias")
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""

@@ -19,7 +19,7 @@ from flashx_batch.backends import Backend
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.forward import Decode, Extend, FinalLayerInputs, Packed, PackedTrees, Paged, TeacherForced
-from flashx_batch.models.layers import Linear, decode_step
+from flashx_batch.models.layers import Linear
 from flashx_batch.runtime.compressed_prefill import CompressedPrefill
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.kv_merge import MergeSettings
@@ -460,9 +460,7 @@ class TorchRunner(ModelRunner):
                      for a, b, n in groups or ((0, len(tokens), kv_len),))
         write_flat = self.stripe_starts(capacity, stripes)[: len(tokens)]
         write_flat = write_flat + (positions if write_slots is None else write_slots)
-        hidden = self.step_hidden(tokens, positions, write_flat, mask, runs)
-        with decode_step():  # the LM head of a decode step is part of it (`models.layers.decode_step`)
-            return self.model.logits(hidden)
+        return self.model.logits(self.step_hidden(tokens, positions, write_flat, mask, runs))
 
     def stripe_starts(self, capacity: int, stripes: int) -> torch.Tensor:
         """[stripes] flat slot where each stripe of `capacity` slots begins (built once per capacity)."""
@@ -496,9 +494,7 @@ class TorchRunner(ModelRunner):
         mask = None
         if not all(run[-1] for run in runs):  # some run holds rows of different lengths
             mask = self._visible(max(run[4] for run in runs), positions)
-        hidden = self.step_hidden(tokens, positions, starts + positions, mask, runs)
-        with decode_step():
-            return self.model.logits(hidden)
+        return self.model.logits(self.step_hidden(tokens, positions, starts + positions, mask, runs))
 
     def step_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,
                     mask: torch.Tensor | None, runs: tuple[tuple[int, int, int, int, int, bool], ...]

@@ -104,37 +104,6 @@ def test_int8_kernel_and_blas_routes_agree(rows):
     assert _rel(module(x), x.float() @ _independent_reference(w, "int8", 64).T) <= 1e-2
 
 
-@pytest.mark.skipif(not fm.fbgemm_available(), reason="this torch build has no fbgemm (non-x86)")
-def test_int8_decode_steps_use_the_prepacked_copy_and_stay_batch_invariant():
-    """A large int8 weight on a float32 CPU engine keeps a second, fbgemm-prepacked copy that decode
-    steps use. Both routes round each row on its own grid, so a row's output is bit-identical alone
-    and in any batch, in prefill and in decode, and both stay within int8's error of the float product."""
-    from flashx_batch.models.layers import decode_step
-    from flashx_batch.quant.linear import FBGEMM_DECODE_MIN_WEIGHTS
-
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(FBGEMM_DECODE_MIN_WEIGHTS // 512, 512, generator=g) * 0.05
-    module = QuantLinear.from_float(w, "int8", torch.float32)
-    assert module.kernel == "int8_dynamic" and module._fbgemm is not None
-    small = QuantLinear.from_float(_weight(), "int8", torch.float32)
-    assert small._fbgemm is None  # small weights: one copy, oneDNN for both
-    assert module.nbytes() == 2 * w.numel() + fm.weight_bytes("int8", *w.shape, None, torch.float32) - w.numel()
-    x = torch.randn(9, 512, generator=g) * torch.logspace(-2, 2, 9)[:, None]  # rows of very different scales
-    x[3] = 0.0  # an all-zero row (its scale is clamped, not divided by)
-    exact = x @ w.T
-    for decoding in (False, True):
-        with decode_step(decoding):
-            batched = module(x)
-            alone = torch.stack([module(x[i : i + 1])[0] for i in range(len(x))])
-        assert torch.equal(batched, alone), decoding
-        assert torch.equal(batched[3], torch.zeros(w.shape[0]))
-        err = (batched - exact).norm(dim=1) / exact.norm(dim=1).clamp(min=1e-9)
-        assert float(err[[0, 1, 2, 4, 5, 6, 7, 8]].max()) < 2e-2, decoding
-    with decode_step():
-        fast = module(x)
-    assert not torch.equal(fast, module(x))  # the decode route really is another kernel
-
-
 @pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
 def test_simulated_kernel_uses_the_same_weight_values(fmt):
     w = _weight()
