@@ -81,9 +81,10 @@ class LlamaCpp:
         params = lc.llama_context_default_params()
         params.n_ctx = batch * max_len
         params.n_seq_max = batch
-        params.kv_unified = True  # one KV buffer shared by the sequences, as ours
-        # a decode call takes every live row's next token plus whole prompts of rows joining the batch
-        params.n_batch = params.n_ubatch = batch * max_prompt + batch
+        params.kv_unified = False  # each sequence its own max_len cells: attention reads only its own
+        # a decode call takes every live row's next token plus whole prompts of rows joining the batch;
+        # llama.cpp computes it in micro-batches of its default size
+        params.n_batch = batch * max_prompt + batch
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
         self.ctx = lc.llama_init_from_model(self.model, params)

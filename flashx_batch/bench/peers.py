@@ -119,37 +119,44 @@ def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool
         if precision == "int8":
             quantize_all(mine)
         others = {name: _peer(name, model_dir, work, precision, threads, batch, workloads) for name in peers}
-        for w in workloads:
-            runs = {"ours": lambda m=mine, w=w: _ours(m, w)}
-            runs.update({name: (lambda p=p, w=w: p.generate(w, batch)) for name, p in others.items()})
-            for fn in runs.values():
-                fn()  # warm-up
-            pairs: dict[str, list[float]] = {name: [] for name in others}
-            agree: dict[str, int] = {}
-            for r in range(repeats):
-                order = list(runs)
-                order = order[r % len(order):] + order[: r % len(order)]  # who goes first rotates
-                times, tokens = {}, {}
-                for name in order:
-                    times[name], tokens[name] = _timed(runs[name])
-                for name in others:
-                    pairs[name].append(times[name] / times["ours"])  # ours ÷ peer in tokens/s
-                    if precision == "float32":
-                        agree[name] = sum(a == b for a, b in zip(tokens["ours"], tokens[name], strict=True))
-            key = f"{w.name}/{precision}"
-            result[key] = {"output_tokens": w.output_tokens, "rows": w.rows}
-            for name in others:
-                result[key][f"ratio_ours_over_{name}"] = statistics.median(pairs[name])
-                result[key][f"pairs_{name}"] = pairs[name]
-                if name in agree:
-                    result[key][f"float32_rows_identical_{name}"] = f"{agree[name]}/{w.rows}"
-                same = f"{agree[name]}/{w.rows}" if name in agree else "int8, no"
-                log.info("%d thread(s) %s: ours ÷ %s %.2f (%s rows identical)", threads, key, name,
-                         result[key][f"ratio_ours_over_{name}"], same)
-        for p in others.values():
-            if hasattr(p, "close"):
-                p.close()
+        try:
+            _compare_precision(result, mine, others, workloads, precision, threads, batch, repeats)
+        finally:
+            for p in others.values():
+                if hasattr(p, "close"):
+                    p.close()
     return result
+
+
+def _compare_precision(result: dict, mine: Engine, others: dict, workloads: list[Workload], precision: str,
+                       threads: int, batch: int, repeats: int) -> None:
+    for w in workloads:
+        runs = {"ours": lambda m=mine, w=w: _ours(m, w)}
+        runs.update({name: (lambda p=p, w=w: p.generate(w, batch)) for name, p in others.items()})
+        for fn in runs.values():
+            fn()  # warm-up
+        pairs: dict[str, list[float]] = {name: [] for name in others}
+        agree: dict[str, int] = {}
+        for r in range(repeats):
+            order = list(runs)
+            order = order[r % len(order):] + order[: r % len(order)]  # who goes first rotates
+            times, tokens = {}, {}
+            for name in order:
+                times[name], tokens[name] = _timed(runs[name])
+            for name in others:
+                pairs[name].append(times[name] / times["ours"])  # ours ÷ peer in tokens/s
+                if precision == "float32":
+                    agree[name] = sum(a == b for a, b in zip(tokens["ours"], tokens[name], strict=True))
+        key = f"{w.name}/{precision}"
+        result[key] = {"output_tokens": w.output_tokens, "rows": w.rows}
+        for name in others:
+            result[key][f"ratio_ours_over_{name}"] = statistics.median(pairs[name])
+            result[key][f"pairs_{name}"] = pairs[name]
+            if name in agree:
+                result[key][f"float32_rows_identical_{name}"] = f"{agree[name]}/{w.rows}"
+            same = f"{agree[name]}/{w.rows} rows identical" if name in agree else "int8: not compared"
+            log.info("%d thread(s) %s: ours ÷ %s %.2f (%s)", threads, key, name,
+                     result[key][f"ratio_ours_over_{name}"], same)
 
 
 def check_installed(peers: list[str]) -> None:

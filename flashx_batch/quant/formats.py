@@ -29,9 +29,11 @@ PyTorch kernel rules, found by experiment on torch 2.13 (CPU) and from the CUDA 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 FLOAT_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT_FORMATS = ("int8", "int4")
@@ -206,6 +208,66 @@ def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor
     xq, xs = quantize_rows(rows)
     out = torch._int_mm(xq, q_t).float().mul_(xs).mul_(scales)
     return out.reshape(*x.shape[:-1], q_t.shape[1])
+
+
+PAD_ROWS = 64  # `PackedInt8` rounds calls of more rows up to a multiple of this
+
+
+class PackedInt8:
+    """int8 weights [N, K] with per-row scales, prepacked once for oneDNN's int8 linear
+    (`torch.ops.onednn.qlinear_*`, x86 torch builds).
+
+    `torch._int_mm` hands oneDNN an unpacked weight, which it reorders on every call: at decode's few
+    rows that reorder is most of the time. Here the weight is packed at load and each call quantizes
+    its input per row — divided by the row's absolute maximum and rounded on a fixed grid of 127
+    steps (63 where the CPU has no VNNI int8 dot products, whose 16-bit pair sums could saturate),
+    handed over as uint8 with zero point 128 and that fixed scale — then multiplies each output row
+    back by its maximum. Every row is rounded exactly as it would be alone; like float32 BLAS, the
+    kernel may still sum a row in another order for another row count (last-bit differences)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.out_features, self.in_features = q.shape
+        self.packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+        self.scales = scales.reshape(-1).float().contiguous()
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        self.steps = 127.0 if has_vnni() else 63.0
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 [..., K] -> [..., N]."""
+        rows = _as_rows(x)
+        count = len(rows)
+        if count > PAD_ROWS:  # oneDNN builds a kernel per new row count (~1 ms): prefills come in few sizes
+            rows = F.pad(rows, (0, 0, 0, -count % PAD_ROWS))
+        peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12)
+        zero = int(self.steps) + 1
+        xq = torch.round(rows * (self.steps / peak)).add_(zero).to(torch.uint8)
+        out = torch.ops.onednn.qlinear_pointwise(xq, 1.0 / self.steps, zero, self.packed, self.scales,
+                                                 self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+        return out[:count].mul_(peak[:count]).reshape(*x.shape[:-1], self.out_features)
+
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 values [N, K] it holds, read back through the kernel itself (the packed layout is
+        oneDNN's own): the identity's rows quantize exactly, so rounding recovers every value."""
+        eye = torch.eye(self.in_features)
+        columns = [self.matmul(eye[a : a + 1024]) for a in range(0, self.in_features, 1024)]
+        return torch.round(torch.cat(columns).T / self.scales[:, None]).to(torch.int8)
+
+
+@functools.cache
+def has_vnni() -> bool:
+    """Whether the CPU has int8 dot products into int32 (AVX-512 VNNI, AVX-VNNI or AMX), from
+    /proc/cpuinfo's flags; False where that cannot be read (the safe answer)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+
+
+def onednn_int8_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked int8 linear (x86 builds with mkldnn)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:

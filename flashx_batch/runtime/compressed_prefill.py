@@ -58,6 +58,7 @@ class CompressedPrefill:
                 for search, groups, values in zip(searches, wanted, surprisal, strict=True):
                     if groups:
                         search.feed(groups, values.view(-1, GROUP).sum(-1))
+            del probe  # the final layer's kept inputs: not held through the next packed prefill
             jobs = []
             for j, (n, src, search) in enumerate(zip(lengths, starts, searches)):
                 merge, evict = search.plan()

@@ -163,7 +163,8 @@ class ProtectionSearch:
         self.merged, self.evicted = compression_counts(length, settings)
         self.need = self.merged + self.evicted
         self.order = attention_order(scores, length, settings) if self.need else []
-        self.bar = None if settings.protect_nats is None else GROUP * settings.protect_nats
+        # compared in float32, as the per-group sums are
+        self.bar = None if settings.protect_nats is None else float(torch.tensor(GROUP * settings.protect_nats))
         self.asked = 0  # groups of `order` whose surprisal is known
         self.unprotected: list[int] = []
         self.protected: dict[int, float] = {}
@@ -172,7 +173,8 @@ class ProtectionSearch:
         if self.bar is None or len(self.unprotected) >= self.need or self.asked >= len(self.order):
             return []
         short = self.need - len(self.unprotected)
-        return self.order[self.asked : self.asked + short + self.slack(short)]
+        # after a first round, at least as many again: a mostly protected prompt takes a few rounds, not dozens
+        return self.order[self.asked : self.asked + max(short + self.slack(short), self.asked)]
 
     @staticmethod
     def slack(short: int) -> int:
