@@ -22,6 +22,7 @@ every run. Writes OUT/peers.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -30,9 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.bench.int8_cpu import quantize_all
-from flashx_batch.bench.models import LLAMA_27M, LLAMA_134M
+from flashx_batch.bench.models import LLAMA_27M, LLAMA_134M, parameter_count
+from flashx_batch.bench.roofline import Machine, ModelCost, floor_seconds, measure_machine
 from flashx_batch.bench.workloads import FULL, QUICK, Workload, equal_lengths, mixed_intake
 from flashx_batch.runtime.options import bundled_model_dir
 
@@ -113,14 +117,18 @@ def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool
     most = max(w.max_output_len for w in workloads)
     common = dict(backend="cpu", dtype="float32", max_batch_size=batch, max_input_len=longest, max_output_len=most,
                   num_threads=threads)
-    result: dict = {}
+    torch.set_num_threads(threads)
+    machine = measure_machine("cpu")
+    costs = roofline_costs(model_dir, machine)
+    result: dict = {"machine": {"float32": costs["float32"][1].as_dict(),
+                                "int8_gop_s": costs["int8"][1].matmul_gflop_s}}
     for precision in ("float32", "int8"):
         mine = Engine.from_pretrained(model_dir, **common)
         if precision == "int8":
             quantize_all(mine)
         others = {name: _peer(name, model_dir, work, precision, threads, batch, workloads) for name in peers}
         try:
-            _compare_precision(result, mine, others, workloads, precision, threads, batch, repeats)
+            _compare_precision(result, mine, others, workloads, precision, threads, batch, repeats, costs[precision])
         finally:
             for p in others.values():
                 if hasattr(p, "close"):
@@ -128,14 +136,32 @@ def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool
     return result
 
 
+def roofline_costs(model_dir: Path, machine: Machine) -> dict[str, tuple[ModelCost, Machine]]:
+    """What a token costs and what the machine offers, per precision class: float32 weights and FLOP/s;
+    int8 weights (a byte each) and int8 multiply-adds/s (`torch._int_mm`, 1024 cubed). The KV cache
+    stays float32 in both."""
+    cost = ModelCost.from_hf_dir(model_dir, parameter_count(model_dir), 4)
+    a = torch.randint(-127, 127, (1024, 1024), dtype=torch.int8)
+    b = torch.randint(-127, 127, (1024, 1024), dtype=torch.int8)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch._int_mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    int8 = dataclasses.replace(machine, matmul_gflop_s=2 * 1024**3 / best / 1e9, matmul_dtype="int8")
+    return {"float32": (cost, machine),
+            "int8": (dataclasses.replace(cost, weight_bytes=cost.weight_bytes / 4), int8)}
+
+
 def _compare_precision(result: dict, mine: Engine, others: dict, workloads: list[Workload], precision: str,
-                       threads: int, batch: int, repeats: int) -> None:
+                       threads: int, batch: int, repeats: int, roofline: tuple[ModelCost, Machine]) -> None:
     for w in workloads:
         runs = {"ours": lambda m=mine, w=w: _ours(m, w)}
         runs.update({name: (lambda p=p, w=w: p.generate(w, batch)) for name, p in others.items()})
         for fn in runs.values():
             fn()  # warm-up
         pairs: dict[str, list[float]] = {name: [] for name in others}
+        seconds: dict[str, list[float]] = {name: [] for name in runs}
         agree: dict[str, int] = {}
         for r in range(repeats):
             order = list(runs)
@@ -143,12 +169,18 @@ def _compare_precision(result: dict, mine: Engine, others: dict, workloads: list
             times, tokens = {}, {}
             for name in order:
                 times[name], tokens[name] = _timed(runs[name])
+                seconds[name].append(times[name])
             for name in others:
                 pairs[name].append(times[name] / times["ours"])  # ours ÷ peer in tokens/s
                 if precision == "float32":
                     agree[name] = sum(a == b for a, b in zip(tokens["ours"], tokens[name], strict=True))
         key = f"{w.name}/{precision}"
-        result[key] = {"output_tokens": w.output_tokens, "rows": w.rows}
+        # the least time any static batcher of `batch` rows needs on this machine (`bench.roofline`):
+        # each engine's fraction of it says how close to the hardware it runs
+        floor = floor_seconds(w, batch, *roofline)["floor_s"]
+        medians = {name: statistics.median(v) for name, v in seconds.items()}
+        result[key] = {"output_tokens": w.output_tokens, "rows": w.rows, "seconds": medians, "floor_s": floor,
+                       "roofline_fraction": {name: floor / t for name, t in medians.items()}}
         for name in others:
             result[key][f"ratio_ours_over_{name}"] = statistics.median(pairs[name])
             result[key][f"pairs_{name}"] = pairs[name]
