@@ -37,7 +37,7 @@ from flashx_batch.bench.models import parameter_count
 from flashx_batch.bench.roofline import ModelCost, measure_machine
 from flashx_batch.bench.timing import rotated, spread, timed
 from flashx_batch.bench.variants import build_variants, hf_greedy
-from flashx_batch.bench.workloads import WorkloadSizes, mixed_intake
+from flashx_batch.bench.workloads import WorkloadSizes, equal_lengths, mixed_intake
 
 log = logging.getLogger("flashx_batch.bench.gpu_protocol")
 
@@ -87,8 +87,11 @@ def build_model(shape: dict, device: str, dtype: torch.dtype, out_dir: Path):
     return model
 
 
-def w1_comparison(model_dir: Path, hf, sizes: WorkloadSizes, backend: str, dtype: str, repeats: int) -> dict:
-    workload = mixed_intake(sizes, hf.config.vocab_size, seed=0)
+def w1_comparison(model_dir: Path, hf, sizes: WorkloadSizes, backend: str, dtype: str, repeats: int,
+                  make_workload=mixed_intake) -> dict:
+    """Ours (bucketed) against transformers (arrival order) on W1, or on `make_workload`'s workload
+    (equal lengths: `workloads.equal_lengths`, the seed article's static batch)."""
+    workload = make_workload(sizes, hf.config.vocab_size, 0)
     variants = build_variants(model_dir, hf, W1_BATCH, -(-sizes.max_prompt_len // 16) * 16, sizes.max_output_len,
                               None, 0, ("transformers_arrival", "ours_bucketed"), backend, dtype).variants
     rows = sample_rows(workload, 4)
@@ -97,7 +100,7 @@ def w1_comparison(model_dir: Path, hf, sizes: WorkloadSizes, backend: str, dtype
     agreement = {}
     for v in variants:  # warm-up on the sample, and agreement with unpadded transformers
         result = v.run(sample)
-        mism = compare(v.name, "W1", {row: result.outputs[k] for k, row in enumerate(rows)}, reference)
+        mism = compare(v.name, workload.name, {row: result.outputs[k] for k, row in enumerate(rows)}, reference)
         agreement[v.name] = 1 - len(mism) / len(rows)
     for v in variants:  # one untimed pass: our CUDA graphs for W1's step shapes are captured here, as a
         v.run(workload)  # serving engine captures at start, not inside the timed runs
@@ -209,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         if "W1" in result:
             r = result["W1"]["ratio_ours_bucketed_over_transformers_arrival"]
             log.info("W1: ours bucketed / transformers arrival = %.2f (%.2f–%.2f)", r["median"], r["min"], r["max"])
+    if budget.allows("W2 comparison", 120):  # equal lengths: where scheduling cannot help, kernels must
+        phase("W2", lambda: w1_comparison(model_dir, hf, sizes, backend, dtype, args.repeats, equal_lengths))
+        if "W2" in result:
+            r = result["W2"]["ratio_ours_bucketed_over_transformers_arrival"]
+            log.info("W2: ours / transformers = %.2f (%.2f–%.2f)", r["median"], r["min"], r["max"])
     phase("decode_steps", lambda: step_times(model_dir, hf, backend, dtype, batches, cost,
                                              machine.mem_bandwidth_gb_s * 1e9, budget))
     log.info("wrote %s in %.0fs", args.out / "gpu_protocol.json", result["wall_s"])

@@ -166,6 +166,8 @@ def test_gpu_protocol_runs_end_to_end_in_its_cpu_smoke_mode(tmp_path):
     assert w1["rows"] == gpu_protocol.SMOKE_W1.rows
     assert w1["ratio_ours_bucketed_over_transformers_arrival"]["median"] > 0
     assert w1["greedy_agreement_on_sample"]["ours_bucketed"] == 1.0  # float32 on CPU: token for token
+    w2 = result["W2"]  # equal lengths: the seed article's static batch
+    assert w2["rows"] == gpu_protocol.SMOKE_W1.rows and w2["greedy_agreement_on_sample"]["ours_bucketed"] == 1.0
     assert set(result["decode_steps"]) == {"1", "4", "8"} and not result["skipped"]
     for step in result["decode_steps"].values():
         assert step["ours_step_s"] > 0 and step["ours_eager_step_s"] > 0 and step["transformers_step_s"] > 0
@@ -184,7 +186,8 @@ def test_gpu_protocol_keeps_the_other_phases_when_one_fails(tmp_path, monkeypatc
     monkeypatch.setattr(gpu_protocol, "w1_comparison", broken)
     assert gpu_protocol.main(["--out", str(tmp_path), "--cpu-smoke", "--repeats", "1"]) == 1
     result = json.loads((tmp_path / "gpu_protocol.json").read_text())
-    assert result["errors"] == {"W1": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    error = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert result["errors"] == {"W1": error, "W2": error}  # both comparisons broke, each recorded
     assert "W1" not in result and set(result["decode_steps"]) == {"1", "4", "8"}
 
 
