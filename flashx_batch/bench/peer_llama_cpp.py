@@ -22,8 +22,9 @@ from pathlib import Path
 
 from flashx_batch.bench.workloads import Workload
 
-# llama.cpp's file types for our two precision classes: float32, and int8 weights in blocks of 32 with a
-# scale each (q8_0: the weights are int8, llama.cpp's CPU kernels quantize activations to int8 on the fly)
+# llama.cpp's file types for our two precision classes: float32 (with float32 K and V, as ours), and int8
+# weights in blocks of 32 with a scale each (q8_0: llama.cpp's CPU kernels quantize activations to int8
+# on the fly; K and V stay in its default float16 there)
 OUTTYPES = {"float32": "f32", "int8": "q8_0"}
 
 _CONVERT = """
@@ -86,6 +87,8 @@ class LlamaCpp:
         # llama.cpp computes it in micro-batches of its default size
         params.n_batch = batch * max_prompt + batch
         params.n_threads = params.n_threads_batch = threads
+        if precision == "float32":  # llama.cpp keeps K and V in float16 by default: float32 as ours
+            params.type_k = params.type_v = lc.GGML_TYPE_F32
         params.no_perf = True
         self.ctx = lc.llama_init_from_model(self.model, params)
         if not self.ctx:
