@@ -2,7 +2,7 @@
 
     python -m flashx_batch.bench --out DIR [--quick] [--model NAME|PATH ...] [--threads N] [--repeats N]
                                  [--no-memory] [--no-eval | --eval-only]
-    python -m flashx_batch.bench --out DIR --peers ctranslate2 [--model PATH] [--threads N] [--quick]
+    python -m flashx_batch.bench --out DIR --peers ctranslate2,llama_cpp [--model PATH] [--threads N] [--quick]
 
 `--peers`: instead of the above, ours against the engines named (`bench.peers`: their own converters,
 same precision class, W1 and equal lengths, token agreement at float32) on `--model` (a directory with
@@ -245,7 +245,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None, help="override the main batch size (default 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", default=None, metavar="NAME,...",
-                        help="compare with these engines instead (bench.peers: ctranslate2)")
+                        help="compare with these engines instead (bench.peers: ctranslate2, llama_cpp)")
     return parser.parse_args(argv)
 
 
