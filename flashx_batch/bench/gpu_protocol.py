@@ -87,7 +87,7 @@ def build_model(shape: dict, device: str, dtype: torch.dtype, out_dir: Path):
     return model
 
 
-def w1_comparison(model_dir: Path, hf, sizes: WorkloadSizes, backend: str, dtype: str, repeats: int,
+def workload_comparison(model_dir: Path, hf, sizes: WorkloadSizes, backend: str, dtype: str, repeats: int,
                   make_workload=mixed_intake) -> dict:
     """Ours (bucketed) against transformers (arrival order) on W1, or on `make_workload`'s workload
     (equal lengths: `workloads.equal_lengths`, the seed article's static batch)."""
@@ -208,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "gpu_protocol.json").write_text(json.dumps(result, indent=2))
 
     if budget.allows("W1 comparison", 180):
-        phase("W1", lambda: w1_comparison(model_dir, hf, sizes, backend, dtype, args.repeats))
+        phase("W1", lambda: workload_comparison(model_dir, hf, sizes, backend, dtype, args.repeats))
         if "W1" in result:
             r = result["W1"]["ratio_ours_bucketed_over_transformers_arrival"]
             log.info("W1: ours bucketed / transformers arrival = %.2f (%.2f–%.2f)", r["median"], r["min"], r["max"])
     if budget.allows("W2 comparison", 120):  # equal lengths: where scheduling cannot help, kernels must
-        phase("W2", lambda: w1_comparison(model_dir, hf, sizes, backend, dtype, args.repeats, equal_lengths))
+        phase("W2", lambda: workload_comparison(model_dir, hf, sizes, backend, dtype, args.repeats, equal_lengths))
         if "W2" in result:
             r = result["W2"]["ratio_ours_bucketed_over_transformers_arrival"]
             log.info("W2: ours / transformers = %.2f (%.2f–%.2f)", r["median"], r["min"], r["max"])

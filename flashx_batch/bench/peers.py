@@ -30,21 +30,24 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.bench.int8_cpu import quantize_all
 from flashx_batch.bench.models import LLAMA_27M, LLAMA_134M, parameter_count
-from flashx_batch.bench.roofline import Machine, ModelCost, floor_seconds, measure_machine
+from flashx_batch.bench.roofline import Machine, ModelCost, floor_seconds, measure_int8_matmul, measure_machine
 from flashx_batch.bench.workloads import FULL, QUICK, Workload, equal_lengths, mixed_intake
 from flashx_batch.runtime.options import bundled_model_dir
+
+if TYPE_CHECKING:
+    from flashx_batch.bench.peer_llama_cpp import LlamaCpp
 
 log = logging.getLogger("flashx_batch.bench.peers")
 PEERS = ("ctranslate2", "llama_cpp")
 # random Llamas to compare on besides a checkpoint: shape, and what it is
 SHAPES = {
-    "wide-24m": ({**LLAMA_27M, "vocab_size": 4096}, "the 27 M shape on the bundled 4,096-token vocabulary, 24 M"),
     "llama-27m": (LLAMA_27M, "512 wide, 8 layers, vocab 8 K, 27 M"),
     "llama-134m": (LLAMA_134M, "768 wide, 12 layers, vocab 32 K, 134 M"),
 }
@@ -64,6 +67,9 @@ class CT2:
         self.generator = ctranslate2.Generator(str(out), device="cpu", compute_type=quantization,
                                                intra_threads=threads, inter_threads=1)
         self.vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    def close(self) -> None:
+        del self.generator
 
     def generate(self, workload: Workload, batch: int) -> list[list[int]]:
         """Each row's greedy tokens, exactly its own count, in input order."""
@@ -97,15 +103,14 @@ def _timed(fn) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, out
 
 
-def _peer(name: str, model_dir: Path, work: Path, precision: str, threads: int, batch: int,
-          workloads: list[Workload]):
+def _peer(name: str, model_dir: Path, work: Path, precision: str, threads: int, batch: int, longest: int,
+          most: int) -> CT2 | LlamaCpp:
+    """`name`'s engine for `precision`, taking prompts up to `longest` tokens and `most` new ones."""
     if name == "ctranslate2":
         return CT2(model_dir, work, {"float32": "float32", "int8": "int8_float32"}[precision], threads)
     from flashx_batch.bench.peer_llama_cpp import LlamaCpp
 
-    longest = max(w.max_prompt_len for w in workloads)
-    return LlamaCpp(model_dir, work, precision, threads, batch, longest + max(w.max_output_len for w in workloads),
-                    longest)
+    return LlamaCpp(model_dir, work, precision, threads, batch, longest + most, longest)
 
 
 def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool, work: Path,
@@ -126,13 +131,12 @@ def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool
         mine = Engine.from_pretrained(model_dir, **common)
         if precision == "int8":
             quantize_all(mine)
-        others = {name: _peer(name, model_dir, work, precision, threads, batch, workloads) for name in peers}
+        others = {name: _peer(name, model_dir, work, precision, threads, batch, longest, most) for name in peers}
         try:
             _compare_precision(result, mine, others, workloads, precision, threads, batch, repeats, costs[precision])
         finally:
             for p in others.values():
-                if hasattr(p, "close"):
-                    p.close()
+                p.close()
     return result
 
 
@@ -141,14 +145,7 @@ def roofline_costs(model_dir: Path, machine: Machine) -> dict[str, tuple[ModelCo
     int8 weights (a byte each) and int8 multiply-adds/s (`torch._int_mm`, 1024 cubed). The KV cache
     stays float32 in both."""
     cost = ModelCost.from_hf_dir(model_dir, parameter_count(model_dir), 4)
-    a = torch.randint(-127, 127, (1024, 1024), dtype=torch.int8)
-    b = torch.randint(-127, 127, (1024, 1024), dtype=torch.int8)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        torch._int_mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    int8 = dataclasses.replace(machine, matmul_gflop_s=2 * 1024**3 / best / 1e9, matmul_dtype="int8")
+    int8 = dataclasses.replace(machine, matmul_gflop_s=measure_int8_matmul() / 1e9, matmul_dtype="int8")
     return {"float32": (cost, machine),
             "int8": (dataclasses.replace(cost, weight_bytes=cost.weight_bytes / 4), int8)}
 

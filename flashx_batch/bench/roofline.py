@@ -74,6 +74,13 @@ def measure_matmul(device: torch.device | str = "cpu", n: int = 1024, dtype: tor
     return 2 * n**3 / _best(lambda: torch.mm(a, b, out=c), device, repeats)
 
 
+def measure_int8_matmul(n: int = 1024, repeats: int = 5) -> float:
+    """Multiply-adds x 2 per second of an n x n x n int8 matmul into int32 (`torch._int_mm`, CPU)."""
+    a = torch.randint(-127, 127, (n, n), dtype=torch.int8)
+    b = torch.randint(-127, 127, (n, n), dtype=torch.int8)
+    return 2 * n**3 / _best(lambda: torch._int_mm(a, b), torch.device("cpu"), repeats)
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -231,6 +231,7 @@ class PackedInt8:
         self.scales = scales.reshape(-1).float().contiguous()
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
         self.steps = 127.0 if has_vnni() else 63.0
+        self.zero = int(self.steps) + 1  # the uint8 code of 0.0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [..., K] -> [..., N]."""
@@ -239,9 +240,8 @@ class PackedInt8:
         if count > PAD_ROWS:  # oneDNN builds a kernel per new row count (~1 ms): prefills come in few sizes
             rows = F.pad(rows, (0, 0, 0, -count % PAD_ROWS))
         peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12)
-        zero = int(self.steps) + 1
-        xq = torch.round(rows * (self.steps / peak)).add_(zero).to(torch.uint8)
-        out = torch.ops.onednn.qlinear_pointwise(xq, 1.0 / self.steps, zero, self.packed, self.scales,
+        xq = torch.round(rows * (self.steps / peak)).add_(self.zero).to(torch.uint8)
+        out = torch.ops.onednn.qlinear_pointwise(xq, 1.0 / self.steps, self.zero, self.packed, self.scales,
                                                  self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         return out[:count].mul_(peak[:count]).reshape(*x.shape[:-1], self.out_features)
 

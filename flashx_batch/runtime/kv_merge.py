@@ -116,17 +116,11 @@ def protect_nats_for(vocab_size: int, share: float = 0.75) -> float:
     return share * math.log(vocab_size)
 
 
-def _per_group(values: torch.Tensor, groups: list[int]) -> torch.Tensor:
-    """Sum of a per-token tensor over each listed 4-token group."""
-    upto = (groups[-1] + 1) * GROUP
-    return values[:upto].float().view(-1, GROUP)[groups].sum(-1)
-
-
 def least_attended(scores: torch.Tensor, length: int, settings: MergeSettings, count: int) -> list[int]:
     """The `count` eligible groups whose tokens received the least attention (pooled sum of
     `scores`, one per token), least attended first. `count` must be at least 1."""
     groups = eligible_groups(length, settings)
-    lost = _per_group(scores, groups)
+    lost = group_sums(scores, groups)
     return [groups[i] for i in torch.argsort(lost, stable=True)[:count].tolist()]
 
 
@@ -136,7 +130,7 @@ def attention_order(scores: torch.Tensor, length: int, settings: MergeSettings) 
     it. The tokens after an attended one are what copying or recalling needs next, and the window
     attends to where a match starts. Ties go to the earlier group."""
     groups = eligible_groups(length, settings)
-    attention = _per_group(scores, groups)
+    attention = group_sums(scores, groups)
     attention = torch.maximum(attention, torch.cat((attention[:1], attention[:-1])))
     return [groups[i] for i in torch.argsort(attention, stable=True).tolist()]
 
@@ -207,17 +201,14 @@ class ProtectionSearch:
         return sorted(chosen[self.evicted :]), sorted(chosen[: self.evicted])
 
 
-def group_sums(values: torch.Tensor, groups: list[int]) -> torch.Tensor:
-    """Sum of a per-token tensor over each listed 4-token group (any order)."""
-    if not groups:
-        return torch.zeros(0)
-    index = torch.tensor(groups, dtype=torch.long)
-    return values.float()[(index[:, None] * GROUP + torch.arange(GROUP)).reshape(-1)].view(-1, GROUP).sum(-1)
-
-
 def group_tokens(groups: list[int]) -> torch.Tensor:
     """The token positions of the listed 4-token groups, group after group."""
     return (torch.tensor(groups, dtype=torch.long)[:, None] * GROUP + torch.arange(GROUP)).reshape(-1)
+
+
+def group_sums(values: torch.Tensor, groups: list[int]) -> torch.Tensor:
+    """Sum of a per-token tensor over each listed 4-token group (any order) -> float32 [len(groups)]."""
+    return values.float()[group_tokens(groups)].view(-1, GROUP).sum(-1)
 
 
 def choose_compression(scores: torch.Tensor, length: int, settings: MergeSettings,

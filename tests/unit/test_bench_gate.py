@@ -183,7 +183,7 @@ def test_gpu_protocol_keeps_the_other_phases_when_one_fails(tmp_path, monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(gpu_protocol, "w1_comparison", broken)
+    monkeypatch.setattr(gpu_protocol, "workload_comparison", broken)
     assert gpu_protocol.main(["--out", str(tmp_path), "--cpu-smoke", "--repeats", "1"]) == 1
     result = json.loads((tmp_path / "gpu_protocol.json").read_text())
     error = "RuntimeError: CUDA error: an illegal memory access was encountered"
