@@ -1,4 +1,4 @@
-"""int8 on CPU: layers run prepacked (oneDNN, the engine's choice for wide layers) vs `torch._int_mm`
+"""int8 on CPU: layers run prepacked (oneDNN, the engine's choice for large weights) vs `torch._int_mm`
 alone, end to end on W1 and W2, one process, interleaved repeats, one thread.
 
     PYTHONPATH=. python jobs/int8_prepacked_ab.py [--shape llama-134m] [--full]
@@ -34,16 +34,16 @@ def main() -> None:
         model = random_llama_with_bundled_tokenizer(SHAPES[args.shape][0], Path(tempfile.mkdtemp()) / args.shape)
     vocab = SHAPES[args.shape][0]["vocab_size"] if args.shape else 4096
     sizes = FULL if args.full else QUICK
-    threshold = quant_linear.PREPACKED_MIN_OUT_FEATURES
+    threshold = quant_linear.PREPACKED_MIN_WEIGHTS
     for w in (mixed_intake(sizes, vocab, 0), equal_lengths(sizes, vocab, 0)):
         common = dict(backend="cpu", dtype="float32", max_batch_size=8, max_input_len=w.max_prompt_len,
                       max_output_len=w.max_output_len, num_threads=1)
         engines = {}
-        for name, limit in (("int_mm", 10**9), ("prepacked", threshold)):
-            quant_linear.PREPACKED_MIN_OUT_FEATURES = limit  # read when the layers are quantized
+        for name, limit in (("int_mm", 10**12), ("prepacked", threshold)):
+            quant_linear.PREPACKED_MIN_WEIGHTS = limit  # read when the layers are quantized
             engines[name] = Engine.from_pretrained(model, **common)
             quantize_all(engines[name])
-        quant_linear.PREPACKED_MIN_OUT_FEATURES = threshold
+        quant_linear.PREPACKED_MIN_WEIGHTS = threshold
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in w.max_new_tokens]
         seconds: dict[str, list[float]] = {name: [] for name in engines}
         for engine in engines.values():

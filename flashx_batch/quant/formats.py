@@ -30,10 +30,10 @@ PyTorch kernel rules, found by experiment on torch 2.13 (CPU) and from the CUDA 
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 FLOAT_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT_FORMATS = ("int8", "int4")
@@ -193,20 +193,59 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] float -> (int8 [M, K], scales [M, 1] float32): symmetric, one scale per row
-    (per token), so a row's result never depends on the other rows of its batch."""
-    scales = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12) / 127.0
-    return torch.round(x / scales).clamp_(-127, 127).to(torch.int8), scales
+def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations rows float32 [M, K] (any strides) -> (int8 codes [padded or M, K], peak [M, 1] float32):
+    row i divided by its absolute maximum and rounded on a grid of `steps` steps each side of 0
+    (x ~= code * peak / steps). One scale per row (per token), so a row is rounded the same in any
+    batch; codes past row M (a caller's padding) are 0.
+
+    The codes live in this thread's workspace (`_workspace`): valid until the next call, which is
+    all a matmul needs. A prefill's rows are tens of MB, and a fresh tensor that size costs its page
+    faults on every call (several times the arithmetic); the workspace is faulted in once. No float
+    -> uint8 conversion (several times slower than float -> int8 in torch's CPU kernels): a caller
+    wanting uint8 shifts the codes in place. A NaN row has a NaN peak (its output is NaN again once
+    multiplied by it); its codes are meaningless and touch no other row."""
+    count, width = rows.shape
+    padded = count if padded is None else padded
+    if count * width <= _SMALL_ROWS:  # two ops instead of four: at decode's few rows ops are the cost
+        peak = rows.abs().amax(dim=1, keepdim=True)
+    else:  # no |rows| temporary: at a prefill's many rows passes are the cost
+        peak = torch.maximum(rows.amax(dim=1, keepdim=True), rows.amin(dim=1, keepdim=True).neg_())
+    peak.clamp_(min=1e-12)
+    scaled = _workspace("scaled", count * width, torch.float32, rows.device).view(count, width)
+    torch.mul(rows, peak.reciprocal().mul_(steps), out=scaled).round_()
+    codes = _workspace("codes", padded * width, torch.int8, rows.device).view(padded, width)
+    if padded == count:
+        return codes.copy_(scaled), peak
+    codes[:count].copy_(scaled)
+    codes[count:].zero_()
+    return codes, peak
+
+
+_SMALL_ROWS = 1 << 16  # elements up to which `quantize_rows` takes |rows| in one temporary
+
+
+_workspaces = threading.local()
+
+
+def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of at least `numel` elements, this thread's own, reused across calls (grown, never
+    shrunk: it holds the largest activation of its kind seen, e.g. 24 MB for 2,048 rows of 2,944)."""
+    buffers = _workspaces.__dict__.setdefault("buffers", {})
+    key = (name, dtype, device)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
 
 
 def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x float32 [..., K] @ (q * scales)^T -> [..., N] in int8: each row of x quantized with its own
     scale (`quantize_rows`), int8 x int8 products accumulated in int32 by `torch._int_mm` (oneDNN's
     VNNI / AMX GEMM on x86), then both scales applied. `q_t` is the int8 weight transposed, [K, N]."""
-    rows = _as_rows(x)
-    xq, xs = quantize_rows(rows)
-    out = torch._int_mm(xq, q_t).float().mul_(xs).mul_(scales)
+    codes, peak = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = torch._int_mm(codes, q_t).float().mul_(peak).mul_(scales / 127.0)
     return out.reshape(*x.shape[:-1], q_t.shape[1])
 
 
@@ -235,15 +274,16 @@ class PackedInt8:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [..., K] -> [..., N]."""
-        rows = _as_rows(x)
+        rows = x.reshape(-1, x.shape[-1])  # a view where it can be: quantize_rows reads any strides
         count = len(rows)
-        if count > PAD_ROWS:  # oneDNN builds a kernel per new row count (~1 ms): prefills come in few sizes
-            rows = F.pad(rows, (0, 0, 0, -count % PAD_ROWS))
-        peak = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12)
-        xq = torch.round(rows * (self.steps / peak)).add_(self.zero).to(torch.uint8)
+        # oneDNN builds a kernel per new row count (~1 ms): calls of many rows are padded with zero codes
+        padded = count + (-count % PAD_ROWS if count > PAD_ROWS else 0)
+        codes, peak = quantize_rows(rows, self.steps, padded)
+        xq = codes.view(torch.uint8).add_(self.zero)  # modulo 256: code c becomes zero + c as uint8
         out = torch.ops.onednn.qlinear_pointwise(xq, 1.0 / self.steps, self.zero, self.packed, self.scales,
                                                  self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-        return out[:count].mul_(peak[:count]).reshape(*x.shape[:-1], self.out_features)
+        out = out if padded == count else out[:count]
+        return out.mul_(peak).reshape(*x.shape[:-1], self.out_features)
 
     def int8_weight(self) -> torch.Tensor:
         """The int8 values [N, K] it holds, read back through the kernel itself (the packed layout is
@@ -270,11 +310,10 @@ def onednn_int8_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """What `int8_dynamic_matmul` does to its input, in float: the reference its tests compare with."""
-    rows = _as_rows(x)
-    xq, xs = quantize_rows(rows)
-    return (xq.float() * xs).to(x.dtype).reshape(x.shape)
+def fake_quantize_rows(x: torch.Tensor, steps: float = 127.0) -> torch.Tensor:
+    """What the int8-activation kernels do to their input, in float: the reference their tests compare with."""
+    codes, peak = quantize_rows(x.reshape(-1, x.shape[-1]), steps)
+    return (codes.float() * (peak / steps)).to(x.dtype).reshape(x.shape)
 
 
 def int4_matmul(x: torch.Tensor, kernel: str, ops: Int4Operands, out_features: int) -> torch.Tensor:

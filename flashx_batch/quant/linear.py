@@ -14,17 +14,16 @@ speeds: docs/benchmarks.md, "Mixed-precision weights"):
                      For fp32 activations the CPU kernel has no vector path (4x slower than fp32
                      F.linear at one row), so fp32 always takes the BLAS route (`dequant`).
   int8_dynamic       float32 activations on CPU: int8 weights, and activations quantized to 8 bits per
-                     row (per token: a row is rounded the same in any batch) at each call, products summed
-                     in int32 by oneDNN's VNNI / AMX GEMM: through `torch._int_mm`, which reorders the
-                     weight on every call, or, for layers of at least PREPACKED_MIN_OUT_FEATURES outputs,
-                     with the weight prepacked at load (`formats.PackedInt8`, where torch has oneDNN's
-                     int8 linear). One thread, 2026-12-02, microseconds at 8 / 512 rows, prepacked vs
-                     `_int_mm`: 768 -> 2944 199 / 2932 vs 354 / 3418; 768 -> 32000 1199 / 55374 vs
-                     5482 / 99174; 512 -> 2816 132 / 2128 vs 224 / 2911; 768 -> 2304 161 / 2570 vs
-                     286 / 2740; but 2944 -> 768 270 / 6766 vs 343 / 4082 and 256 -> 512 62 vs 38 at 8
-                     rows: wide outputs gain, narrow ones lose. The activation rounding is a
-                     second error beyond the weight's: measurements for such an engine run this kernel
-                     itself instead of `simulated`, so the planner measures what will run.
+                     row (per token: a row is rounded the same in any batch; `formats.quantize_rows`) at
+                     each call, products summed in int32 by oneDNN's VNNI / AMX GEMM: for weights of at
+                     least PREPACKED_MIN_WEIGHTS values prepacked at load (`formats.PackedInt8`, where
+                     torch has oneDNN's int8 linear), smaller ones through `torch._int_mm`, which
+                     reorders the weight on every call but costs fewer microseconds a call, what a
+                     small layer's decode step is made of. The split, and the kernels against float32
+                     F.linear, measured by `jobs/int8_kernel_shapes.py` (docs/benchmarks.md, "int8 on
+                     CPU"). The activation rounding is a second error beyond the weight's: measurements
+                     for such an engine run this kernel itself instead of `simulated`, so the planner
+                     measures what will run.
   int4pack_mm_cpu    `_weight_int4pack_mm_for_cpu` for bf16 / fp16 activations: 2-4x faster than bf16
                      F.linear at one row, ~10x slower at 256 rows (prefill). Its packed layout is
                      blocked by the CPU's vector width (opaque, machine specific), so no float copy is
@@ -54,9 +53,9 @@ log = logging.getLogger(__name__)
 KERNELS = ("native", "cast", "int8pack_mm", "int8_dynamic", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant",
            "simulated")
 SMALL_M = 16  # int8pack_mm runs calls of at most this many rows; larger ones take float BLAS
-# int8_dynamic weights with at least this many outputs run prepacked (module docstring); a layer's choice
+# int8_dynamic weights of at least this many values run prepacked (module docstring); a layer's choice
 # depends on its shape only, never on a call's row count
-PREPACKED_MIN_OUT_FEATURES = 2048
+PREPACKED_MIN_WEIGHTS = 256 * 1024
 _HALF = (torch.bfloat16, torch.float16)
 _probed: dict[tuple[str, str, torch.dtype], bool] = {}
 
@@ -154,7 +153,7 @@ class QuantLinear(nn.Module):
         elif self.fmt == "int8":
             q, scales = fm.quantize_int8(weight)
             if (self.kernel == "int8_dynamic" and fm.onednn_int8_available()
-                    and self.out_features >= PREPACKED_MIN_OUT_FEATURES):
+                    and self.out_features * self.in_features >= PREPACKED_MIN_WEIGHTS):
                 self._packed = fm.PackedInt8(q, scales)  # the weight lives only there, prepacked
             elif self.kernel == "int8_dynamic":  # the GEMM reads the weight as [K, N]; one copy kept
                 self.register_buffer("qweight_t", q.t().contiguous())

@@ -109,10 +109,10 @@ def test_wide_int8_layers_run_prepacked_with_the_same_rounding():
     """A layer with many outputs keeps its int8 weight prepacked for oneDNN (no reorder per call):
     every row rounded on its own grid, calls of any row count (padded past 64) agreeing with each
     other and with the int8 reference, the weight read back exactly, one byte a weight resident."""
-    from flashx_batch.quant.linear import PREPACKED_MIN_OUT_FEATURES
+    from flashx_batch.quant.linear import PREPACKED_MIN_WEIGHTS
 
     g = torch.Generator().manual_seed(6)
-    w = torch.randn(PREPACKED_MIN_OUT_FEATURES, 64, generator=g) * 0.05
+    w = torch.randn(PREPACKED_MIN_WEIGHTS // 64, 64, generator=g) * 0.05
     module = QuantLinear.from_float(w, "int8", torch.float32)
     simulated = QuantLinear.from_float(w, "int8", torch.float32, kernel="simulated")
     assert module._packed is not None and QuantLinear.from_float(_weight(), "int8", torch.float32)._packed is None
@@ -178,3 +178,21 @@ def test_int8_dynamic_is_batch_invariant_and_simulated_exactly():
     assert torch.allclose(out[[0, 3, 4, 5]], module(x)[[0, 3, 4, 5]], rtol=1e-6, atol=1e-6)
     assert simulated.kernel == "int8_dynamic" and torch.equal(simulated(x), module(x))
     assert _rel(module(x), x @ w.T) <= 2e-2
+
+
+def test_quantize_rows_is_the_same_for_any_row_count_stride_and_size():
+    """The activation rounding every int8-activation kernel shares: a row's codes and peak are the same
+    alone or among many (past the size where the peak is taken in four ops instead of two), read
+    through a strided view or a contiguous copy; padding rows are zero codes; values within half a step."""
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(300, 2 * 512, generator=g) * torch.logspace(-3, 3, 300)[:, None]
+    rows = wide[:, :512]  # a view with a row stride of 1,024, as a fused projection's half is
+    assert rows.numel() > fm._SMALL_ROWS
+    codes, peak = fm.quantize_rows(rows, 127.0, padded=320)
+    codes, peak = codes.clone(), peak.clone()  # the codes live in a workspace the next call reuses
+    assert codes.shape == (320, 512) and not codes[300:].any()
+    for i in (0, 7, 150, 299):
+        alone, alone_peak = fm.quantize_rows(rows[i : i + 1].contiguous())
+        assert torch.equal(alone[0], codes[i]) and torch.equal(alone_peak[0], peak[i])
+    assert codes[:300].abs().amax(dim=1).eq(127).all()  # each row's largest value lands on the grid's end
+    assert ((codes[:300].float() * peak / 127 - rows).abs() <= peak / 254 * (1 + 1e-5)).all()
