@@ -14,6 +14,7 @@ kernel and the ratio int_mm / prepacked (above 1: prepacked is faster), with the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -60,9 +61,10 @@ def main() -> None:
             for m in (8, 512):
                 x = torch.randn(m, k, generator=g)
                 calls = 50 if m == 8 else 5
-                us = {"prepacked": _microseconds(lambda: packed.matmul(x), calls),
-                      "int_mm": _microseconds(lambda: fm.int8_dynamic_matmul(x, q_t, scales), calls),
-                      "float32": _microseconds(lambda: F.linear(x, w), calls)}
+                kernels = {"prepacked": functools.partial(packed.matmul, x),
+                           "int_mm": functools.partial(fm.int8_dynamic_matmul, x, q_t, scales),
+                           "float32": functools.partial(F.linear, x, w)}
+                us = {name: _microseconds(fn, calls) for name, fn in kernels.items()}
                 row[f"rows_{m}"] = {**{f"{name}_us": round(v, 1) for name, v in us.items()},
                                     "int_mm_over_prepacked": round(us["int_mm"] / us["prepacked"], 2)}
             result["shapes"][f"{k}->{n}"] = row
