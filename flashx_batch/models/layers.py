@@ -195,16 +195,38 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+MLP_CHUNK_BYTES = 8 << 20  # a CPU prefill's gate / up output per chunk (`GatedMLP.forward`)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP with the gate and up projections fused into one matmul at load time."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.intermediate = intermediate
+        self.hidden, self.intermediate = hidden, intermediate
         self.gate_up = Linear(2 * intermediate, hidden, False, dtype, device)
         self.down = Linear(hidden, intermediate, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        chunk = self.chunk_rows(x.element_size())
+        if x.device.type != "cpu" or rows <= chunk or torch.compiler.is_compiling():
+            return self._rows(x)
+        # a CPU prefill: the [tokens, 2 x intermediate] projection output runs to tens of MB, each call a
+        # fresh mapping whose page faults cost more than its GEMM (allocations over glibc's 32 MB mmap
+        # ceiling are never reused), and the gate / up passes run from memory instead of cache. In row
+        # chunks the intermediate stays small; each row's result is computed as it was, in its chunk.
+        flat = x.reshape(rows, x.shape[-1])
+        out = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
+        for a in range(0, rows, chunk):
+            out[a : a + chunk] = self._rows(flat[a : a + chunk])
+        return out.view(*x.shape[:-1], -1)
+
+    def chunk_rows(self, itemsize: int) -> int:
+        """Rows per chunk of a CPU prefill: the gate / up output at most MLP_CHUNK_BYTES, a multiple of 64."""
+        return max(64, MLP_CHUNK_BYTES // (2 * self.intermediate * itemsize) // 64 * 64)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up.forward(x).split(self.intermediate, dim=-1)
         # in place on the projection's own output: the same values as silu(gate) * up without two
         # fresh [tokens, intermediate] temporaries (page faults on CPU; docs/architecture.md, "CPU decode path")

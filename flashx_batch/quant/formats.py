@@ -293,6 +293,29 @@ class PackedInt8:
         return torch.round(torch.cat(columns).T / self.scales[:, None]).to(torch.int8)
 
 
+ROTATION_BLOCK = 16  # channels each `rotate_blocks` Hadamard mixes
+
+
+@functools.cache
+def hadamard(size: int) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix [size, size] (size a power of 2): symmetric, its own inverse."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)))
+    return h / size**0.5
+
+
+def rotate_blocks(x: torch.Tensor, block: int = ROTATION_BLOCK) -> torch.Tensor:
+    """x [..., K] with every run of `block` channels multiplied by the orthonormal Hadamard (K % block == 0).
+
+    x W^T == rotate_blocks(x) rotate_blocks(W)^T exactly in real numbers: rotating a layer's weight rows
+    at load and its input at each call changes nothing but where rounding falls. A row whose size
+    sits in a few channels has it spread over the block, so a per-row int8 grid (set by the row's
+    largest value) serves the rest of the row better."""
+    h = hadamard(block).to(device=x.device, dtype=x.dtype)
+    return torch.matmul(x.reshape(*x.shape[:-1], x.shape[-1] // block, block), h).reshape(x.shape)
+
+
 @functools.cache
 def has_vnni() -> bool:
     """Whether the CPU has int8 dot products into int32 (AVX-512 VNNI, AVX-VNNI or AMX), from

@@ -118,13 +118,19 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None)
         self._int4: fm.Int4Operands | None = None
         self._packed: fm.PackedInt8 | None = None  # int8_dynamic's oneDNN-prepacked weight, where torch has it
+        self.rotated = False  # weight held, and input rounded, in `formats.rotate_blocks`' basis
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: str, dtype: torch.dtype, group_size: int | None = None,
-                   bias: torch.Tensor | None = None, kernel: str | None = None) -> QuantLinear:
+                   bias: torch.Tensor | None = None, kernel: str | None = None,
+                   rotate_input: bool = False) -> QuantLinear:
         """Quantize `weight` [N, K] (any float dtype, on its device) into `fmt`; activations run in `dtype`.
 
-        Called by `apply_precision_map` at load and by the sensitivity scan; `kernel=None` chooses one."""
+        Called by `apply_precision_map` at load and by the sensitivity scan; `kernel=None` chooses one.
+        `rotate_input`: the layer's inputs are heavy-tailed (one channel in a row far above the rest,
+        as a gated MLP's product is); where activations are rounded to int8 (`int8_dynamic`) the
+        weight is stored rotated (`formats.rotate_blocks`) and each input rotated the same way before
+        its rounding. Other kernels, and inputs of a width the block does not divide, ignore it."""
         out_features, in_features = weight.shape
         if fmt == "int4":
             group_size = fm.int4_group_size(in_features, group_size or 64)
@@ -139,8 +145,10 @@ class QuantLinear(nn.Module):
             # last-bit differences into whole rounding steps, layer after layer; the kernel is fast anyway
             kernel = real
         module = cls(fmt, kernel or real, out_features, in_features, group_size, dtype)
+        module.rotated = (rotate_input and module.kernel == "int8_dynamic"
+                          and in_features % fm.ROTATION_BLOCK == 0)
         with torch.no_grad():
-            module._store(weight.detach(), dtype)
+            module._store(fm.rotate_blocks(weight.detach().float()) if module.rotated else weight.detach(), dtype)
         if bias is not None:
             module.bias = bias.detach().to(dtype).clone()
         return module
@@ -187,7 +195,8 @@ class QuantLinear(nn.Module):
                 q = self._packed.int8_weight()
             else:
                 q = self.qweight_t.t() if self.kernel == "int8_dynamic" else self.qweight
-            return fm.dequantize_int8(q, self.scales, torch.float32)
+            weight = fm.dequantize_int8(q, self.scales, torch.float32)
+            return fm.rotate_blocks(weight) if self.rotated else weight  # the rotation is its own inverse
         if self.kernel == "dequant":
             return fm.dequantize_int4(self.packed, self.scales, self.zeros, torch.float32)
         # the kernel's own layout is opaque: read the weight back through the kernel itself
@@ -196,6 +205,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel
+        if self.rotated:
+            x = fm.rotate_blocks(x)
         if kernel in ("native", "simulated"):
             out = F.linear(x, self.weight)
         elif kernel == "cast":
@@ -222,7 +233,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
-        return f"{self.in_features} -> {self.out_features}, {self.fmt}{group}, kernel={self.kernel}"
+        rotated = ", input rotated" if self.rotated else ""
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}{group}, kernel={self.kernel}{rotated}"
 
 
 def _simulate(weight: torch.Tensor, fmt: str, group_size: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -256,12 +268,14 @@ class SplitLinear(nn.Module):
 
 
 def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, pieces: list[tuple[int, int, str]],
-                 dtype: torch.dtype, group_size: int, kernel: str | None = None) -> nn.Module:
+                 dtype: torch.dtype, group_size: int, kernel: str | None = None,
+                 rotate_input: bool = False) -> nn.Module:
     """A module for `weight` [N, K] whose rows [start, stop) use the format of each piece.
 
     Adjacent pieces with the same format are quantized as one (int8 and int4 are per row, so the
     result is identical) and so run as one kernel; a single remaining piece needs no `SplitLinear`.
     `kernel` forces one kernel for every piece (`simulated` for measurements); None chooses per piece.
+    `rotate_input` as in `QuantLinear.from_float`.
     """
     merged: list[list] = []
     for start, stop, fmt in sorted(pieces):
@@ -274,7 +288,8 @@ def build_linear(weight: torch.Tensor, bias: torch.Tensor | None, pieces: list[t
         raise ValueError(f"pieces {pieces} do not tile the {weight.shape[0]} rows of the weight exactly")
     bias = None if bias is None else bias.detach().to(dtype).clone()
     if len(merged) == 1:
-        return QuantLinear.from_float(weight, merged[0][2], dtype, group_size, bias=bias, kernel=kernel)
-    parts = [QuantLinear.from_float(weight[start:stop], fmt, dtype, group_size, kernel=kernel)
-             for start, stop, fmt in merged]
+        return QuantLinear.from_float(weight, merged[0][2], dtype, group_size, bias=bias, kernel=kernel,
+                                      rotate_input=rotate_input)
+    parts = [QuantLinear.from_float(weight[start:stop], fmt, dtype, group_size, kernel=kernel,
+                                    rotate_input=rotate_input) for start, stop, fmt in merged]
     return SplitLinear(parts, bias)

@@ -125,8 +125,12 @@ class FormatSwap:
             covered = sum(u.out_features for u in members)
             if covered != rows:
                 raise ValueError(f"{path}: units cover {covered} of {rows} rows")
+            # a gated MLP's down projection reads silu(gate) * up, a product of two roughly normal
+            # values: a few channels per row far above the rest (peak / rms ~10 on the bundled model,
+            # ~3 for every other projection's input), which int8 activation rounding handles badly
+            rotate = all(u.kind == "down" for u in members)
             replacement = build_linear(original.weight, original.bias, pieces, dtype, group_size,
-                                       kernel="simulated" if simulate else None)
+                                       kernel="simulated" if simulate else None, rotate_input=rotate)
             set_module(model, path, replacement)
             self.originals[path] = original
 

@@ -224,3 +224,12 @@ def test_engine_loads_a_map_through_its_options(planned, tiny):
     assert out.num_generated_tokens == 8
     with pytest.raises(ConfigError, match="onnx"):
         Engine.from_pretrained(tiny[0], precision_map=str(path), **{**opts, "backend": "onnx"})
+
+
+def test_all_int8_rotates_the_down_projections_inputs_only(tiny):
+    """int8 with int8 activations (a float32 CPU model): the gated MLP's down projection, whose input
+    is a product with heavy tails, rounds it in the rotated basis; no other projection does."""
+    model = _load(tiny[0])
+    FormatSwap(model, {u.name: "int8" for u in model_units(model)}, 64).originals.clear()
+    rotated = {name for name, m in model.named_modules() if getattr(m, "rotated", False)}
+    assert rotated == {f"layers.{i}.mlp.down" for i in range(model.config.num_layers)}
