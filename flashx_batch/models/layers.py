@@ -208,14 +208,17 @@ class GatedMLP(nn.Module):
         self.down = Linear(hidden, intermediate, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or x.device.type != "cpu":  # no shape guard for a compiler to record
+            return self._rows(x)
         rows = x.numel() // x.shape[-1]
         chunk = self.chunk_rows(x.element_size())
-        if x.device.type != "cpu" or rows <= chunk or torch.compiler.is_compiling():
+        if rows <= chunk:
             return self._rows(x)
         # a CPU prefill: the [tokens, 2 x intermediate] projection output runs to tens of MB, each call a
         # fresh mapping whose page faults cost more than its GEMM (allocations over glibc's 32 MB mmap
         # ceiling are never reused), and the gate / up passes run from memory instead of cache. In row
-        # chunks the intermediate stays small; each row's result is computed as it was, in its chunk.
+        # chunks the intermediate stays small; each row is computed as before, in its chunk (a GEMM may
+        # round a row's last bit differently for another row count, as it already does between batches).
         flat = x.reshape(rows, x.shape[-1])
         out = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
         for a in range(0, rows, chunk):

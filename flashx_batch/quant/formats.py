@@ -233,7 +233,8 @@ def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) 
     """A flat buffer of at least `numel` elements, this thread's own, reused across calls (grown, never
     shrunk: it holds the largest activation of its kind seen, e.g. 24 MB for 2,048 rows of 2,944)."""
     buffers = _workspaces.__dict__.setdefault("buffers", {})
-    key = (name, dtype, device)
+    # a buffer made under torch.inference_mode cannot be written outside it: one of each kind
+    key = (name, dtype, device, torch.is_inference_mode_enabled())
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)

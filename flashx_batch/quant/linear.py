@@ -20,10 +20,10 @@ speeds: docs/benchmarks.md, "Mixed-precision weights"):
                      torch has oneDNN's int8 linear), smaller ones through `torch._int_mm`, which
                      reorders the weight on every call but costs fewer microseconds a call, what a
                      small layer's decode step is made of. The split, and the kernels against float32
-                     F.linear, measured by `jobs/int8_kernel_shapes.py` (docs/benchmarks.md, "int8 on
-                     CPU"). The activation rounding is a second error beyond the weight's: measurements
-                     for such an engine run this kernel itself instead of `simulated`, so the planner
-                     measures what will run.
+                     F.linear, measured by `jobs/int8_kernel_shapes.py` (docs/benchmarks.md, "int8
+                     kernel per layer shape"). The activation rounding is a second error beyond the
+                     weight's: measurements for such an engine run this kernel itself instead of
+                     `simulated`, so the planner measures what will run.
   int4pack_mm_cpu    `_weight_int4pack_mm_for_cpu` for bf16 / fp16 activations: 2-4x faster than bf16
                      F.linear at one row, ~10x slower at 256 rows (prefill). Its packed layout is
                      blocked by the CPU's vector width (opaque, machine specific), so no float copy is

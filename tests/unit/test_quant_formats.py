@@ -227,3 +227,34 @@ def test_rotate_blocks_is_orthonormal_and_its_own_inverse():
     assert torch.allclose(fm.rotate_blocks(once), x, atol=1e-5)
     assert torch.allclose(once.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
     assert torch.allclose(once[..., :16], x[..., :16] @ fm.hadamard(16), atol=1e-6)
+
+
+def test_quantize_rows_serves_inference_mode_and_plain_calls_alike():
+    """The rounding workspace is per thread: a buffer made under torch.inference_mode (the engine's
+    forwards) must not be what a later plain call (a probe, a weight read-back) writes into."""
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        inside = fm.quantize_rows(x)[0].clone()
+    assert torch.equal(fm.quantize_rows(x)[0], inside)
+    with torch.inference_mode():
+        assert torch.equal(fm.quantize_rows(x)[0], inside)
+
+
+@pytest.mark.skipif(not fm.onednn_int8_available(), reason="this torch build has no oneDNN int8 linear")
+def test_rotated_prepacked_layer_keeps_the_function_and_batch_invariance():
+    """A down projection large enough to run prepacked, input rotated: output as the rotated reference
+    computes it, rows alone equal to rows in a padded call of 70."""
+    from flashx_batch.quant.linear import PREPACKED_MIN_WEIGHTS
+
+    g = torch.Generator().manual_seed(14)
+    w = torch.randn(PREPACKED_MIN_WEIGHTS // 256, 256, generator=g) * 0.05
+    module = QuantLinear.from_float(w, "int8", torch.float32, rotate_input=True)
+    assert module._packed is not None and module.rotated
+    x = torch.randn(70, 256, generator=g) * torch.randn(70, 256, generator=g)
+    out = module(x)
+    expected = fm.fake_quantize_rows(fm.rotate_blocks(x), module._packed.steps) @ \
+        fm.rotate_blocks(module.reference_weight()).T
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4)
+    assert _rel(out, x @ w.T) <= 2e-2
+    for part in (slice(0, 1), slice(60, 70)):
+        assert torch.allclose(out[part], module(x[part]), rtol=1e-5, atol=1e-5)
