@@ -43,7 +43,8 @@ def main() -> None:
             quantize_all(engine)
         seconds: dict[str, list[float]] = {"whole": [], "chunked": []}
         for repeat in range(args.repeats + 1):
-            for name, limit in (("whole", 1 << 40), ("chunked", chunk_bytes)):
+            variants = (("whole", 1 << 40), ("chunked", chunk_bytes))
+            for name, limit in variants[repeat % 2 :] + variants[: repeat % 2]:  # who goes first alternates
                 layers.MLP_CHUNK_BYTES = limit  # read on every MLP call
                 start = time.perf_counter()
                 engine.generate(prompts, params)

@@ -201,7 +201,7 @@ def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None =
     batch; codes past row M (a caller's padding) are 0.
 
     The codes live in this thread's workspace (`_workspace`): valid until the next call, which is
-    all a matmul needs. A prefill's rows are tens of MB, and a fresh tensor that size costs its page
+    all a matmul needs. A prefill's rows run to many MB, and a fresh tensor that size costs its page
     faults on every call (several times the arithmetic); the workspace is faulted in once. No float
     -> uint8 conversion (several times slower than float -> int8 in torch's CPU kernels): a caller
     wanting uint8 shifts the codes in place. A NaN row has a NaN peak (its output is NaN again once
@@ -231,7 +231,7 @@ _workspaces = threading.local()
 
 def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat buffer of at least `numel` elements, this thread's own, reused across calls (grown, never
-    shrunk: it holds the largest activation of its kind seen, e.g. 24 MB for 2,048 rows of 2,944)."""
+    shrunk: it holds the largest activation of its kind this thread has rounded)."""
     buffers = _workspaces.__dict__.setdefault("buffers", {})
     # a buffer made under torch.inference_mode cannot be written outside it: one of each kind
     key = (name, dtype, device, torch.is_inference_mode_enabled())
@@ -261,7 +261,7 @@ class PackedInt8:
     rows that reorder is most of the time. Here the weight is packed at load and each call quantizes
     its input per row — divided by the row's absolute maximum and rounded on a fixed grid of 127
     steps (63 where the CPU has no VNNI int8 dot products, whose 16-bit pair sums could saturate),
-    handed over as uint8 with zero point 128 and that fixed scale — then multiplies each output row
+    handed over as uint8 with zero point steps + 1 and that fixed scale — then multiplies each output row
     back by its maximum. Every row is rounded exactly as it would be alone; like float32 BLAS, the
     kernel may still sum a row in another order for another row count (last-bit differences)."""
 
@@ -312,7 +312,8 @@ def rotate_blocks(x: torch.Tensor, block: int = ROTATION_BLOCK) -> torch.Tensor:
     x W^T == rotate_blocks(x) rotate_blocks(W)^T exactly in real numbers: rotating a layer's weight rows
     at load and its input at each call changes nothing but where rounding falls. A row whose size
     sits in a few channels has it spread over the block, so a per-row int8 grid (set by the row's
-    largest value) serves the rest of the row better."""
+    largest value) serves the rest of the row better. The rotation is a small float GEMM, which may round a
+    row's last bit differently for another row count, as the int8 kernels' own output scaling may."""
     h = hadamard(block).to(device=x.device, dtype=x.dtype)
     return torch.matmul(x.reshape(*x.shape[:-1], x.shape[-1] // block, block), h).reshape(x.shape)
 

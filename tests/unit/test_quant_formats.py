@@ -105,8 +105,8 @@ def test_int8_kernel_and_blas_routes_agree(rows):
 
 
 @pytest.mark.skipif(not fm.onednn_int8_available(), reason="this torch build has no oneDNN int8 linear")
-def test_wide_int8_layers_run_prepacked_with_the_same_rounding():
-    """A layer with many outputs keeps its int8 weight prepacked for oneDNN (no reorder per call):
+def test_large_int8_layers_run_prepacked_with_the_same_rounding():
+    """A layer with many weights keeps its int8 weight prepacked for oneDNN (no reorder per call):
     every row rounded on its own grid, calls of any row count (padded past 64) agreeing with each
     other and with the int8 reference, the weight read back exactly, one byte a weight resident."""
     from flashx_batch.quant.linear import PREPACKED_MIN_WEIGHTS
