@@ -391,11 +391,13 @@ class DecoderModel(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.embed)
         return self.shard.comm.all_reduce_(x.masked_fill_(outside[..., None], 0))
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, upcast: bool = True) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab]; `weight`: a copy of the LM head's weight in
-        another dtype to use instead (the hidden states cast to it). A tensor-parallel rank computes its
-        vocabulary rows and all-gathers the rest, so every rank holds the same full logits."""
+        another dtype to use instead (the hidden states cast to it); `upcast=False`: logits in the dtype
+        the head computed them in (one full pass over [..., vocab] fewer). A tensor-parallel rank
+        computes its vocabulary rows and all-gathers the rest, so every rank holds the same full logits
+        (always float32)."""
         local = self.lm_head.forward(hidden) if weight is None else F.linear(hidden.to(weight.dtype), weight)
         if self.shard is None:
-            return local.float()
+            return local.float() if upcast else local
         return self.shard.comm.all_gather_last(local.float())[..., : self.config.vocab_size]

@@ -167,8 +167,13 @@ class ProtectionSearch:
         if self.bar is None or len(self.unprotected) >= self.need or self.asked >= len(self.order):
             return []
         short = self.need - len(self.unprotected)
-        # after a first round, at least as many again: a mostly protected prompt takes a few rounds, not dozens
-        return self.order[self.asked : self.asked + max(short + self.slack(short), self.asked)]
+        if self.asked:
+            # later rounds: the shortfall over the share of asked groups that came back unprotected, with
+            # a quarter more to spare (licence text: one or two small rounds after the first, where
+            # asking "as many again" probed nearly every group of a prompt with a few names in it); a
+            # mostly protected prompt asks for the rest at once, not in dozens of rounds
+            short = math.ceil(short * 1.25 * self.asked / max(1, len(self.unprotected)))
+        return self.order[self.asked : self.asked + short + self.slack(short)]
 
     @staticmethod
     def slack(short: int) -> int:

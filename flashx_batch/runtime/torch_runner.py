@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from flashx_batch.backends import Backend
 from flashx_batch.kvcache.arena import KVArena
@@ -298,14 +299,17 @@ class TorchRunner(ModelRunner):
         """-log p(targets[i]) under the logits of final-norm hidden states [n, H] -> [n] float32 on the host.
 
         Only a ranking signal, so on a float32 CPU model the LM head runs in bfloat16 (a cached
-        bfloat16 copy of its weight): the LM head is most of what this costs."""
+        bfloat16 copy of its weight) and the cross-entropy reads its bfloat16 logits as they are
+        (rounded to ~0.03 nats at the values a protection threshold compares): the LM head and the
+        pass over its [n, vocab] logits are most of what this costs, and an upcast copy of the logits
+        would add a third."""
         head = self._surprisal_head()
         chunk = self._logit_rows
         values = []
         for a in range(0, len(hidden), chunk):
-            logits = self.model.logits(hidden[a : a + chunk], head)
-            t = targets[a : a + chunk, None].to(logits.device)
-            values.append(torch.logsumexp(logits, -1) - logits.gather(1, t)[:, 0])
+            logits = self.model.logits(hidden[a : a + chunk], head, upcast=False)
+            t = targets[a : a + chunk].to(logits.device)
+            values.append(F.cross_entropy(logits, t, reduction="none").float())
         return torch.cat(values).cpu() if values else torch.zeros(0)
 
     @property

@@ -255,6 +255,25 @@ def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
         assert torch.equal(runner.prompt_surprisal(prompt), got)  # the harness's path, the same numbers
 
 
+def test_protection_search_asks_for_the_shortfall_not_every_group_left():
+    """Text with a name or a number every few groups (one group in seven protected): after the first
+    round the search asks for about what is still missing, scaled by how many asked groups came
+    back unprotected — not for every group that is left."""
+    length = 512
+    s = MergeSettings(fraction=0.6, sinks=4, window=32, evict_share=0.8, protect_nats=protect_nats_for(4096))
+    scores = torch.rand(length, generator=torch.Generator().manual_seed(0))
+    surprisal = torch.full((length,), 2.0)
+    for group in range(0, length // 4, 7):
+        surprisal[4 * group : 4 * group + 4] = math.log(4096)
+    search, asked, rounds = ProtectionSearch(scores, length, s), 0, 0
+    while wanted := search.wanted():
+        asked, rounds = asked + len(wanted), rounds + 1
+        search.feed(wanted, group_sums(surprisal, wanted))
+    assert search.plan() == choose_compression(scores, length, s, surprisal)
+    need = search.need
+    assert rounds <= 3 and asked <= 1.4 * need < len(search.order), (asked, need, rounds, len(search.order))
+
+
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.8, 1.0])
 def test_compressed_length_is_what_the_plan_keeps(share):
     """The arena sizes stripes from compressed_length: every prompt length's plan must keep exactly that."""
