@@ -160,6 +160,7 @@ class ProtectionSearch:
         # compared in float32, as the per-group sums are
         self.bar = None if settings.protect_nats is None else float(torch.tensor(GROUP * settings.protect_nats))
         self.asked = 0  # groups of `order` whose surprisal is known
+        self.later = 0  # size of the last round after the first (0: none yet)
         self.unprotected: list[int] = []
         self.protected: dict[int, float] = {}
 
@@ -167,13 +168,16 @@ class ProtectionSearch:
         if self.bar is None or len(self.unprotected) >= self.need or self.asked >= len(self.order):
             return []
         short = self.need - len(self.unprotected)
-        if self.asked:
-            # later rounds: the shortfall over the share of asked groups that came back unprotected, with
-            # a quarter more to spare (licence text: one or two small rounds after the first, where
-            # asking "as many again" probed nearly every group of a prompt with a few names in it); a
-            # mostly protected prompt asks for the rest at once, not in dozens of rounds
-            short = math.ceil(short * 1.25 * self.asked / max(1, len(self.unprotected)))
-        return self.order[self.asked : self.asked + short + self.slack(short)]
+        if not self.asked:
+            return self.order[: short + self.slack(short)]
+        # later rounds: the shortfall over the share of asked groups that came back unprotected, with a
+        # quarter more to spare (licence text: one small round after the first, where asking "as many
+        # again" probed nearly every group of a prompt with a few names in it), and at least twice the
+        # previous later round: a band of protected groups past the first cut takes a few doubling
+        # rounds, not dozens of small ones; a mostly protected prompt asks for the rest at once
+        count = math.ceil(short * 1.25 * self.asked / max(1, len(self.unprotected)))
+        count = max(count + self.slack(count), 2 * self.later)
+        return self.order[self.asked : self.asked + count]
 
     @staticmethod
     def slack(short: int) -> int:
@@ -185,6 +189,8 @@ class ProtectionSearch:
         """`info[i]`: the summed surprisal of groups[i]'s tokens, for the groups `wanted()` returned."""
         if groups != self.order[self.asked : self.asked + len(groups)]:
             raise ValueError("ProtectionSearch.feed takes the groups wanted() returned, in that order")
+        if self.asked:
+            self.later = len(groups)
         for g, value in zip(groups, info.tolist(), strict=True):
             if value >= self.bar:
                 self.protected[g] = value

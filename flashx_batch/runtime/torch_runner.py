@@ -299,10 +299,11 @@ class TorchRunner(ModelRunner):
         """-log p(targets[i]) under the logits of final-norm hidden states [n, H] -> [n] float32 on the host.
 
         Only a ranking signal, so on a float32 CPU model the LM head runs in bfloat16 (a cached
-        bfloat16 copy of its weight) and the cross-entropy reads its bfloat16 logits as they are
-        (rounded to ~0.03 nats at the values a protection threshold compares): the LM head and the
-        pass over its [n, vocab] logits are most of what this costs, and an upcast copy of the logits
-        would add a third."""
+        bfloat16 copy of its weight), and on any model the cross-entropy reads the logits in the dtype
+        the head made them (bfloat16 / float16 there: the result rounded to that dtype, ~0.03 nats in
+        bfloat16 at the values a protection threshold compares): the LM head and the pass over its
+        [n, vocab] logits are most of what this costs, and an upcast copy of the logits would add a
+        third. `targets` must be int64 (cross-entropy's requirement)."""
         head = self._surprisal_head()
         chunk = self._logit_rows
         values = []

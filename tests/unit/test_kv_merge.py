@@ -255,6 +255,15 @@ def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
         assert torch.equal(runner.prompt_surprisal(prompt), got)  # the harness's path, the same numbers
 
 
+def _search_rounds(scores: torch.Tensor, surprisal: torch.Tensor, length: int, s: MergeSettings):
+    search, sizes = ProtectionSearch(scores, length, s), []
+    while wanted := search.wanted():
+        sizes.append(len(wanted))
+        search.feed(wanted, group_sums(surprisal, wanted))
+    assert search.plan() == _plan_from_every_group(scores, surprisal, length, s)
+    return search, sizes
+
+
 def test_protection_search_asks_for_the_shortfall_not_every_group_left():
     """Text with a name or a number every few groups (one group in seven protected): after the first
     round the search asks for about what is still missing, scaled by how many asked groups came
@@ -265,13 +274,26 @@ def test_protection_search_asks_for_the_shortfall_not_every_group_left():
     surprisal = torch.full((length,), 2.0)
     for group in range(0, length // 4, 7):
         surprisal[4 * group : 4 * group + 4] = math.log(4096)
-    search, asked, rounds = ProtectionSearch(scores, length, s), 0, 0
-    while wanted := search.wanted():
-        asked, rounds = asked + len(wanted), rounds + 1
-        search.feed(wanted, group_sums(surprisal, wanted))
-    assert search.plan() == choose_compression(scores, length, s, surprisal)
-    need = search.need
-    assert rounds <= 3 and asked <= 1.4 * need < len(search.order), (asked, need, rounds, len(search.order))
+    search, sizes = _search_rounds(scores, surprisal, length, s)
+    assert len(sizes) <= 3 and sum(sizes) <= 1.4 * search.need < len(search.order), (sizes, search.need)
+
+
+@pytest.mark.parametrize("length", [512, 2048])
+def test_protection_search_crosses_a_protected_band_in_few_rounds(length):
+    """The groups just past the first round's cut all protected (a table of ids the window barely
+    looked at): later rounds grow geometrically, so the band costs a handful of rounds, not one
+    round per few groups."""
+    s = MergeSettings(fraction=0.5, sinks=4, window=32, evict_share=0.8, protect_nats=protect_nats_for(4096))
+    scores = torch.rand(length, generator=torch.Generator().manual_seed(0))
+    search = ProtectionSearch(scores, length, s)
+    order, first = search.order, search.wanted()
+    surprisal = torch.full((length,), 2.0)
+    # the first round's spare groups and one more protected (one group short after it), then the band
+    band = order[: ProtectionSearch.slack(search.need) + 1] + order[len(first) : len(first) + len(order) // 4]
+    for group in band:
+        surprisal[4 * group : 4 * group + 4] = math.log(4096)
+    _, sizes = _search_rounds(scores, surprisal, length, s)
+    assert len(sizes) <= 2 + math.ceil(math.log2(len(order))), sizes
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.8, 1.0])
