@@ -201,6 +201,17 @@ def _plan_from_every_group(scores, surprisal, length, s):
     return sorted(order[evicted:]), sorted(order[:evicted])
 
 
+def _search_rounds(scores: torch.Tensor, surprisal: torch.Tensor, length: int, s: MergeSettings):
+    """Run a search to its plan, feeding each round from `surprisal`; the plan must be the one every
+    group's surprisal gives. -> (the search, the size of each round)."""
+    search, sizes = ProtectionSearch(scores, length, s), []
+    while wanted := search.wanted():
+        sizes.append(len(wanted))
+        search.feed(wanted, group_sums(surprisal, wanted))
+    assert search.plan() == _plan_from_every_group(scores, surprisal, length, s)
+    return search, sizes
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_protection_search_asks_for_few_groups_and_plans_as_if_it_knew_all(seed):
     """The production plan asks for the surprisal of the groups it would compress (and a few
@@ -218,12 +229,9 @@ def test_protection_search_asks_for_few_groups_and_plans_as_if_it_knew_all(seed)
     for group in range(length // 4):
         if torch.rand(1, generator=g) < share:
             surprisal[4 * group : 4 * group + 4] = math.log(4096) + torch.rand(4, generator=g)
-    search, asked = ProtectionSearch(scores, length, s), 0
-    while wanted := search.wanted():
-        asked += len(wanted)
-        search.feed(wanted, group_sums(surprisal, wanted))
-    assert search.plan() == _plan_from_every_group(scores, surprisal, length, s) == choose_compression(
-        scores, length, s, surprisal)
+    search, sizes = _search_rounds(scores, surprisal, length, s)  # checks the plan against every group's
+    assert search.plan() == choose_compression(scores, length, s, surprisal)
+    asked = sum(sizes)
     merged, evicted = compression_counts(length, s)
     if share == 0.0:  # nothing protected: one round, the groups compressed and a few more
         assert asked <= merged + evicted + ProtectionSearch.slack(merged + evicted)
@@ -253,15 +261,6 @@ def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
         # the LM head runs in bfloat16 on a float32 CPU model: a ranking signal, close, not exact
         assert torch.allclose(got[1:], want, rtol=0.02, atol=0.05)
         assert torch.equal(runner.prompt_surprisal(prompt), got)  # the harness's path, the same numbers
-
-
-def _search_rounds(scores: torch.Tensor, surprisal: torch.Tensor, length: int, s: MergeSettings):
-    search, sizes = ProtectionSearch(scores, length, s), []
-    while wanted := search.wanted():
-        sizes.append(len(wanted))
-        search.feed(wanted, group_sums(surprisal, wanted))
-    assert search.plan() == _plan_from_every_group(scores, surprisal, length, s)
-    return search, sizes
 
 
 def test_protection_search_asks_for_the_shortfall_not_every_group_left():
