@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashx_batch.models import cpu_decode
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.forward import (
     Decode,
@@ -147,7 +148,10 @@ class Attention(nn.Module):
         is bound by reading the cache; the gain: docs/architecture.md, "CPU decode path")."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
         folded = q.reshape(batch, self.num_kv_heads, group, self.head_dim)  # head h -> KV head h // group
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
+        if cpu_decode.usable(keys, values):  # the arena's views on CPU: slot by slot
+            out = cpu_decode.attend(folded, keys, values, mask, self.scale)
+        else:
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, 1, self.head_dim)
 
     def _packed_write(self, q, k, v, ctx: Packed, cache: KVView) -> None:

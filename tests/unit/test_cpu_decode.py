@@ -1,0 +1,99 @@
+"""The CPU decode-attention kernel against torch's attention on the layouts the arena hands it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashx_batch.models import cpu_decode
+
+
+def _stripes(dtype, rows=5, cap=40, heads=3, dim=64, slots=33, seed=0):
+    """Keys and values as a stripe decode sees them: [rows, Hkv, slots, D] views of [rows, cap, Hkv, D]."""
+    g = torch.Generator().manual_seed(seed)
+    store = torch.randn(2, rows, cap, heads, dim, generator=g).to(dtype)
+    return store[0, :, :slots].transpose(1, 2), store[1, :, :slots].transpose(1, 2)
+
+
+def _reference(q, keys, values, mask, scale):
+    return F.scaled_dot_product_attention(q.float(), keys.float(), values.float(),
+                                          attn_mask=None if mask is None else mask.float(), scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_the_kernel_matches_torch_attention_with_and_without_a_mask(dtype, group):
+    keys, values = _stripes(dtype)
+    rows, heads, slots, dim = keys.shape
+    q = torch.randn(rows, heads, group, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    mask = torch.zeros(rows, 1, 1, slots, dtype=dtype)
+    mask[1, ..., 20:] = float("-inf")  # a shorter row of the run
+    mask[2, ..., 3:7] = 1.386  # merged slots' log-count bias
+    assert cpu_decode.usable(keys, values)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: the output is rounded once
+    for m in (None, mask):
+        out = cpu_decode.attend(q, keys, values, m, dim ** -0.5)
+        assert out.dtype == dtype and out.shape == q.shape
+        torch.testing.assert_close(out.float(), _reference(q, keys, values, m, dim ** -0.5),
+                                   atol=tolerance, rtol=tolerance)
+
+
+def test_boolean_and_broadcast_masks_read_as_torch_reads_them():
+    """Paged decode hands a boolean mask (True: attend); a mask may also be one row for the whole batch."""
+    keys, values = _stripes(torch.float32)
+    rows, heads, slots, dim = keys.shape
+    q = torch.randn(rows, heads, 2, dim, generator=torch.Generator().manual_seed(2))
+    visible = torch.arange(slots + 4)[None, None, None, :] <= torch.tensor([32, 9, 20, 0, 15])[:, None, None, None]
+    shared = torch.zeros(1, 1, 1, slots)
+    shared[..., 5:] = float("-inf")
+    for mask in (visible, shared):
+        expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[..., :slots], scale=0.125)
+        torch.testing.assert_close(cpu_decode.attend(q, keys, values, mask, 0.125), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_kernel_reads_only_the_slots_asked_for():
+    keys, values = _stripes(torch.float32, slots=10)
+    q = torch.randn(keys.shape[0], keys.shape[1], 2, keys.shape[3])
+    # the slots past the view hold garbage the kernel must not read
+    keys.transpose(1, 2).as_strided((keys.shape[0], 30, keys.shape[1], keys.shape[3]),
+                                    (keys.stride(0), keys.stride(2), keys.stride(1), 1))[:, 10:] = float("nan")
+    out = cpu_decode.attend(q, keys, values, None, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _reference(q, keys, values, None, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_layouts_the_kernel_cannot_read_go_to_torch():
+    keys, values = _stripes(torch.float32)
+    assert not cpu_decode.usable(keys.contiguous(), values.contiguous())  # head-major: heads not side by side
+    assert not cpu_decode.usable(keys, values.contiguous())  # values strided unlike keys
+    assert not cpu_decode.usable(keys.to(torch.float16), values.to(torch.float16))
+    small = _stripes(torch.bfloat16, dim=32)
+    assert not cpu_decode.usable(*small)  # bfloat16 below head_dim 64: torch's kernel
+    packed = torch.randn(1, 12, 7, 32)  # fused q|k|v projection: a slot's keys are not the slot's start
+    k = packed[..., 2:4, :].transpose(1, 2)
+    assert not cpu_decode.usable(k, k)
+
+
+@pytest.mark.parametrize("options", [dict(cache_policy="static"),
+                                     dict(cache_policy="segment_sparse", kv_evict_share=0.5),
+                                     dict(cache_policy="static", prefix_cache_tokens=32)])
+def test_decoding_through_the_kernel_gives_torch_attention_s_tokens(tiny_models, monkeypatch, options):
+    """Greedy generation with the kernel and with torch's attention: the same tokens, static,
+    segment-sparse (merged slots' bias in the mask) and paged (shared prefixes: a boolean mask), rows
+    of different lengths (masked runs)."""
+    from flashx_batch import Engine, SamplingParams
+
+    path = tiny_models["llama"][0]
+    prompts = [[5 + (i * 7 + j) % 50 for j in range(20 + 9 * i)] for i in range(4)]
+    prompts += [prompts[1][:18] + [7, 9, 11]]  # shares a whole segment with a batch-mate
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = Engine.from_pretrained(path, backend="cpu", max_batch_size=4, max_input_len=64, max_output_len=12,
+                                    segment_size=8, **options)
+    calls = []
+    real = cpu_decode.attend
+    monkeypatch.setattr(cpu_decode, "attend", lambda *a: calls.append(1) or real(*a))
+    kernel = [r.token_ids for r in engine.generate(prompts, params)]
+    assert calls, "the decode steps did not reach the kernel"
+    monkeypatch.setattr(cpu_decode, "usable", lambda keys, values: False)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == kernel
