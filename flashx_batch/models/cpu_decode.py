@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import numpy as np
 import torch
@@ -40,6 +41,11 @@ def _kernel():
     except Exception as exc:  # an ImportError, or numba refusing this numpy: never fatal, only slower
         log.warning("numba unavailable (%s): CPU decode attention falls back to torch's kernel", exc)
         return None
+    # OpenMP first, as torch's CPU kernels: numba's own work queue hands each call to its threads
+    # far more slowly (the benchmark reads it with NUMBA_THREADING_LAYER=workqueue). Set before the
+    # first parallel call, which is when numba picks its layer; an explicit setting is left alone.
+    if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
+        numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
     def widen(src, buf):  # pragma: no cover - replaced by the overload inside compiled code
         raise NotImplementedError
