@@ -5,7 +5,7 @@ The arena stores a row's cache as [slot, kv_head, dim]. torch's CPU attention ke
 strides through each row's memory once per head, so the step costs what the rows times heads cost,
 not what the bytes do. This kernel reads each slot of a row once, all its heads together (one
 contiguous run of memory), in two passes (scores, then the softmax-weighted values), one row per
-thread. The gain per shape: `python -m flashx_batch.bench.cpu_decode` (docs/benchmarks.md, "CPU
+thread (with fewer rows than threads, each row's heads shared out among them). The gain per shape: `python -m flashx_batch.bench.cpu_decode` (docs/benchmarks.md, "CPU
 decode attention").
 
 Compiled with numba (a dependency of the package) on first use and cached on disk next to this file
@@ -65,37 +65,41 @@ def _kernel():
         return lambda src, buf: src
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def attend(q, keys, values, slots, bias, scale, out):  # pragma: no cover - compiled
+    def attend(q, keys, values, slots, bias, scale, parts, out):  # pragma: no cover - compiled
         rows, kv_heads, group, dim = q.shape
-        for r in prange(rows):
-            buf = np.empty((kv_heads, dim), np.float32)
-            scores = np.empty((slots, kv_heads, group), np.float32)
-            peak = np.full((kv_heads, group), -np.inf, np.float32)
+        span = (kv_heads + parts - 1) // parts
+        for job in prange(rows * parts):  # one row's KV heads [first, last) per job
+            r, first = job // parts, (job % parts) * span
+            last = min(kv_heads, first + span)
+            heads = max(0, last - first)
+            buf = np.empty((heads, dim), np.float32)
+            scores = np.empty((slots, heads, group), np.float32)
+            peak = np.full((heads, group), -np.inf, np.float32)
             for s in range(slots):
-                k = widen(keys[r, s], buf)
+                k = widen(keys[r, s, first:last], buf)
                 add = bias[r, s] if bias.shape[0] else np.float32(0.0)
-                for h in range(kv_heads):
+                for h in range(heads):
                     for g in range(group):
                         acc = np.float32(0.0)
                         for d in range(dim):
-                            acc += q[r, h, g, d] * k[h, d]
+                            acc += q[r, first + h, g, d] * k[h, d]
                         x = acc * scale + add
                         scores[s, h, g] = x
                         peak[h, g] = max(peak[h, g], x)
-            total = np.zeros((kv_heads, group), np.float32)
-            acc_out = np.zeros((kv_heads, group, dim), np.float32)
+            total = np.zeros((heads, group), np.float32)
+            acc_out = np.zeros((heads, group, dim), np.float32)
             for s in range(slots):
-                v = widen(values[r, s], buf)
-                for h in range(kv_heads):
+                v = widen(values[r, s, first:last], buf)
+                for h in range(heads):
                     for g in range(group):
                         p = np.exp(scores[s, h, g] - peak[h, g])
                         total[h, g] += p
                         for d in range(dim):
                             acc_out[h, g, d] += p * v[h, d]
-            for h in range(kv_heads):
+            for h in range(heads):
                 for g in range(group):
                     for d in range(dim):
-                        out[r, h, g, d] = acc_out[h, g, d] / total[h, g]
+                        out[r, first + h, g, d] = acc_out[h, g, d] / total[h, g]
 
     return numba, attend
 
@@ -142,18 +146,27 @@ def _bias(mask: torch.Tensor | None, rows: int, slots: int) -> np.ndarray:
     return mask.float().contiguous().numpy()
 
 
+def head_parts(rows: int, heads: int, threads: int) -> int:
+    """Into how many parts each row's KV heads are cut, one part per parallel job. With fewer rows
+    than threads (one long row at the end of a batch) the heads are shared out so that the other
+    threads do not sit idle; otherwise a row's heads stay together (each slot read once)."""
+    return min(heads, -(-threads // rows)) if rows < threads else 1
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
            scale: float) -> torch.Tensor:
     """q [B, Hkv, G, D] (the G query heads of each KV head), keys / values [B, Hkv, L, D] (`usable`),
     mask None, additive or boolean (True: attend), broadcastable to [B, 1, 1, L] -> [B, Hkv, G, D] in
     q's dtype. Softmax in float32."""
     numba, kernel = _kernel()
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)
     rows, heads, slots, dim = keys.shape
+    parts = head_parts(rows, heads, threads)
     query = q.to(torch.float32).contiguous()
     out = torch.empty(query.shape, dtype=torch.float32)
     kernel(query.numpy(), _stripes(keys), _stripes(values), slots, _bias(mask, rows, slots), np.float32(scale),
-           out.numpy())
+           parts, out.numpy())
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -52,6 +52,26 @@ def test_boolean_and_broadcast_masks_read_as_torch_reads_them():
         torch.testing.assert_close(cpu_decode.attend(q, keys, values, mask, 0.125), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_only_fewer_rows_than_threads_cut_a_rows_heads():
+    assert cpu_decode.head_parts(rows=1, heads=4, threads=2) == 2
+    assert cpu_decode.head_parts(rows=1, heads=4, threads=16) == 4
+    assert cpu_decode.head_parts(rows=3, heads=4, threads=8) == 3
+    assert cpu_decode.head_parts(rows=2, heads=4, threads=2) == 1
+    assert cpu_decode.head_parts(rows=24, heads=12, threads=2) == 1
+
+
+@pytest.mark.parametrize(("rows", "heads", "parts"), [(1, 3, 2), (2, 3, 3), (1, 4, 3)])
+def test_a_rows_heads_cut_into_parts_give_the_same_answer(monkeypatch, rows, heads, parts):
+    """Parts of two and one head, one head each, and (4 heads in 3 parts of 2) an empty last part."""
+    monkeypatch.setattr(cpu_decode, "head_parts", lambda *_: parts)
+    keys, values = _stripes(torch.float32, rows=rows, cap=70, heads=heads, slots=65)
+    q = torch.randn(rows, heads, 2, keys.shape[3], generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(rows, 1, 1, 65)
+    mask[0, ..., 40:] = float("-inf")
+    out = cpu_decode.attend(q, keys, values, mask, 0.125)
+    torch.testing.assert_close(out, _reference(q, keys, values, mask, 0.125), atol=1e-5, rtol=1e-5)
+
+
 def test_the_kernel_reads_only_the_slots_asked_for():
     keys, values = _stripes(torch.float32, slots=10)
     q = torch.randn(keys.shape[0], keys.shape[1], 2, keys.shape[3])
