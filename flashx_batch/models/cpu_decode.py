@@ -5,8 +5,8 @@ The arena stores a row's cache as [slot, kv_head, dim]. torch's CPU attention ke
 strides through each row's memory once per head, so the step costs what the rows times heads cost,
 not what the bytes do. This kernel reads each slot of a row once, all its heads together (one
 contiguous run of memory), in two passes (scores, then the softmax-weighted values), one row per
-thread (with fewer rows than threads, each row's heads shared out among them). The gain per shape: `python -m flashx_batch.bench.cpu_decode` (docs/benchmarks.md, "CPU
-decode attention").
+thread (with fewer rows than threads, each row's heads shared out among them). The gain per shape:
+`python -m flashx_batch.bench.cpu_decode` (docs/benchmarks.md, "CPU decode attention").
 
 Compiled with numba (a dependency of the package) on first use and cached on disk next to this file
 (or numba's user cache where that is read-only). `usable` says whether a call takes this path: CPU
