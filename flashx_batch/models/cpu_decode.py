@@ -8,19 +8,20 @@ contiguous run of memory), in two passes (scores, then the softmax-weighted valu
 thread (with fewer rows than threads, each row's heads shared out among them). The gain per shape:
 `python -m flashx_batch.bench.cpu_decode` (docs/benchmarks.md, "CPU decode attention").
 
-Compiled with numba (a dependency of the package) on first use and cached on disk next to this file
-(or numba's user cache where that is read-only). `usable` says whether a call takes this path: CPU
-tensors; a float32 cache, or bfloat16 (widened to float32 as it is read) with head_dim >= 64, below
-which torch's bfloat16 kernel is as fast; a layout whose rows are evenly spaced whole slots with
-contiguous heads (the arena's stripes, extents and gathered pages). Anything else, or numba failing
-to import, goes to `F.scaled_dot_product_attention` as before.
+Compiled with numba (a dependency of the package) when a CPU runner is built (`warm_up`), for both
+cache dtypes, and cached on disk next to this file or in numba's user cache (neither writable: compiled
+in each process). `usable` says whether a call takes this path: CPU tensors; a float32 cache, or
+bfloat16 (widened to float32 as it is read) with head_dim >= 64, below which torch's bfloat16 kernel
+is as fast; a layout whose rows are evenly spaced whole slots with contiguous heads, at least a row's
+slots apart (the arena's stripes, extents and gathered pages). Anything else, or numba failing to
+import or compile, goes to `F.scaled_dot_product_attention` as before. The kernel runs on numba's
+OpenMP pool: a process forked after it ran must not call it (GNU OpenMP aborts such a child).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 
 import numpy as np
@@ -36,7 +37,7 @@ def _kernel():
     """The compiled kernel, or None where numba is missing or broken (then SDPA serves every call)."""
     try:
         import numba
-        from numba import njit, prange
+        from numba import prange
         from numba.extending import overload
     except Exception as exc:  # an ImportError, or numba refusing this numpy: never fatal, only slower
         log.warning("numba unavailable (%s): CPU decode attention falls back to torch's kernel", exc)
@@ -44,7 +45,11 @@ def _kernel():
     # OpenMP first, as torch's CPU kernels: numba's own work queue hands each call to its threads
     # far more slowly (the benchmark reads it with NUMBA_THREADING_LAYER=workqueue). Set before the
     # first parallel call, which is when numba picks its layer; an explicit setting is left alone.
+    # Through the environment as well: numba re-reads it (and resets the config) when it recompiles after
+    # another NUMBA_* variable changed. A process forked after the kernel ran must not call it again
+    # (GNU OpenMP refuses to run in such a child); the engine's workers are spawned, not forked.
     if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
+        os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp tbb workqueue"
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
     def widen(src, buf):  # pragma: no cover - replaced by the overload inside compiled code
@@ -64,7 +69,6 @@ def _kernel():
             return impl
         return lambda src, buf: src
 
-    @njit(parallel=True, fastmath=True, cache=True)
     def attend(q, keys, values, slots, bias, scale, parts, out):  # pragma: no cover - compiled
         rows, kv_heads, group, dim = q.shape
         span = (kv_heads + parts - 1) // parts
@@ -101,7 +105,34 @@ def _kernel():
                     for d in range(dim):
                         out[r, first + h, g, d] = acc_out[h, g, d] / total[h, g]
 
-    return numba, attend
+    try:
+        kernel = _compile(numba, attend)
+    except Exception as exc:  # a compiler error on this platform: never fatal, only slower
+        log.warning("CPU decode kernel failed to compile (%s): torch's kernel serves decode attention", exc)
+        return None
+    return numba, kernel
+
+
+# Fast-math without `nnan` / `ninf`: masked slots carry -inf, which those flags would make undefined.
+_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+def _compile(numba, source):
+    """`source` compiled for both cache dtypes now (the on-disk cache next to this file or numba's
+    user cache; where neither is writable, without one), so a compiler error surfaces here, not in a
+    decode step."""
+    try:
+        kernel = numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)(source)
+    except RuntimeError as exc:  # "cannot cache function ...: no locator available" (read-only install)
+        log.info("no writable numba cache (%s): the CPU decode kernel compiles in every process", exc)
+        kernel = numba.njit(parallel=True, fastmath=_FASTMATH)(source)
+    query = np.ones((1, 1, 1, 4), np.float32)
+    for cache in (np.ones((1, 2, 1, 4), np.float32), np.ones((1, 2, 1, 4), np.uint16)):
+        out = np.empty_like(query)
+        kernel(query, cache, cache, 1, np.zeros((1, 1), np.float32), np.float32(0.5), 1, out)
+        if not np.allclose(out, 1.0 if cache.dtype == np.float32 else 0.0):  # uint16 1 is a subnormal bfloat16
+            raise RuntimeError(f"the compiled kernel returned {out.ravel()} on a constant cache")
+    return kernel
 
 
 def usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -116,11 +147,14 @@ def usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
     _, heads, _, dim = keys.shape
     if keys.dtype == torch.bfloat16 and dim < 64:  # torch's own bfloat16 kernel is as fast there
         return False
+    rows, _, length, _ = keys.shape
     slot = heads * dim
     ok = keys.stride(3) == 1 and keys.stride(1) == dim and keys.stride(2) == slot and keys.stride(0) % slot == 0
-    # the kernel views whole rows (`_stripes`): the last one must lie inside the storage too
-    end = keys.storage_offset() + keys.shape[0] * keys.stride(0)
-    ok = ok and end <= keys.untyped_storage().nbytes() // keys.element_size()
+    # rows apart by at least their L slots (no overlapping or broadcast rows), and the kernel views whole
+    # rows (`_stripes`): the last one must lie inside each tensor's storage
+    ok = ok and (rows == 1 or keys.stride(0) >= length * slot)
+    ok = ok and all(t.storage_offset() + rows * keys.stride(0) <= t.untyped_storage().nbytes() // t.element_size()
+                    for t in (keys, values))
     return ok and _kernel() is not None
 
 
@@ -140,7 +174,11 @@ def _bias(mask: torch.Tensor | None, rows: int, slots: int) -> np.ndarray:
     a boolean mask keeps the True slots, any other dtype is added to the scores."""
     if mask is None:
         return np.zeros((0, 0), np.float32)
-    mask = mask.expand(rows, 1, 1, mask.shape[-1])[:, 0, 0, :slots]
+    length = mask.shape[-1]
+    if length != 1 and length < slots:
+        raise ValueError(f"decode attention mask covers {length} slots, the keys {slots}")
+    # a longer mask is cut to the keys' slots (a paged batch's mask spans its widest row)
+    mask = mask.expand(rows, 1, 1, slots if length == 1 else length)[:, 0, 0, :slots]
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
     return mask.float().contiguous().numpy()
@@ -170,10 +208,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def warm_up() -> None:
-    """Compile (or load from the on-disk cache) both kernels now, so the first decode step of a job
-    does not pay for it."""
-    for dtype in _DTYPES:
-        keys = torch.zeros(1, 1, 1, 4, dtype=dtype)
-        if usable(keys, keys):
-            attend(torch.zeros(1, 1, 1, 4, dtype=dtype), keys, keys, None, 1.0 / math.sqrt(4))
+def warm_up() -> bool:
+    """Compile (or load from the on-disk cache) the kernel for both cache dtypes now, so that the first
+    decode step of a job does not pay for it; whether it is available."""
+    return _kernel() is not None

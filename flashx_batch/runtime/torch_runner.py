@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from flashx_batch.backends import Backend
 from flashx_batch.kvcache.arena import KVArena
+from flashx_batch.models import cpu_decode
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.forward import Decode, Extend, FinalLayerInputs, Packed, PackedTrees, Paged, TeacherForced
 from flashx_batch.models.layers import Linear
@@ -94,6 +95,8 @@ class TorchRunner(ModelRunner):
         self._bf16_head: torch.Tensor | None = None  # `_surprisal_head`, made on first use
         # a tensor-parallel rank: every rank samples from the same gathered logits, and takes rank 0's tokens
         self.comm = model.shard.comm if model.shard is not None else None
+        if self.device.type == "cpu":  # compiled (or loaded from numba's cache) now, not in the first decode step
+            cpu_decode.warm_up()
 
     # ---- the ModelRunner interface ----------------------------------------------------------
     @property

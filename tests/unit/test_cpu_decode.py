@@ -78,6 +78,8 @@ def test_the_kernel_reads_only_the_slots_asked_for():
     # the slots past the view hold garbage the kernel must not read
     keys.transpose(1, 2).as_strided((keys.shape[0], 30, keys.shape[1], keys.shape[3]),
                                     (keys.stride(0), keys.stride(2), keys.stride(1), 1))[:, 10:] = float("nan")
+    values.transpose(1, 2).as_strided((values.shape[0], 30, values.shape[1], values.shape[3]),
+                                      (values.stride(0), values.stride(2), values.stride(1), 1))[:, 10:] = float("nan")
     out = cpu_decode.attend(q, keys, values, None, 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, _reference(q, keys, values, None, 0.125), atol=1e-5, rtol=1e-5)
@@ -93,6 +95,64 @@ def test_layouts_the_kernel_cannot_read_go_to_torch():
     packed = torch.randn(1, 12, 7, 32)  # fused q|k|v projection: a slot's keys are not the slot's start
     k = packed[..., 2:4, :].transpose(1, 2)
     assert not cpu_decode.usable(k, k)
+    store = torch.randn(3, 40, 3, 64)  # rows 40 slots apart
+    rows = store.transpose(1, 2)
+    assert cpu_decode.usable(rows, rows)
+    # rows closer than their slots (overlapping), broadcast, or a row stride that is not whole slots
+    overlap = store.view(-1).as_strided((3, 3, 40, 64), (20 * 192, 64, 192, 1))
+    assert not cpu_decode.usable(overlap, overlap)
+    shared = store[:1].transpose(1, 2).expand(3, -1, -1, -1)
+    assert not cpu_decode.usable(shared, shared)
+    ragged = store.view(-1).as_strided((2, 3, 10, 64), (40 * 192 + 8, 64, 192, 1))
+    assert not cpu_decode.usable(ragged, ragged)
+    # the last row's whole stripe must lie inside each tensor's storage, values' too
+    tail = torch.randn(2 * 40 * 192 + 10 * 192).as_strided((3, 3, 10, 64), (40 * 192, 64, 192, 1))
+    assert not cpu_decode.usable(tail, tail)
+    assert not cpu_decode.usable(rows[:, :, :10], tail)
+
+
+def test_masks_of_one_slot_broadcast_and_short_masks_are_refused():
+    keys, values = _stripes(torch.float32)
+    rows, heads, slots, dim = keys.shape
+    q = torch.randn(rows, heads, 2, dim, generator=torch.Generator().manual_seed(4))
+    one = torch.tensor([0.0, 1.0, -2.0, 0.5, 3.0]).view(rows, 1, 1, 1)  # the same bias on every slot of a row
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=one, scale=0.125)
+    torch.testing.assert_close(cpu_decode.attend(q, keys, values, one, 0.125), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="covers 20 slots"):
+        cpu_decode.attend(q, keys, values, torch.zeros(rows, 1, 1, 20), 0.125)
+
+
+def test_a_query_that_is_not_contiguous_is_read_right():
+    keys, values = _stripes(torch.float32)
+    rows, heads, slots, dim = keys.shape
+    wide = torch.randn(rows, heads, 2, 2 * dim, generator=torch.Generator().manual_seed(5))
+    q = wide[..., ::2]  # every other channel
+    torch.testing.assert_close(cpu_decode.attend(q, keys, values, None, 0.125),
+                               _reference(q, keys, values, None, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_warm_up_compiles_both_dtypes_and_a_broken_numba_falls_back(monkeypatch):
+    assert cpu_decode.warm_up()
+    kernel = cpu_decode._kernel()[1]
+    assert len(kernel.signatures) >= 2  # float32 and bfloat16 (uint16 bits) caches
+    keys, values = _stripes(torch.float32)
+    cpu_decode._kernel.cache_clear()
+    try:
+        import builtins
+        real_import = builtins.__import__
+
+        def no_numba(name, *args, **kwargs):
+            if name == "numba" or name.startswith("numba."):
+                raise ImportError("numba is not installed")
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", no_numba)
+        assert not cpu_decode.warm_up()
+        assert not cpu_decode.usable(keys, values)
+    finally:
+        monkeypatch.undo()
+        cpu_decode._kernel.cache_clear()
+    assert cpu_decode.usable(keys, values)
 
 
 @pytest.mark.parametrize("options", [dict(cache_policy="static"),
