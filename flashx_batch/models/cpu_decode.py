@@ -46,8 +46,7 @@ def _kernel():
     # far more slowly (the benchmark reads it with NUMBA_THREADING_LAYER=workqueue). Set before the
     # first parallel call, which is when numba picks its layer; an explicit setting is left alone.
     # Through the environment as well: numba re-reads it (and resets the config) when it recompiles after
-    # another NUMBA_* variable changed. A process forked after the kernel ran must not call it again
-    # (GNU OpenMP refuses to run in such a child); the engine's workers are spawned, not forked.
+    # another NUMBA_* variable changed.
     if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
         os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp tbb workqueue"
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
@@ -144,10 +143,9 @@ def usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
         return False
     if values.dtype != keys.dtype or values.shape != keys.shape or values.stride() != keys.stride():
         return False
-    _, heads, _, dim = keys.shape
+    rows, heads, length, dim = keys.shape
     if keys.dtype == torch.bfloat16 and dim < 64:  # torch's own bfloat16 kernel is as fast there
         return False
-    rows, _, length, _ = keys.shape
     slot = heads * dim
     ok = keys.stride(3) == 1 and keys.stride(1) == dim and keys.stride(2) == slot and keys.stride(0) % slot == 0
     # rows apart by at least their L slots (no overlapping or broadcast rows), and the kernel views whole
