@@ -93,21 +93,31 @@ LLAMA_134M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2944, num
 
 
 def random_llama_with_bundled_tokenizer(shape: dict, out_dir: Path | None = None, seed: int = 0) -> Path:
-    """A random Llama of `shape` with a tokenizer of exactly its vocabulary: the bundled tokenizer,
-    its vocabulary filled up with placeholder tokens `<|fill_N|>` (never produced by encoding text) when
-    `shape`'s is larger. Peers that take token strings or build their vocabulary from the tokenizer
-    (CTranslate2, llama.cpp's converter) then see every id the model can emit."""
+    """A random Llama of `shape` with a tokenizer of exactly its vocabulary (`add_bundled_tokenizer`)."""
+    return add_bundled_tokenizer(random_llama(shape, seed=seed, out_dir=out_dir), shape["vocab_size"])
+
+
+def random_qwen3_moe_with_bundled_tokenizer(shape: dict = QWEN3_MOE_78M, out_dir: Path | None = None,
+                                            seed: int = 0) -> Path:
+    """A random Qwen3-MoE of `shape` with a tokenizer of exactly its vocabulary (`add_bundled_tokenizer`)."""
+    return add_bundled_tokenizer(random_qwen3_moe(shape, seed=seed, out_dir=out_dir), shape["vocab_size"])
+
+
+def add_bundled_tokenizer(model: Path, vocab_size: int) -> Path:
+    """Give a random model's directory the bundled tokenizer, its vocabulary filled up with placeholder
+    tokens `<|fill_N|>` (never produced by encoding text) to `vocab_size`. Peers that take token strings
+    or build their vocabulary from the tokenizer (CTranslate2, llama.cpp's converter) then see every id
+    the model can emit."""
     import shutil
 
     from flashx_batch.runtime.options import bundled_model_dir
 
-    model = random_llama(shape, seed=seed, out_dir=out_dir)
     tokenizer = json.loads((bundled_model_dir() / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     taken = len(set(vocab.values()) | {t["id"] for t in tokenizer.get("added_tokens", [])})
-    if taken > shape["vocab_size"]:
-        raise ValueError(f"the bundled tokenizer has {taken} tokens, more than vocab_size={shape['vocab_size']}")
-    for i in range(taken, shape["vocab_size"]):
+    if taken > vocab_size:
+        raise ValueError(f"the bundled tokenizer has {taken} tokens, more than vocab_size={vocab_size}")
+    for i in range(taken, vocab_size):
         vocab[f"<|fill_{i}|>"] = i
     (model / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     shutil.copy(bundled_model_dir() / "tokenizer_config.json", model / "tokenizer_config.json")

@@ -80,8 +80,9 @@ class LlamaCpp:
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         params = lc.llama_context_default_params()
-        params.n_ctx = batch * max_len
-        params.n_seq_max = batch
+        # one sequence per row at once, and one more holding a shared prefix (W3) to copy from
+        params.n_ctx = (batch + 1) * max_len
+        params.n_seq_max = batch + 1
         params.kv_unified = False  # each sequence its own max_len cells: attention reads only its own
         # a decode call takes every live row's next token plus whole prompts of rows joining the batch;
         # llama.cpp computes it in micro-batches of its default size
@@ -97,7 +98,7 @@ class LlamaCpp:
             raise RuntimeError("llama.cpp could not create a context")
         self.memory = lc.llama_get_memory(self.ctx)
         self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
-        self.capacity, self.slots = params.n_batch, batch
+        self.capacity, self.slots, self.prefix_seq = params.n_batch, batch, batch
         self.batch = lc.llama_batch_init(self.capacity, 0, 1)
 
     def close(self) -> None:
@@ -114,27 +115,44 @@ class LlamaCpp:
     def generate(self, workload: Workload, batch: int) -> list[list[int]]:
         """Each row's greedy tokens, exactly its own count, in input order: rows taken longest prompt
         first (as CTranslate2's batches), a finished row's sequence freed and the next row's prompt
-        decoded in the same call as the live rows' next tokens."""
+        decoded in the same call as the live rows' next tokens. Rows sharing a prefix
+        (`Workload.shared_prefixes`, W3) go group by group: the group's prefix is decoded once into a
+        sequence of its own, copied into each row's sequence as the row joins, and only the row's
+        own tokens are decoded after it."""
         import numpy as np
 
         lc = self.lc
         lc.llama_memory_clear(self.memory, True)
-        queue = sorted(range(workload.rows), key=lambda i: -len(workload.prompts[i]))[::-1]
+        shared = {i: (g, length) for g, (length, rows) in enumerate(workload.shared_prefixes()) for i in rows}
+        # popped from the end: rows without a shared prefix first, then group after group
+        queue = sorted(range(workload.rows), key=lambda i: (shared.get(i, (-1, 0))[0], -len(workload.prompts[i])))[::-1]
         out: list[list[int]] = [[] for _ in range(workload.rows)]
         live: dict[int, int] = {}  # sequence slot -> row
         free = list(range(min(batch, self.slots)))[::-1]
+        loaded = None  # the group whose prefix the prefix sequence holds
         while queue or live:
+            group, skip = shared.get(queue[-1], (None, 0)) if queue else (None, 0)
+            if group is not None and group != loaded and free:  # the next group's prefix, a call of its own
+                self._decode_prefix(workload.prompts[queue[-1]][:skip])  # (earlier rows' copies are done)
+                loaded = group
             n, reading = 0, []  # batch index of each row's logits
             for seq, row in live.items():
                 pos = len(workload.prompts[row]) + len(out[row]) - 1
                 self._add(n, out[row][-1], pos, seq, True)
                 reading.append((n, seq, row))
                 n += 1
-            while queue and free and n + len(workload.prompts[queue[-1]]) <= self.capacity:
-                row, seq = queue.pop(), free.pop()
+            while queue and free:
+                row = queue[-1]
+                group, skip = shared.get(row, (None, 0))
                 prompt = workload.prompts[row]
-                for pos, token in enumerate(prompt):
-                    self._add(n, token, pos, seq, pos == len(prompt) - 1)
+                if n + len(prompt) - skip > self.capacity or (group is not None and group != loaded):
+                    break  # the next group joins after its prefix is decoded, at the top of the next step
+                queue.pop()
+                seq = free.pop()
+                if skip:  # the shared prefix's cells, copied (a whole sequence's buffer: streams are separate)
+                    lc.llama_memory_seq_cp(self.memory, self.prefix_seq, seq, -1, -1)
+                for pos in range(skip, len(prompt)):
+                    self._add(n, prompt[pos], pos, seq, pos == len(prompt) - 1)
                     n += 1
                 live[seq] = row
                 reading.append((n - 1, seq, row))
@@ -149,3 +167,13 @@ class LlamaCpp:
                     free.append(seq)
                     lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
         return out
+
+    def _decode_prefix(self, prefix: list[int]) -> None:
+        """`prefix` into the prefix sequence (its previous contents dropped), no logits."""
+        lc = self.lc
+        lc.llama_memory_seq_rm(self.memory, self.prefix_seq, -1, -1)
+        for pos, token in enumerate(prefix):
+            self._add(pos, token, pos, self.prefix_seq, False)
+        self.batch.n_tokens = len(prefix)
+        if lc.llama_decode(self.ctx, self.batch) != 0:
+            raise RuntimeError("llama_decode failed on a shared prefix")

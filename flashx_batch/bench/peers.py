@@ -36,9 +36,17 @@ import torch
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.bench.int8_cpu import quantize_all
-from flashx_batch.bench.models import LLAMA_27M, LLAMA_134M, parameter_count
+from flashx_batch.bench.models import (
+    LLAMA_27M,
+    LLAMA_134M,
+    QWEN3_MOE_78M,
+    parameter_count,
+    random_llama_with_bundled_tokenizer,
+    random_qwen3_moe_with_bundled_tokenizer,
+)
 from flashx_batch.bench.roofline import Machine, ModelCost, floor_seconds, measure_int8_matmul, measure_machine
-from flashx_batch.bench.workloads import FULL, QUICK, Workload, equal_lengths, mixed_intake
+from flashx_batch.bench.variants import prefix_reuse_options
+from flashx_batch.bench.workloads import FULL, QUICK, Workload, equal_lengths, few_shot, mixed_intake
 from flashx_batch.runtime.options import bundled_model_dir
 
 if TYPE_CHECKING:
@@ -46,11 +54,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flashx_batch.bench.peers")
 PEERS = ("ctranslate2", "llama_cpp")
-# random Llamas to compare on besides a checkpoint: shape, and what it is
+# random models to compare on besides a checkpoint: how to build one, and what it is
 SHAPES = {
-    "llama-27m": (LLAMA_27M, "512 wide, 8 layers, vocab 8 K, 27 M"),
-    "llama-134m": (LLAMA_134M, "768 wide, 12 layers, vocab 32 K, 134 M"),
+    "llama-27m": (lambda out: random_llama_with_bundled_tokenizer(LLAMA_27M, out),
+                  "Llama, 512 wide, 8 layers, vocab 8 K, 27 M"),
+    "llama-134m": (lambda out: random_llama_with_bundled_tokenizer(LLAMA_134M, out),
+                   "Llama, 768 wide, 12 layers, vocab 32 K, 134 M"),
+    "qwen3-moe": (lambda out: random_qwen3_moe_with_bundled_tokenizer(QWEN3_MOE_78M, out),
+                  "Qwen3-MoE, 8 experts top-2 in 6 layers, 512 wide, vocab 32 K, 78 M (35 M active)"),
 }
+
+
+class PeerUnsupported(RuntimeError):
+    """A peer that cannot run this checkpoint at all (no converter for its architecture)."""
 
 
 class CT2:
@@ -59,8 +75,13 @@ class CT2:
     def __init__(self, model_dir: Path, work: Path, quantization: str, threads: int) -> None:
         import ctranslate2
         from ctranslate2.converters import TransformersConverter
+        from ctranslate2.converters.transformers import _MODEL_LOADERS
         from tokenizers import Tokenizer
+        from transformers import AutoConfig
 
+        config = type(AutoConfig.from_pretrained(model_dir)).__name__
+        if config not in _MODEL_LOADERS:  # its converter's own registry: refuse before converting anything
+            raise PeerUnsupported(f"CTranslate2 {ctranslate2.__version__} has no converter for {config}")
         out = work / f"ct2-{quantization}"
         if not out.exists():
             TransformersConverter(str(model_dir)).convert(str(out), quantization=quantization, force=True)
@@ -72,24 +93,34 @@ class CT2:
         del self.generator
 
     def generate(self, workload: Workload, batch: int) -> list[list[int]]:
-        """Each row's greedy tokens, exactly its own count, in input order."""
-        order = sorted(range(workload.rows), key=lambda i: -len(workload.prompts[i]))
+        """Each row's greedy tokens, exactly its own count, in input order. Rows sharing a prefix
+        (`Workload.shared_prefixes`, W3) go group by group with the prefix as CTranslate2's static prompt,
+        whose model state it computes once and caches (`cache_static_prompt`); the rest in batches."""
         out: list[list[int]] = [[] for _ in range(workload.rows)]
+        grouped = workload.shared_prefixes()
+        in_group = {i for _, rows in grouped for i in rows}
+        self._batches(workload, [i for i in range(workload.rows) if i not in in_group], batch, 0, out)
+        for length, rows in grouped:
+            self._batches(workload, rows, batch, length, out)
+        return out
+
+    def _batches(self, workload: Workload, rows: list[int], batch: int, prefix: int, out: list[list[int]]) -> None:
+        order = sorted(rows, key=lambda i: -len(workload.prompts[i]))
+        static = [self.vocab.id_to_token(t) for t in workload.prompts[rows[0]][:prefix]] if prefix and rows else None
         for start in range(0, len(order), batch):
-            rows = order[start : start + batch]
-            tokens = [[self.vocab.id_to_token(t) for t in workload.prompts[i]] for i in rows]
+            chunk = order[start : start + batch]
+            tokens = [[self.vocab.id_to_token(t) for t in workload.prompts[i][prefix:]] for i in chunk]
             # the shortest prompt of a batch is forwarded at once; a longer one's extra tokens are fed through
             # the decoding loop first, and its steps count them: stop each row after its own new tokens
             shortest = min(map(len, tokens))
-            stop = [workload.max_new_tokens[i] + len(t) - shortest for i, t in zip(rows, tokens, strict=True)]
+            stop = [workload.max_new_tokens[i] + len(t) - shortest for i, t in zip(chunk, tokens, strict=True)]
             # rows that all stop together need no per-token callback (its Python call costs CTranslate2 ~5 %)
             callback = None if len(set(stop)) == 1 else (lambda step, stop=stop: step.step + 1 >= stop[step.batch_id])
             results = self.generator.generate_batch(
                 tokens, max_length=max(stop), sampling_topk=1, include_prompt_in_result=False, end_token=[],
-                callback=callback)
-            for i, result in zip(rows, results, strict=True):
+                callback=callback, static_prompt=static)
+            for i, result in zip(chunk, results, strict=True):
                 out[i] = list(result.sequences_ids[0])[: workload.max_new_tokens[i]]
-        return out
 
 
 def _ours(engine: Engine, workload: Workload) -> list[list[int]]:
@@ -117,7 +148,7 @@ def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool
             peers: list[str]) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     sizes = QUICK if quick else FULL
-    workloads = [mixed_intake(sizes, vocab, 0), equal_lengths(sizes, vocab, 0)]
+    workloads = [mixed_intake(sizes, vocab, 0), equal_lengths(sizes, vocab, 0), few_shot(sizes, vocab, 0)]
     longest = max(w.max_prompt_len for w in workloads)
     most = max(w.max_output_len for w in workloads)
     common = dict(backend="cpu", dtype="float32", max_batch_size=batch, max_input_len=longest, max_output_len=most,
@@ -128,10 +159,22 @@ def compare(model_dir: Path, threads: int, batch: int, repeats: int, quick: bool
     result: dict = {"machine": {"float32": costs["float32"][1].as_dict(),
                                 "int8_gop_s": costs["int8"][1].matmul_gflop_s}}
     for precision in ("float32", "int8"):
-        mine = Engine.from_pretrained(model_dir, **common)
+        # ours as a user would run each workload: W3 (shared prefixes) with prefix reuse on, whose cache
+        # region comes out of the same KV budget; the others without
+        mine = {False: Engine.from_pretrained(model_dir, **common),
+                True: Engine.from_pretrained(model_dir, **common, **prefix_reuse_options(longest))}
         if precision == "int8":
-            quantize_all(mine)
-        others = {name: _peer(name, model_dir, work, precision, threads, batch, longest, most) for name in peers}
+            for engine in mine.values():
+                quantize_all(engine)
+        others, skipped = {}, {}
+        for name in peers:
+            try:
+                others[name] = _peer(name, model_dir, work, precision, threads, batch, longest, most)
+            except PeerUnsupported as exc:
+                log.warning("%s skipped: %s", name, exc)
+                skipped[name] = str(exc)
+        if skipped:
+            result.setdefault("skipped", {}).update(skipped)
         try:
             _compare_precision(result, mine, others, workloads, precision, threads, batch, repeats, costs[precision])
         finally:
@@ -150,17 +193,29 @@ def roofline_costs(model_dir: Path, machine: Machine) -> dict[str, tuple[ModelCo
             "int8": (dataclasses.replace(cost, weight_bytes=cost.weight_bytes / 4), int8)}
 
 
-def _compare_precision(result: dict, mine: Engine, others: dict, workloads: list[Workload], precision: str,
-                       threads: int, batch: int, repeats: int, roofline: tuple[ModelCost, Machine]) -> None:
+def _compare_precision(result: dict, mine: dict[bool, Engine], others: dict, workloads: list[Workload],
+                       precision: str, threads: int, batch: int, repeats: int,
+                       roofline: tuple[ModelCost, Machine]) -> None:
+    """Every workload, `repeats` paired runs of ours (`mine[shares prefixes]`) and each peer. A workload
+    with shared prefixes (W3) gets freshly drawn prefixes for the warm-up and for each repeat (the
+    same for every engine within one), so no engine's prefix cache carries over from an earlier run."""
     for w in workloads:
-        runs = {"ours": lambda m=mine, w=w: _ours(m, w)}
-        runs.update({name: (lambda p=p, w=w: p.generate(w, batch)) for name, p in others.items()})
-        for fn in runs.values():
+        sharing = bool(w.shared_prefixes())
+        engine = mine[sharing]
+
+        def runs_for(seed: int, engine: Engine = engine, w: Workload = w, sharing: bool = sharing) -> dict:
+            run = w.with_fresh_prefixes(seed) if sharing else w
+            fns = {"ours": lambda: _ours(engine, run)}
+            fns.update({name: (lambda p=p: p.generate(run, batch)) for name, p in others.items()})
+            return fns
+
+        for fn in runs_for(-1).values():
             fn()  # warm-up
         pairs: dict[str, list[float]] = {name: [] for name in others}
-        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        seconds: dict[str, list[float]] = {name: [] for name in ["ours", *others]}
         agree: dict[str, int] = {}
         for r in range(repeats):
+            runs = runs_for(r)
             order = list(runs)
             order = order[r % len(order):] + order[: r % len(order)]  # who goes first rotates
             times, tokens = {}, {}
@@ -170,7 +225,8 @@ def _compare_precision(result: dict, mine: Engine, others: dict, workloads: list
             for name in others:
                 pairs[name].append(times[name] / times["ours"])  # ours ÷ peer in tokens/s
                 if precision == "float32":
-                    agree[name] = sum(a == b for a, b in zip(tokens["ours"], tokens[name], strict=True))
+                    same = sum(a == b for a, b in zip(tokens["ours"], tokens[name], strict=True))
+                    agree[name] = min(agree.get(name, w.rows), same)  # the worst repeat
         key = f"{w.name}/{precision}"
         # the least time any static batcher of `batch` rows needs on this machine (`bench.roofline`):
         # each engine's fraction of it says how close to the hardware it runs
@@ -178,6 +234,9 @@ def _compare_precision(result: dict, mine: Engine, others: dict, workloads: list
         medians = {name: statistics.median(v) for name, v in seconds.items()}
         result[key] = {"output_tokens": w.output_tokens, "rows": w.rows, "seconds": medians, "floor_s": floor,
                        "roofline_fraction": {name: floor / t for name, t in medians.items()}}
+        if sharing:
+            result[key]["shared_prefixes"] = "ours: prefix reuse on; CTranslate2: static_prompt; llama.cpp: " \
+                                             "prefix decoded once per group, copied to each row's sequence"
         for name in others:
             result[key][f"ratio_ours_over_{name}"] = statistics.median(pairs[name])
             result[key][f"pairs_{name}"] = pairs[name]
@@ -229,9 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model or bundled_model_dir()  # a directory with tokenizer.json (CTranslate2's vocabulary)
         if args.shape:
-            from flashx_batch.bench.models import random_llama_with_bundled_tokenizer
-
-            model = random_llama_with_bundled_tokenizer(SHAPES[args.shape][0], work / args.shape)
+            model = SHAPES[args.shape][0](work / args.shape)
         result = {"model": f"{args.shape} ({SHAPES[args.shape][1]})" if args.shape else str(model),
                   "peers": peers, "batch": args.batch,
                   "workloads": "quick" if args.quick else "full", "threads": {}}

@@ -142,8 +142,11 @@ class ModelCost:
 
 
 def floor_seconds(workload: Workload, batch_size: int, cost: ModelCost, machine: Machine) -> dict[str, float]:
-    """Least seconds any static batcher at `batch_size` could need for `workload` on `machine`."""
-    useful_tokens = workload.input_tokens + workload.output_tokens - workload.rows
+    """Least seconds any static batcher at `batch_size` could need for `workload` on `machine`. A prefix
+    its rows share (`Workload.shared_prefixes`, W3) is computed once per group: what a prefix cache
+    needs, so no engine that caches prefixes runs above the floor."""
+    repeated = sum((len(rows) - 1) * length for length, rows in workload.shared_prefixes())
+    useful_tokens = workload.input_tokens - repeated + workload.output_tokens - workload.rows
     compute_s = useful_tokens * cost.flops_per_token / (machine.matmul_gflop_s * 1e9)
     outputs = sorted(workload.max_new_tokens, reverse=True)
     batches = [outputs[k : k + batch_size] for k in range(0, len(outputs), batch_size)]

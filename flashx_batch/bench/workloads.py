@@ -60,6 +60,36 @@ class Workload:
         return Workload(f"{self.name}[sample]", self.description, [self.prompts[i] for i in indices],
                         [self.max_new_tokens[i] for i in indices], [self.labels[i] for i in indices])
 
+    def shared_prefixes(self, min_len: int = 16) -> list[tuple[int, list[int]]]:
+        """(prefix length, rows) for each label whose rows (two or more) all begin with the same
+        `min_len` or more tokens: the longest prefix they share. What an engine with a prefix cache or
+        a static prompt can compute once; W3's groups, never W1's or W2's random prompts. Groups in
+        order of first arrival, rows in arrival order."""
+        groups: dict[str, list[int]] = {}
+        for i, label in enumerate(self.labels):
+            groups.setdefault(label, []).append(i)
+        out = []
+        for rows in groups.values():
+            if len(rows) < 2:
+                continue
+            first = self.prompts[rows[0]]
+            shared = min(shared_prefix_len(first, self.prompts[i]) for i in rows[1:])
+            if shared >= min_len:
+                out.append((shared, rows))
+        return out
+
+    def with_fresh_prefixes(self, seed: int) -> Workload:
+        """The same rows with each shared prefix (`shared_prefixes`) redrawn from `seed`: output and
+        suffix lengths unchanged, so repeats of a timed run each meet prefixes no engine has cached."""
+        rng = random.Random(f"{self.name}:fresh:{seed}")
+        vocab = max(t for p in self.prompts for t in p) + 1
+        prompts = [list(p) for p in self.prompts]
+        for length, rows in self.shared_prefixes():
+            prefix = _tokens(rng, vocab, length)
+            for i in rows:
+                prompts[i][:length] = prefix
+        return Workload(self.name, self.description, prompts, list(self.max_new_tokens), list(self.labels))
+
 
 @dataclass(frozen=True)
 class WorkloadSizes:

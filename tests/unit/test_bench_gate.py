@@ -3,6 +3,7 @@ stated mix; the written results follow the issue's schema. Tiny random model: a 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -236,3 +237,64 @@ def test_peers_flag_hands_the_comparison_to_bench_peers(monkeypatch, tmp_path):
     if importlib.util.find_spec("llama_cpp") is not None:  # installed: the converter's source is asked for next
         with pytest.raises(SystemExit, match="LLAMA_CPP_SOURCE"):
             peers.main(["--out", str(tmp_path), "--peers", "llama_cpp"])
+
+
+def test_shared_prefixes_find_w3_groups_and_fresh_prefixes_keep_the_rest():
+    """W3's groups and their prefix are found from the prompts alone (never in W1 / W2); redrawn prefixes
+    change every group's prefix, keep suffixes, output lengths and grouping, and differ by seed."""
+    from flashx_batch.bench.roofline import ModelCost, floor_seconds
+
+    work = build_all(SMALL, vocab_size=4096, seed=0)
+    assert work["W1"].shared_prefixes() == [] and work["W2"].shared_prefixes() == []
+    w3 = work["W3"]
+    groups = w3.shared_prefixes()
+    assert [rows for _, rows in groups] == [[i for i, lab in enumerate(w3.labels) if lab == g]
+                                            for g in dict.fromkeys(w3.labels)]
+    assert all(length >= SMALL.prefix for length, _ in groups)
+    fresh, again, other = (w3.with_fresh_prefixes(s) for s in (0, 0, 1))
+    assert fresh.prompts == again.prompts and fresh.prompts != other.prompts
+    assert fresh.max_new_tokens == w3.max_new_tokens and fresh.labels == w3.labels
+    for length, rows in groups:
+        assert len({tuple(fresh.prompts[i][:length]) for i in rows}) == 1
+        assert all(fresh.prompts[i][:length] != w3.prompts[i][:length] for i in rows)
+        assert all(fresh.prompts[i][length:] == w3.prompts[i][length:] for i in rows)
+    # the roofline counts a shared prefix once per group: W3's floor is below the same rows' without sharing
+    cost = ModelCost(parameters=1000, flops_per_token=2000.0, weight_bytes=4000.0, kv_bytes_per_token=64.0)
+    machine = Machine(device="cpu", threads=1, mem_bandwidth_gb_s=1e-6, matmul_gflop_s=1e-6, matmul_dtype="float32",
+                      cpu="x", torch="x", python="x")
+    unshared = dataclasses.replace(w3, labels=[str(i) for i in range(w3.rows)])
+    assert unshared.shared_prefixes() == []
+    shared_s, plain_s = (floor_seconds(w, 8, cost, machine)["compute_s"] for w in (w3, unshared))
+    repeated = sum((len(rows) - 1) * length for length, rows in groups)
+    assert plain_s - shared_s == pytest.approx(repeated * cost.flops_per_token / 1e3)
+
+
+def test_ctranslate2_peer_runs_w3_on_its_static_prompt_and_refuses_an_moe(tmp_path):
+    """The optional CTranslate2 peer: W3 through its static prompt gives ours' greedy tokens exactly
+    (float32), and a checkpoint it has no converter for is refused before anything is converted."""
+    pytest.importorskip("ctranslate2")
+    from flashx_batch import Engine
+    from flashx_batch.bench import peers
+    from flashx_batch.bench.models import (
+        random_llama_with_bundled_tokenizer,
+        random_qwen3_moe_with_bundled_tokenizer,
+    )
+
+    shape = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+                 eos_token_id=2, initializer_range=0.1)
+    model = random_llama_with_bundled_tokenizer(shape, tmp_path / "llama")
+    w3 = build_all(SMALL, vocab_size=4096, seed=0)["W3"].with_fresh_prefixes(3)
+    ct2 = peers.CT2(model, tmp_path, "float32", threads=1)
+    engine = Engine.from_pretrained(model, backend="cpu", dtype="float32", max_batch_size=4,
+                                    max_input_len=w3.max_prompt_len, max_output_len=w3.max_output_len)
+    try:
+        assert ct2.generate(w3, batch=4) == peers._ours(engine, w3)
+    finally:
+        ct2.close()
+    moe = dict(shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16)
+    moe_work = tmp_path / "moe-work"
+    moe_work.mkdir()
+    with pytest.raises(peers.PeerUnsupported, match="no converter for Qwen3MoeConfig"):
+        peers.CT2(random_qwen3_moe_with_bundled_tokenizer(moe, tmp_path / "moe"), moe_work, "float32", threads=1)
+    assert list(moe_work.iterdir()) == []
