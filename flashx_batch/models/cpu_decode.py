@@ -13,7 +13,9 @@ cache dtypes, and cached on disk next to this file or in numba's user cache (nei
 in each process). `usable` says whether a call takes this path: CPU tensors; a float32 cache, or
 bfloat16 (widened to float32 as it is read) with head_dim >= 64, below which torch's bfloat16 kernel
 is as fast; a layout whose rows are evenly spaced whole slots with contiguous heads, at least a row's
-slots apart (the arena's stripes, extents and gathered pages). Anything else, or numba failing to
+slots apart (the arena's stripes and extents). A paged batch (shared prefixes) hands the layer's flat
+cache and its slot table instead (`usable_paged`, `attend_paged`): its pages are read where they lie,
+not gathered into a copy first. Anything else, or numba failing to
 import or compile, goes to `F.scaled_dot_product_attention` as before. The kernel runs on numba's
 OpenMP pool: a process forked after it ran must not call it (GNU OpenMP aborts such a child).
 """
@@ -68,8 +70,11 @@ def _kernel():
             return impl
         return lambda src, buf: src
 
-    def attend(q, keys, values, slots, bias, scale, parts, out):  # pragma: no cover - compiled
+    def attend(q, keys, values, starts, table, slots, bias, scale, parts, out):  # pragma: no cover - compiled
+        # keys / values: the flat cache [N, Hkv, D]; row r's slot s at table[r, s] (a paged batch) or,
+        # with an empty table, at starts[r] + s (rows laid out slot after slot)
         rows, kv_heads, group, dim = q.shape
+        paged = table.shape[0] > 0
         span = (kv_heads + parts - 1) // parts
         for job in prange(rows * parts):  # one row's KV heads [first, last) per job
             r, first = job // parts, (job % parts) * span
@@ -79,7 +84,7 @@ def _kernel():
             scores = np.empty((slots, heads, group), np.float32)
             peak = np.full((heads, group), -np.inf, np.float32)
             for s in range(slots):
-                k = widen(keys[r, s, first:last], buf)
+                k = widen(keys[table[r, s] if paged else starts[r] + s, first:last], buf)
                 add = bias[r, s] if bias.shape[0] else np.float32(0.0)
                 for h in range(heads):
                     for g in range(group):
@@ -92,7 +97,7 @@ def _kernel():
             total = np.zeros((heads, group), np.float32)
             acc_out = np.zeros((heads, group, dim), np.float32)
             for s in range(slots):
-                v = widen(values[r, s, first:last], buf)
+                v = widen(values[table[r, s] if paged else starts[r] + s, first:last], buf)
                 for h in range(heads):
                     for g in range(group):
                         p = np.exp(scores[s, h, g] - peak[h, g])
@@ -126,9 +131,10 @@ def _compile(numba, source):
         log.info("no writable numba cache (%s): the CPU decode kernel compiles in every process", exc)
         kernel = numba.njit(parallel=True, fastmath=_FASTMATH)(source)
     query = np.ones((1, 1, 1, 4), np.float32)
-    for cache in (np.ones((1, 2, 1, 4), np.float32), np.ones((1, 2, 1, 4), np.uint16)):
+    starts, no_table = np.zeros(1, np.int64), np.zeros((0, 0), np.int64)
+    for cache in (np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.uint16)):
         out = np.empty_like(query)
-        kernel(query, cache, cache, 1, np.zeros((1, 1), np.float32), np.float32(0.5), 1, out)
+        kernel(query, cache, cache, starts, no_table, 2, np.zeros((1, 2), np.float32), np.float32(0.5), 1, out)
         if not np.allclose(out, 1.0 if cache.dtype == np.float32 else 0.0):  # uint16 1 is a subnormal bfloat16
             raise RuntimeError(f"the compiled kernel returned {out.ravel()} on a constant cache")
     return kernel
@@ -156,15 +162,20 @@ def usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
     return ok and _kernel() is not None
 
 
-def _stripes(t: torch.Tensor) -> np.ndarray:
-    """A view [B, Hkv, L, D] as the whole rows it cuts from, [B, row stride / slot stride, Hkv, D]: a
-    C-contiguous numpy array over the same memory (zero copy; bfloat16 as its uint16 bits). The kernel
-    reads the first L slots of each row."""
+def _stripes(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A view [B, Hkv, L, D] as the whole rows it cuts from, flat: ([B * row stride / slot stride, Hkv,
+    D], each row's first slot in it), a C-contiguous numpy array over the same memory (zero copy). The
+    kernel reads the first L slots of each row."""
     rows, heads, _, dim = t.shape
-    whole = t.as_strided((rows, t.stride(0) // t.stride(2), heads, dim), (t.stride(0), t.stride(2), dim, 1))
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: the kernel widens the bits itself
-        return whole.view(torch.int16).numpy().view(np.uint16)
-    return whole.numpy()
+    per_row = t.stride(0) // t.stride(2)
+    whole = t.as_strided((rows * per_row, heads, dim), (t.stride(2), dim, 1))
+    return _numpy(whole), np.arange(rows, dtype=np.int64) * per_row
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """The same memory as numpy: bfloat16 as its uint16 bits (numpy has no bfloat16: the kernel widens
+    the bits itself)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _bias(mask: torch.Tensor | None, rows: int, slots: int) -> np.ndarray:
@@ -194,14 +205,50 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     """q [B, Hkv, G, D] (the G query heads of each KV head), keys / values [B, Hkv, L, D] (`usable`),
     mask None, additive or boolean (True: attend), broadcastable to [B, 1, 1, L] -> [B, Hkv, G, D] in
     q's dtype. Softmax in float32."""
+    (k, starts), (v, _) = _stripes(keys), _stripes(values)
+    return _run(q, k, v, starts, _NO_TABLE, keys.shape[2], mask, scale)
+
+
+def usable_paged(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `attend_paged` serves a flat cache [slots, Hkv, D] (a layer's whole arena): on the CPU,
+    contiguous, float32 or bfloat16 (bfloat16 with head_dim >= 64, as `usable`)."""
+    if keys.device.type != "cpu" or keys.dtype not in _DTYPES or keys.dim() != 3:
+        return False
+    if values.dtype != keys.dtype or values.shape != keys.shape:
+        return False
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        return False
+    if keys.dtype == torch.bfloat16 and keys.shape[2] < 64:
+        return False
+    return _kernel() is not None
+
+
+def attend_paged(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+                 mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`attend` for a paged batch: keys / values the flat cache [slots, Hkv, D] (`usable_paged`), row r's
+    L slots at table[r] ([B, L] slot indices; padding slots masked) — read where they lie instead of
+    gathered into a [B, Hkv, L, D] copy first."""
+    if table.dim() != 2 or table.shape[0] != q.shape[0]:
+        raise ValueError(f"slot table {tuple(table.shape)} does not match {q.shape[0]} rows")
+    if table.numel() and not 0 <= int(table.min()) <= int(table.max()) < keys.shape[0]:
+        raise ValueError(f"slot table reaches outside the cache's {keys.shape[0]} slots")
+    index = table.to(torch.int64).contiguous().numpy()
+    return _run(q, _numpy(keys), _numpy(values), np.zeros(0, np.int64), index, table.shape[1], mask, scale)
+
+
+_NO_TABLE = np.zeros((0, 0), np.int64)
+
+
+def _run(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, starts: np.ndarray, table: np.ndarray, slots: int,
+         mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     numba, kernel = _kernel()
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
-    rows, heads, slots, dim = keys.shape
+    rows, heads = q.shape[:2]
     parts = head_parts(rows, heads, threads)
     query = q.to(torch.float32).contiguous()
     out = torch.empty(query.shape, dtype=torch.float32)
-    kernel(query.numpy(), _stripes(keys), _stripes(values), slots, _bias(mask, rows, slots), np.float32(scale),
+    kernel(query.numpy(), keys, values, starts, table, slots, _bias(mask, rows, slots), np.float32(scale),
            parts, out.numpy())
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 

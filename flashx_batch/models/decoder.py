@@ -140,15 +140,21 @@ class Attention(nn.Module):
                                               scale=self.scale, enable_gqa=True)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor | None) -> torch.Tensor:
-        """One new token per row: q [B, 1, H, D], keys / values [B, Hkv, L, D], mask [B, 1, 1, L].
+                    mask: torch.Tensor | None, table: torch.Tensor | None = None) -> torch.Tensor:
+        """One new token per row: q [B, 1, H, D], keys / values [B, Hkv, L, D], mask [B, 1, 1, L]; with
+        `table` (a paged batch's slot table [B, L]) keys / values are the flat cache [slots, Hkv, D].
 
         The G query heads sharing a KV head go in as G query rows of that head, so the kernel
         reads each key and value once per KV head instead of once per query head (decode attention
         is bound by reading the cache; the gain: docs/architecture.md, "CPU decode path")."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
         folded = q.reshape(batch, self.num_kv_heads, group, self.head_dim)  # head h -> KV head h // group
-        if cpu_decode.usable(keys, values):  # the arena's views on CPU: slot by slot
+        if table is not None and cpu_decode.usable_paged(keys, values):  # pages read where they lie
+            out = cpu_decode.attend_paged(folded, keys, values, table, mask, self.scale)
+        elif table is not None:
+            out = F.scaled_dot_product_attention(folded, keys[table].transpose(1, 2), values[table].transpose(1, 2),
+                                                 attn_mask=mask, scale=self.scale)
+        elif cpu_decode.usable(keys, values):  # the arena's views on CPU: slot by slot
             out = cpu_decode.attend(folded, keys, values, mask, self.scale)
         else:
             out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
@@ -232,11 +238,11 @@ class Attention(nn.Module):
         slots = ctx.write_slots.reshape(-1)
         k_flat[slots] = k.reshape(batch * seq, self.num_kv_heads, self.head_dim)
         v_flat[slots] = v.reshape(batch * seq, self.num_kv_heads, self.head_dim)
-        keys = k_flat[ctx.slot_table].transpose(1, 2)  # gather: [B, Hkv, L, D]
-        values = v_flat[ctx.slot_table].transpose(1, 2)
         mask = ctx.attn_mask if self.window is None else ctx.window_mask
         if seq == 1:  # a decode step
-            return self._attend_one(q, keys, values, mask)
+            return self._attend_one(q, k_flat, v_flat, mask, table=ctx.slot_table)
+        keys = k_flat[ctx.slot_table].transpose(1, 2)  # gather: [B, Hkv, L, D]
+        values = v_flat[ctx.slot_table].transpose(1, 2)
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale,
                                               enable_gqa=True)
 

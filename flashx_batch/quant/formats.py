@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashx_batch.quant import row_kernel
+
 FLOAT_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT_FORMATS = ("int8", "int4")
 FORMATS = (*INT_FORMATS, *FLOAT_FORMATS)
@@ -193,21 +195,32 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 
-def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None = None
+def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None = None, offset: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations rows float32 [M, K] (any strides) -> (int8 codes [padded or M, K], peak [M, 1] float32):
     row i divided by its absolute maximum and rounded on a grid of `steps` steps each side of 0
     (x ~= code * peak / steps). One scale per row (per token), so a row is rounded the same in any
-    batch; codes past row M (a caller's padding) are 0.
+    batch; codes past row M (a caller's padding) are 0. With `offset`, every code (padding too) has
+    it added modulo 256: read as uint8, the codes of a zero point `offset` (oneDNN's uint8 input).
 
     The codes live in this thread's workspace (`_workspace`): valid until the next call, which is
     all a matmul needs. A prefill's rows run to many MB, and a fresh tensor that size costs its page
-    faults on every call (several times the arithmetic); the workspace is faulted in once. No float
-    -> uint8 conversion (several times slower than float -> int8 in torch's CPU kernels): a caller
-    wanting uint8 shifts the codes in place. A NaN row has a NaN peak (its output is NaN again once
-    multiplied by it); its codes are meaningless and touch no other row."""
+    faults on every call (several times the arithmetic); the workspace is faulted in once. A decode
+    step's few rows go through one compiled pass (`row_kernel`), where torch's eight small ops would
+    cost their dispatch each. No float -> uint8 conversion (several times slower than float -> int8
+    in torch's CPU kernels): the offset is added to the int8 codes' bits. A NaN row has a NaN peak
+    (its output is NaN again once multiplied by it); its codes are meaningless and touch no other row."""
     count, width = rows.shape
     padded = count if padded is None else padded
+    codes = _workspace("codes", padded * width, torch.int8, rows.device).view(padded, width)
+    fused = row_kernel.kernel() if (count * width <= _SMALL_ROWS and rows.device.type == "cpu"
+                                    and rows.dtype == torch.float32) else None
+    if fused is not None:
+        peak = torch.empty(count, 1, dtype=torch.float32)
+        fused(rows.detach().numpy(), float(steps), int(offset), codes[:count].view(torch.uint8).numpy(), peak.numpy())
+        if padded > count:
+            codes[count:].fill_(offset - 256 if offset > 127 else offset)
+        return codes, peak
     if count * width <= _SMALL_ROWS:  # two ops instead of four: at decode's few rows ops are the cost
         peak = rows.abs().amax(dim=1, keepdim=True)
     else:  # no |rows| temporary: at a prefill's many rows passes are the cost
@@ -215,11 +228,13 @@ def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None =
     peak.clamp_(min=1e-12)
     scaled = _workspace("scaled", count * width, torch.float32, rows.device).view(count, width)
     torch.mul(rows, peak.reciprocal().mul_(steps), out=scaled).round_()
-    codes = _workspace("codes", padded * width, torch.int8, rows.device).view(padded, width)
     if padded == count:
-        return codes.copy_(scaled), peak
-    codes[:count].copy_(scaled)
-    codes[count:].zero_()
+        codes.copy_(scaled)
+    else:
+        codes[:count].copy_(scaled)
+        codes[count:].zero_()
+    if offset:
+        codes.view(torch.uint8).add_(offset)  # modulo 256
     return codes, peak
 
 
@@ -279,8 +294,8 @@ class PackedInt8:
         count = len(rows)
         # oneDNN builds a kernel per new row count (~1 ms): calls of many rows are padded with zero codes
         padded = count + (-count % PAD_ROWS if count > PAD_ROWS else 0)
-        codes, peak = quantize_rows(rows, self.steps, padded)
-        xq = codes.view(torch.uint8).add_(self.zero)  # modulo 256: code c becomes zero + c as uint8
+        codes, peak = quantize_rows(rows, self.steps, padded, offset=self.zero)
+        xq = codes.view(torch.uint8)  # code c as zero + c (modulo 256)
         out = torch.ops.onednn.qlinear_pointwise(xq, 1.0 / self.steps, self.zero, self.packed, self.scales,
                                                  self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         out = out if padded == count else out[:count]

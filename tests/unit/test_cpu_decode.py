@@ -52,6 +52,35 @@ def test_boolean_and_broadcast_masks_read_as_torch_reads_them():
         torch.testing.assert_close(cpu_decode.attend(q, keys, values, mask, 0.125), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_paged_batch_is_read_through_its_slot_table(dtype):
+    """Rows whose slots lie anywhere in the flat cache (shared prefix pages, a trash slot for padding)
+    read as torch reads the same slots gathered; a table that is not one row per query, or that points
+    outside the cache, is refused."""
+    g = torch.Generator().manual_seed(6)
+    flat_k, flat_v = (torch.randn(90, 2, 64, generator=g).to(dtype) for _ in range(2))
+    rows, slots = 3, 24
+    table = torch.randperm(89, generator=g)[: rows * slots].view(rows, slots)
+    table[0, :8] = table[1, :8]  # a shared prefix page
+    table[2, 20:] = 89  # padding: the trash slot, masked
+    visible = torch.ones(rows, 1, 1, slots, dtype=torch.bool)
+    visible[2, ..., 20:] = False
+    q = torch.randn(rows, 2, 2, 64, generator=g).to(dtype)
+    assert cpu_decode.usable_paged(flat_k, flat_v)
+    out = cpu_decode.attend_paged(q, flat_k, flat_v, table, visible, 0.125)
+    expected = F.scaled_dot_product_attention(q.float(), flat_k[table].transpose(1, 2).float(),
+                                              flat_v[table].transpose(1, 2).float(), attn_mask=visible, scale=0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_decode.attend_paged(q, flat_k, flat_v, table[:2], visible, 0.125)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_decode.attend_paged(q, flat_k, flat_v, table + 10, visible, 0.125)
+    assert not cpu_decode.usable_paged(flat_k[:, :, :32].to(torch.bfloat16), flat_v[:, :, :32].to(torch.bfloat16))
+    assert not cpu_decode.usable_paged(flat_k.transpose(0, 1), flat_v.transpose(0, 1))
+
+
 def test_only_fewer_rows_than_threads_cut_a_rows_heads():
     assert cpu_decode.head_parts(rows=1, heads=4, threads=2) == 2
     assert cpu_decode.head_parts(rows=1, heads=4, threads=16) == 4
@@ -170,10 +199,14 @@ def test_decoding_through_the_kernel_gives_torch_attention_s_tokens(tiny_models,
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     engine = Engine.from_pretrained(path, backend="cpu", max_batch_size=4, max_input_len=64, max_output_len=12,
                                     segment_size=8, **options)
-    calls = []
-    real = cpu_decode.attend
-    monkeypatch.setattr(cpu_decode, "attend", lambda *a: calls.append(1) or real(*a))
+    calls = {"attend": 0, "attend_paged": 0}
+    for name in calls:
+        real = getattr(cpu_decode, name)
+        monkeypatch.setattr(cpu_decode, name, lambda *a, name=name, real=real: calls.update({name: calls[name] + 1})
+                            or real(*a))
     kernel = [r.token_ids for r in engine.generate(prompts, params)]
-    assert calls, "the decode steps did not reach the kernel"
+    assert calls["attend_paged" if options.get("prefix_cache_tokens") else "attend"], \
+        f"the decode steps did not reach the kernel: {calls}"
     monkeypatch.setattr(cpu_decode, "usable", lambda keys, values: False)
+    monkeypatch.setattr(cpu_decode, "usable_paged", lambda keys, values: False)
     assert [r.token_ids for r in engine.generate(prompts, params)] == kernel

@@ -258,3 +258,25 @@ def test_rotated_prepacked_layer_keeps_the_function_and_batch_invariance():
     assert _rel(out, x @ w.T) <= 2e-2
     for part in (slice(0, 1), slice(60, 70)):
         assert torch.allclose(out[part], module(x[part]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_rounding_of_few_rows_matches_the_torch_ops(monkeypatch):
+    """Decode's few rows go through `row_kernel` (one compiled pass): the same codes and peaks as the torch
+    ops give, with a zero-point offset, padding, a strided view, an all-zero row and rows holding NaN or
+    infinity (whose codes are meaningless: only their peak is compared)."""
+    from flashx_batch.quant import row_kernel
+
+    assert row_kernel.kernel() is not None
+    g = torch.Generator().manual_seed(12)
+    wide = torch.randn(9, 2 * 96, generator=g) * torch.logspace(-2, 2, 9)[:, None]
+    wide[3] = 0.0
+    wide[5, 7], wide[6, 1] = float("nan"), float("-inf")
+    rows = wide[:, :96]
+    fused = [t.clone() for t in fm.quantize_rows(rows, 63.0, padded=12, offset=64)]
+    monkeypatch.setattr(row_kernel, "kernel", lambda: None)
+    torch_ops = [t.clone() for t in fm.quantize_rows(rows, 63.0, padded=12, offset=64)]
+    finite = [i for i in range(9) if i not in (5, 6)] + [9, 10, 11]
+    assert torch.equal(fused[0][finite], torch_ops[0][finite])
+    assert fused[0][9:].view(torch.uint8).eq(64).all()  # padding: the zero point
+    torch.testing.assert_close(fused[1], torch_ops[1], equal_nan=True, rtol=0, atol=0)
+    assert fused[1][5].isnan().all() and fused[1][6].isinf().all() and fused[1][3].item() == pytest.approx(1e-12)
