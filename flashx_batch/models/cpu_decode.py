@@ -70,11 +70,20 @@ def _kernel():
             return impl
         return lambda src, buf: src
 
-    def attend(q, keys, values, starts, table, slots, bias, scale, parts, out):  # pragma: no cover - compiled
-        # keys / values: the flat cache [N, Hkv, D]; row r's slot s at table[r, s] (a paged batch) or,
-        # with an empty table, at starts[r] + s (rows laid out slot after slot)
+    def slot(cache, table, r, s, first, last):  # pragma: no cover - replaced by the overload when compiled
+        raise NotImplementedError
+
+    @overload(slot)
+    def _slot(cache, table, r, s, first, last):
+        """Row r's slot s, KV heads [first, last): rows laid out slot after slot ([B, row slots, Hkv,
+        D], the table unused), or a paged batch's flat cache [N, Hkv, D] and its slot table [B, L].
+        Chosen by the cache's dimensions when the kernel compiles: no branch per slot."""
+        if cache.ndim == 4:
+            return lambda cache, table, r, s, first, last: cache[r, s, first:last]
+        return lambda cache, table, r, s, first, last: cache[table[r, s], first:last]
+
+    def attend(q, keys, values, table, slots, bias, scale, parts, out):  # pragma: no cover - compiled
         rows, kv_heads, group, dim = q.shape
-        paged = table.shape[0] > 0
         span = (kv_heads + parts - 1) // parts
         for job in prange(rows * parts):  # one row's KV heads [first, last) per job
             r, first = job // parts, (job % parts) * span
@@ -84,7 +93,7 @@ def _kernel():
             scores = np.empty((slots, heads, group), np.float32)
             peak = np.full((heads, group), -np.inf, np.float32)
             for s in range(slots):
-                k = widen(keys[table[r, s] if paged else starts[r] + s, first:last], buf)
+                k = widen(slot(keys, table, r, s, first, last), buf)
                 add = bias[r, s] if bias.shape[0] else np.float32(0.0)
                 for h in range(heads):
                     for g in range(group):
@@ -97,7 +106,7 @@ def _kernel():
             total = np.zeros((heads, group), np.float32)
             acc_out = np.zeros((heads, group, dim), np.float32)
             for s in range(slots):
-                v = widen(values[table[r, s] if paged else starts[r] + s, first:last], buf)
+                v = widen(slot(values, table, r, s, first, last), buf)
                 for h in range(heads):
                     for g in range(group):
                         p = np.exp(scores[s, h, g] - peak[h, g])
@@ -131,11 +140,11 @@ def _compile(numba, source):
         log.info("no writable numba cache (%s): the CPU decode kernel compiles in every process", exc)
         kernel = numba.njit(parallel=True, fastmath=_FASTMATH)(source)
     query = np.ones((1, 1, 1, 4), np.float32)
-    starts, no_table = np.zeros(1, np.int64), np.zeros((0, 0), np.int64)
-    for cache in (np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.uint16)):
-        out = np.empty_like(query)
-        kernel(query, cache, cache, starts, no_table, 2, np.zeros((1, 2), np.float32), np.float32(0.5), 1, out)
-        if not np.allclose(out, 1.0 if cache.dtype == np.float32 else 0.0):  # uint16 1 is a subnormal bfloat16
+    layouts = ((1, 2, 1, 4), _NO_TABLE), ((2, 1, 4), np.zeros((1, 2), np.int64))  # rows of slots; flat + table
+    for (shape, table), dtype in ((layout, dtype) for layout in layouts for dtype in (np.float32, np.uint16)):
+        cache, out = np.ones(shape, dtype), np.empty_like(query)
+        kernel(query, cache, cache, table, 2, np.zeros((1, 2), np.float32), np.float32(0.5), 1, out)
+        if not np.allclose(out, 1.0 if dtype == np.float32 else 0.0):  # uint16 1 is a subnormal bfloat16
             raise RuntimeError(f"the compiled kernel returned {out.ravel()} on a constant cache")
     return kernel
 
@@ -162,14 +171,12 @@ def usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
     return ok and _kernel() is not None
 
 
-def _stripes(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """A view [B, Hkv, L, D] as the whole rows it cuts from, flat: ([B * row stride / slot stride, Hkv,
-    D], each row's first slot in it), a C-contiguous numpy array over the same memory (zero copy). The
-    kernel reads the first L slots of each row."""
+def _stripes(t: torch.Tensor) -> np.ndarray:
+    """A view [B, Hkv, L, D] as the whole rows it cuts from, [B, row stride / slot stride, Hkv, D]: a
+    C-contiguous numpy array over the same memory (zero copy). The kernel reads the first L slots of
+    each row."""
     rows, heads, _, dim = t.shape
-    per_row = t.stride(0) // t.stride(2)
-    whole = t.as_strided((rows * per_row, heads, dim), (t.stride(2), dim, 1))
-    return _numpy(whole), np.arange(rows, dtype=np.int64) * per_row
+    return _numpy(t.as_strided((rows, t.stride(0) // t.stride(2), heads, dim), (t.stride(0), t.stride(2), dim, 1)))
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -205,8 +212,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     """q [B, Hkv, G, D] (the G query heads of each KV head), keys / values [B, Hkv, L, D] (`usable`),
     mask None, additive or boolean (True: attend), broadcastable to [B, 1, 1, L] -> [B, Hkv, G, D] in
     q's dtype. Softmax in float32."""
-    (k, starts), (v, _) = _stripes(keys), _stripes(values)
-    return _run(q, k, v, starts, _NO_TABLE, keys.shape[2], mask, scale)
+    return _run(q, _stripes(keys), _stripes(values), _NO_TABLE, keys.shape[2], mask, scale)
 
 
 def usable_paged(keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -233,13 +239,13 @@ def attend_paged(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
     if table.numel() and not 0 <= int(table.min()) <= int(table.max()) < keys.shape[0]:
         raise ValueError(f"slot table reaches outside the cache's {keys.shape[0]} slots")
     index = table.to(torch.int64).contiguous().numpy()
-    return _run(q, _numpy(keys), _numpy(values), np.zeros(0, np.int64), index, table.shape[1], mask, scale)
+    return _run(q, _numpy(keys), _numpy(values), index, table.shape[1], mask, scale)
 
 
 _NO_TABLE = np.zeros((0, 0), np.int64)
 
 
-def _run(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, starts: np.ndarray, table: np.ndarray, slots: int,
+def _run(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, table: np.ndarray, slots: int,
          mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     numba, kernel = _kernel()
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
@@ -248,7 +254,7 @@ def _run(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, starts: np.ndarr
     parts = head_parts(rows, heads, threads)
     query = q.to(torch.float32).contiguous()
     out = torch.empty(query.shape, dtype=torch.float32)
-    kernel(query.numpy(), keys, values, starts, table, slots, _bias(mask, rows, slots), np.float32(scale),
+    kernel(query.numpy(), keys, values, table, slots, _bias(mask, rows, slots), np.float32(scale),
            parts, out.numpy())
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
