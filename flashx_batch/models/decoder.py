@@ -149,12 +149,12 @@ class Attention(nn.Module):
         is bound by reading the cache; the gain: docs/architecture.md, "CPU decode path")."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
         folded = q.reshape(batch, self.num_kv_heads, group, self.head_dim)  # head h -> KV head h // group
-        if table is not None and cpu_decode.usable_paged(keys, values):  # pages read where they lie
-            out = cpu_decode.attend_paged(folded, keys, values, table, mask, self.scale)
-        elif table is not None:
-            out = F.scaled_dot_product_attention(folded, keys[table].transpose(1, 2), values[table].transpose(1, 2),
-                                                 attn_mask=mask, scale=self.scale)
-        elif cpu_decode.usable(keys, values):  # the arena's views on CPU: slot by slot
+        if table is not None:
+            if cpu_decode.usable_paged(keys, values):  # pages read where they lie
+                out = cpu_decode.attend_paged(folded, keys, values, table, mask, self.scale)
+                return out.reshape(batch, self.num_heads, 1, self.head_dim)
+            keys, values = keys[table].transpose(1, 2), values[table].transpose(1, 2)  # gathered: [B, Hkv, L, D]
+        if cpu_decode.usable(keys, values):  # the arena's views on CPU: slot by slot
             out = cpu_decode.attend(folded, keys, values, mask, self.scale)
         else:
             out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
