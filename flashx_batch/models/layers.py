@@ -195,7 +195,10 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-MLP_CHUNK_BYTES = 8 << 20  # a CPU prefill's gate / up output per chunk (`GatedMLP.forward`)
+# a CPU prefill's gate / up output per chunk (`GatedMLP.forward`): under glibc's 32 MB mmap ceiling, so the
+# chunk's buffer is reused from the heap; larger chunks keep the GEMMs efficient at two threads (8 MB
+# chunks ran the 134 M prefill ~10 % slower there, equal at one thread: docs/benchmarks.md)
+MLP_CHUNK_BYTES = 24 << 20
 
 
 class GatedMLP(nn.Module):
