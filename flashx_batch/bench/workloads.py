@@ -14,6 +14,7 @@ stated size can run them; EOS is ignored by every variant, so a row always yield
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ FIRST_TOKEN = 3  # 0 pad, 1 bos, 2 eos: never part of a random prompt
 MIX = (("short", 0.3), ("medium", 0.5), ("long", 0.2))
 MIN_GROUP_ROWS = 16
 MIN_SHARED_FRACTION = 0.75
+MIN_SHARED_PREFIX = 16  # tokens rows must share to count as one prefix group (`Workload.shared_prefixes`)
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,16 @@ class Workload:
         return Workload(f"{self.name}[sample]", self.description, [self.prompts[i] for i in indices],
                         [self.max_new_tokens[i] for i in indices], [self.labels[i] for i in indices])
 
-    def shared_prefixes(self, min_len: int = 16) -> list[tuple[int, list[int]]]:
+    def shared_prefixes(self) -> list[tuple[int, list[int]]]:
         """(prefix length, rows) for each label whose rows (two or more) all begin with the same
-        `min_len` or more tokens: the longest prefix they share. What an engine with a prefix cache or
-        a static prompt can compute once; W3's groups, never W1's or W2's random prompts. Groups in
-        order of first arrival, rows in arrival order."""
+        MIN_SHARED_PREFIX or more tokens: the longest prefix they share. What an engine with a prefix
+        cache or a static prompt can compute once; W3's groups, never W1's or W2's random prompts. Groups
+        in order of first arrival, rows in arrival order. Found once per workload (the peers ask inside
+        their timed runs)."""
+        return self._prefix_groups
+
+    @functools.cached_property
+    def _prefix_groups(self) -> list[tuple[int, list[int]]]:
         groups: dict[str, list[int]] = {}
         for i, label in enumerate(self.labels):
             groups.setdefault(label, []).append(i)
@@ -74,7 +81,7 @@ class Workload:
                 continue
             first = self.prompts[rows[0]]
             shared = min(shared_prefix_len(first, self.prompts[i]) for i in rows[1:])
-            if shared >= min_len:
+            if shared >= MIN_SHARED_PREFIX:
                 out.append((shared, rows))
         return out
 

@@ -236,8 +236,10 @@ def attend_paged(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
     gathered into a [B, Hkv, L, D] copy first."""
     if table.dim() != 2 or table.shape[0] != q.shape[0]:
         raise ValueError(f"slot table {tuple(table.shape)} does not match {q.shape[0]} rows")
-    if table.numel() and not 0 <= int(table.min()) <= int(table.max()) < keys.shape[0]:
-        raise ValueError(f"slot table reaches outside the cache's {keys.shape[0]} slots")
+    if table.numel():  # the kernel indexes without bounds checks: one pass over the table guards it
+        low, high = torch.aminmax(table)
+        if int(low) < 0 or int(high) >= keys.shape[0]:
+            raise ValueError(f"slot table reaches outside the cache's {keys.shape[0]} slots")
     index = table.to(torch.int64).contiguous().numpy()
     return _run(q, _numpy(keys), _numpy(values), index, table.shape[1], mask, scale)
 

@@ -196,8 +196,8 @@ class Linear(nn.Module):
 
 
 # a CPU prefill's gate / up output per chunk (`GatedMLP.forward`): under glibc's 32 MB mmap ceiling, so the
-# chunk's buffer is reused from the heap; larger chunks keep the GEMMs efficient at two threads (8 MB
-# chunks ran the 134 M prefill ~10 % slower there, equal at one thread: docs/benchmarks.md)
+# chunk's buffer is reused from the heap, and large enough that the GEMMs keep their efficiency at two
+# threads (docs/benchmarks.md, "Gated MLP in row chunks")
 MLP_CHUNK_BYTES = 24 << 20
 
 

@@ -3,8 +3,8 @@
 `formats.quantize_rows` rounds each row of a linear layer's input on its own grid before the int8
 GEMM. With torch ops that is eight small kernels (|x|, row maximum, clamp, reciprocal, two scalings,
 round, the int8 copy) plus the uint8 shift of the prepacked path: at a decode step's few rows each
-costs its fixed dispatch, and together they cost several times the GEMM's own arithmetic on small
-models. This kernel does the same rounding in one pass per row: each row's absolute maximum, then
+costs its fixed dispatch (the per-call figures: docs/benchmarks.md, "Ours against CTranslate2 and
+llama.cpp"). This kernel does the same rounding in one pass per row: each row's absolute maximum, then
 its codes, already shifted by the caller's zero point. Used for inputs of up to `formats._SMALL_ROWS`
 values (decode); larger ones stay on torch's multithreaded ops, where passes over memory are the
 cost. Compiled with numba on first use (cached on disk where the package directory or numba's user
