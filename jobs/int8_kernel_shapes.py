@@ -8,7 +8,7 @@ model steps: end-to-end figures come from `python -m flashx_batch.bench.peers`).
 
 Writes DIR/int8_kernel_shapes.json: per shape and row count, median microseconds per call of each
 kernel and the ratio int_mm / prepacked (above 1: prepacked is faster), with the engine's choice
-(`quant.linear.PREPACKED_MIN_WEIGHTS`).
+(`quant.linear.INT_MM_MAX_WEIGHTS` / `INT_MM_MAX_ROWS`: `_int_mm` for few rows on small weights).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from flashx_batch.quant import formats as fm
-from flashx_batch.quant.linear import PREPACKED_MIN_WEIGHTS
+from flashx_batch.quant.linear import INT_MM_MAX_ROWS, INT_MM_MAX_WEIGHTS
 
 # (in, out) of each linear layer kind: qkv, o, gate_up, down, LM head
 SHAPES = {
@@ -51,13 +51,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    result: dict = {"threads": 1, "prepacked_min_weights": PREPACKED_MIN_WEIGHTS, "shapes": {}}
+    result: dict = {"threads": 1, "int_mm_max_weights": INT_MM_MAX_WEIGHTS, "int_mm_max_rows": INT_MM_MAX_ROWS,
+                    "shapes": {}}
     for model, shapes in SHAPES.items():
         for k, n in shapes:
             w = torch.randn(n, k, generator=g) * 0.05
             q, scales = fm.quantize_int8(w)
             q_t, packed = q.t().contiguous(), fm.PackedInt8(q, scales)
-            row: dict = {"model": model, "engine_choice": "prepacked" if n * k >= PREPACKED_MIN_WEIGHTS else "int_mm"}
+            few = "int_mm" if n * k < INT_MM_MAX_WEIGHTS else "prepacked"
+            row: dict = {"model": model, "engine_choice_8_rows": few, "engine_choice_512_rows": "prepacked"}
             for m in (8, 512):
                 x = torch.randn(m, k, generator=g)
                 calls = 50 if m == 8 else 5

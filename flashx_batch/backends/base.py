@@ -92,9 +92,9 @@ class Backend:
     def set_device(self, index: int = 0) -> None:
         """Make `index` the current device of this process (no-op where devices are implicit)."""
 
-    def prepare_model(self, model: torch.nn.Module, decode_rows: list[int]) -> int:
-        """Backend-specific weight layouts once the model is loaded (CPU: MKL-packed linears for
-        decode batches of `decode_rows` rows). Returns how many weights it re-laid; default none."""
+    def prepare_model(self, model: torch.nn.Module) -> int:
+        """Backend-specific weight layouts once the model is loaded (CPU: oneDNN-packed linears).
+        Returns how many weights it re-laid; default none."""
         return 0
 
     def synchronize(self) -> None:

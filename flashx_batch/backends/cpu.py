@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
+import torch.nn.functional as F
 
 from flashx_batch.backends.base import Backend
 
@@ -32,20 +34,42 @@ class CpuBackend(Backend):
     def device_name(self, index: int = 0) -> str:
         return platform.processor() or platform.machine()
 
-    def prepare_model(self, model: torch.nn.Module, decode_rows: list[int]) -> int:
-        """MKL-pack the weights of every module that opts in (a class attribute `mkl_packable = True`,
-        a `prepack(decode_rows)` method, a float32 `weight`: `models.layers.Linear`) for MKL's
-        few-rows sgemm. Quantized linears do not opt in and keep their own kernels; builds without
-        MKL keep plain sgemm. Duck-typed, so this package never imports the models above it."""
-        if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
-            return 0
-        packable = [m for m in model.modules() if _mkl_packable(m)]
+    def prepare_model(self, model: torch.nn.Module) -> int:
+        """Pack the weights of every module that opts in (a class attribute `cpu_packable = True`, a
+        `pack()` method, a `weight` of a dtype `onednn_packs`: `models.layers.Linear`) into oneDNN's
+        layout, through which they then multiply. Quantized linears do not opt in and keep their own
+        kernels; torch builds without oneDNN keep plain sgemm. Duck-typed, so this package never
+        imports the models above it."""
+        packable = [m for m in model.modules() if _cpu_packable(m)]
         for module in packable:
-            module.prepack(decode_rows)
+            module.pack()
         return len(packable)
 
 
-def _mkl_packable(module: torch.nn.Module) -> bool:
+def _cpu_packable(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (getattr(type(module), "mkl_packable", False) is True and callable(getattr(module, "prepack", None))
-            and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32)
+    return (getattr(type(module), "cpu_packable", False) is True and callable(getattr(module, "pack", None))
+            and isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and onednn_packs(weight.dtype))
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch build multiplies `dtype` weights through oneDNN's linear with a packed
+    weight: float32 where oneDNN is built in, bfloat16 where the CPU also has bfloat16 dot products
+    (elsewhere torch's plain bfloat16 matmul is the better one). Checked once on a small matmul
+    against F.linear, so a build whose op misbehaves keeps plain sgemm instead of computing wrong."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        weight, bias = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
+        x = torch.randn(3, 5, 40).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return out.shape == (3, 5, 24) and torch.allclose(out.float(), F.linear(x, weight, bias).float(),
+                                                       rtol=2e-2, atol=2e-2)

@@ -152,7 +152,7 @@ class Linear(nn.Module):
     """y = x W^T (+ b). A module, not a bare tensor, so that quantization can swap it at load time
     (gpt-fast style) without the decoder knowing which weight format it runs."""
 
-    mkl_packable = True  # the CPU backend's `prepare_model` calls `prepack` on float32 weights
+    cpu_packable = True  # the CPU backend's `prepare_model` calls `pack` where oneDNN takes the weight's dtype
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -161,37 +161,22 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
-        self.packed: dict[int, torch.Tensor] = {}  # CPU float32: MKL-packed copies of `weight`, see `prepack`
-        self._pack_for: list[int] = []  # input rows -> the packed row count that serves them (0: plain sgemm)
+        self.packed: torch.Tensor | None = None  # CPU: a oneDNN-packed copy of `weight`, see `pack`
 
-    def prepack(self, sizes: list[int]) -> None:
-        """Keep MKL-packed copies of the weight for matmuls of `sizes` input rows (decode batches).
+    def pack(self) -> None:
+        """Keep a copy of the weight in oneDNN's own blocked layout and multiply through oneDNN's linear
+        from now on, for any number of rows (one copy serves decode and prefill).
 
-        A decode step multiplies a few rows by every weight; MKL's generic sgemm is poorly blocked
-        for so few rows, its packed-B path is not. A batch between two packed sizes is padded with
-        zero rows up to the next one: on a weight-bound step the padding is nearly free, since the
-        weights are read once either way. Fewer rows than the smallest size (padding a single row up
-        costs more than it saves) and more than the largest (a prefill) use plain sgemm. The figures
-        are in docs/architecture.md. The paths round differently in the last bits, as plain sgemm
-        already does between 1 row and 8; greedy outputs stay batch-independent in the tests. Costs
-        one more copy of the weight per size.
-        """
-        sizes = sorted(set(sizes))
-        self.packed = {n: torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), n) for n in sizes}
-        self._pack_for = [0 if rows < sizes[0] else next(n for n in sizes if n >= rows)
-                          for rows in range(sizes[-1] + 1)]
+        On x86 CPUs oneDNN's kernels for a packed weight run a decode step's few-row matmuls two to
+        three times as fast as MKL's sgemm (packed for the row count or not), and a prefill's 1.1-1.5x
+        (docs/benchmarks.md, "Float32 linears through oneDNN"). The copy is taken now: a later
+        change to `weight` is not seen (weights are read-only once loaded). Rounding differs from
+        sgemm's in the last bits, as sgemm's own does between row counts."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            rows = x.numel() // x.shape[-1]
-            size = self._pack_for[rows] if rows < len(self._pack_for) else 0
-            if size:
-                if size == rows:
-                    return torch.ops.mkl._mkl_linear(x, self.packed[size], self.weight, self.bias, size)
-                padded = x.new_zeros(size, x.shape[-1])
-                padded[:rows] = x.reshape(rows, -1)
-                out = torch.ops.mkl._mkl_linear(padded, self.packed[size], self.weight, self.bias, size)
-                return out[:rows].view(*x.shape[:-1], -1)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

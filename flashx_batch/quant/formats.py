@@ -33,6 +33,7 @@ import functools
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flashx_batch.quant import row_kernel
@@ -216,8 +217,8 @@ def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None =
     fused = row_kernel.kernel() if (count * width <= _SMALL_ROWS and rows.device.type == "cpu"
                                     and rows.dtype == torch.float32) else None
     if fused is not None:
-        peak = torch.empty(count, 1, dtype=torch.float32)
-        fused(rows.detach().numpy(), float(steps), int(offset), codes[:count].view(torch.uint8).numpy(), peak.numpy())
+        codes, peak, codes_out, peak_out = _row_buffers(count, width, padded)
+        fused((rows.detach() if rows.requires_grad else rows).numpy(), float(steps), int(offset), codes_out, peak_out)
         if padded > count:
             codes[count:].fill_(offset - 256 if offset > 127 else offset)
         return codes, peak
@@ -244,6 +245,27 @@ _SMALL_ROWS = 1 << 16  # elements up to which `quantize_rows` takes |rows| in on
 _workspaces = threading.local()
 
 
+_ROW_BUFFER_SHAPES = 256  # (rows, width, padded) triples whose buffers a thread keeps; past that, a fresh set
+
+
+def _row_buffers(count: int, width: int, padded: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """This thread's codes int8 [padded, width] and peak float32 [count, 1] for the compiled rounding,
+    with the numpy views it writes through (codes as uint8), kept per shape: a decode step's calls
+    come in a few shapes, and building the views costs more than the rounding. Valid until the next
+    call of the same shape (the `_workspace` contract)."""
+    buffers = _workspaces.__dict__.setdefault("rows", {})
+    key = (count, width, padded, torch.is_inference_mode_enabled())  # see `_workspace`
+    entry = buffers.get(key)
+    if entry is None:
+        if len(buffers) >= _ROW_BUFFER_SHAPES:
+            buffers.clear()
+        codes = torch.empty(padded, width, dtype=torch.int8)
+        peak = torch.empty(count, 1, dtype=torch.float32)
+        entry = buffers[key] = (codes, peak, codes[:count].view(torch.uint8).numpy(), peak.numpy())
+    return entry
+
+
 def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat buffer of at least `numel` elements, this thread's own, reused across calls (grown, never
     shrunk: it holds the largest activation of its kind this thread has rounded)."""
@@ -256,12 +278,22 @@ def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) 
     return buf[:numel]
 
 
+INT_MM_STEPS = 127  # the activation grid `int8_dynamic_matmul` rounds on (int8 x int8 cannot saturate)
+_INV_STEPS = torch.tensor(1.0 / INT_MM_STEPS, dtype=torch.float32)
+
+
 def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x float32 [..., K] @ (q * scales)^T -> [..., N] in int8: each row of x quantized with its own
     scale (`quantize_rows`), int8 x int8 products accumulated in int32 by `torch._int_mm` (oneDNN's
-    VNNI / AMX GEMM on x86), then both scales applied. `q_t` is the int8 weight transposed, [K, N]."""
+    VNNI / AMX GEMM on x86), then the scales applied. `q_t` is the int8 weight transposed, [K, N];
+    `scales` float32 [N].
+
+    The float products are oneDNN's int8 linear's own, in its order — the exact int32 sum times the
+    input's step (1 / 127 in float32), times the weight row's scale, times the row's peak — so a row
+    comes out bit-identical to `PackedInt8.matmul` on a 127-step grid, whichever of the two a call
+    takes."""
     codes, peak = quantize_rows(x.reshape(-1, x.shape[-1]))
-    out = torch._int_mm(codes, q_t).float().mul_(peak).mul_(scales / 127.0)
+    out = torch.mul(torch._int_mm(codes, q_t), _INV_STEPS).mul_(scales).mul_(peak)  # int32 x float32: float32
     return out.reshape(*x.shape[:-1], q_t.shape[1])
 
 

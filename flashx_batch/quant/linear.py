@@ -15,13 +15,18 @@ speeds: docs/benchmarks.md, "Mixed-precision weights"):
                      F.linear at one row), so fp32 always takes the BLAS route (`dequant`).
   int8_dynamic       float32 activations on CPU: int8 weights, and activations quantized to 8 bits per
                      row (per token: a row is rounded the same in any batch; `formats.quantize_rows`) at
-                     each call, products summed in int32 by oneDNN's VNNI / AMX GEMM: for weights of at
-                     least PREPACKED_MIN_WEIGHTS values prepacked at load (`formats.PackedInt8`, where
-                     torch has oneDNN's int8 linear), smaller ones through `torch._int_mm`, which
-                     reorders the weight on every call but costs fewer microseconds a call, what a
-                     small layer's decode step is made of. The split, and the kernels against float32
-                     F.linear, measured by `jobs/int8_kernel_shapes.py` (docs/benchmarks.md, "int8
-                     kernel per layer shape"). The activation rounding is a second error beyond the
+                     each call, products summed in int32 by oneDNN's VNNI / AMX GEMM: the weight
+                     prepacked at load (`formats.PackedInt8`, where torch has oneDNN's int8 linear);
+                     a weight of fewer than INT_MM_MAX_WEIGHTS values also kept plain for calls of at
+                     most INT_MM_MAX_ROWS rows (a decode step), which go through `torch._int_mm`: it
+                     reorders the weight on every call but costs fewer microseconds a call than the
+                     prepacked kernel at a few rows, while at a prefill's many rows the prepacked one
+                     is up to 3x faster. Both end in the same float products in the same order, so a
+                     row's output is bit-identical whichever serves it (`formats.int8_dynamic_matmul`);
+                     where they could not be (no VNNI: the prepacked grid is 63 steps), one kernel
+                     serves every call. The kernels against float32 F.linear, per shape:
+                     `jobs/int8_kernel_shapes.py` (docs/benchmarks.md, "int8 kernel per layer
+                     shape"). The activation rounding is a second error beyond the
                      weight's: measurements for such an engine run this kernel itself instead of
                      `simulated`, so the planner measures what will run.
   int4pack_mm_cpu    `_weight_int4pack_mm_for_cpu` for bf16 / fp16 activations: 2-4x faster than bf16
@@ -53,9 +58,10 @@ log = logging.getLogger(__name__)
 KERNELS = ("native", "cast", "int8pack_mm", "int8_dynamic", "int4pack_mm_cpu", "int4pack_mm_cuda", "dequant",
            "simulated")
 SMALL_M = 16  # int8pack_mm runs calls of at most this many rows; larger ones take float BLAS
-# int8_dynamic weights of at least this many values run prepacked (module docstring); a layer's choice
-# depends on its shape only, never on a call's row count
-PREPACKED_MIN_WEIGHTS = 256 * 1024
+# int8_dynamic: calls of at most INT_MM_MAX_ROWS rows on weights of fewer than INT_MM_MAX_WEIGHTS values go
+# through `torch._int_mm`, all others prepacked (module docstring); the outputs are the same bits either way
+INT_MM_MAX_ROWS = 32
+INT_MM_MAX_WEIGHTS = 1 << 20
 _HALF = (torch.bfloat16, torch.float16)
 _probed: dict[tuple[str, str, torch.dtype], bool] = {}
 
@@ -118,6 +124,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None)
         self._int4: fm.Int4Operands | None = None
         self._packed: fm.PackedInt8 | None = None  # int8_dynamic's oneDNN-prepacked weight, where torch has it
+        self.register_buffer("qweight_t", None)  # int8_dynamic: the plain weight [K, N] for `_int_mm`, where kept
         self.rotated = False  # weight held, and input rounded, in `formats.rotate_blocks`' basis
 
     @classmethod
@@ -160,12 +167,13 @@ class QuantLinear(nn.Module):
             self.register_buffer("weight", weight.to(fm.FLOAT_FORMATS[self.fmt]).contiguous().clone())
         elif self.fmt == "int8":
             q, scales = fm.quantize_int8(weight)
-            if (self.kernel == "int8_dynamic" and fm.onednn_int8_available()
-                    and self.out_features * self.in_features >= PREPACKED_MIN_WEIGHTS):
-                self._packed = fm.PackedInt8(q, scales)  # the weight lives only there, prepacked
-            elif self.kernel == "int8_dynamic":  # the GEMM reads the weight as [K, N]; one copy kept
-                self.register_buffer("qweight_t", q.t().contiguous())
-            else:
+            if self.kernel == "int8_dynamic" and fm.onednn_int8_available():
+                self._packed = fm.PackedInt8(q, scales)
+            small = self.out_features * self.in_features < INT_MM_MAX_WEIGHTS
+            if self.kernel == "int8_dynamic" and (self._packed is None or (self._packed.steps == fm.INT_MM_STEPS
+                                                                          and small)):
+                self.register_buffer("qweight_t", q.t().contiguous())  # `_int_mm` reads the weight as [K, N]
+            elif self.kernel != "int8_dynamic":
                 self.register_buffer("qweight", q)
             self.register_buffer("scales", scales.to(dtype))
         else:
@@ -191,10 +199,10 @@ class QuantLinear(nn.Module):
         if self.fmt in fm.FLOAT_FORMATS or self.kernel == "simulated":
             return self.weight
         if self.fmt == "int8":
-            if self._packed is not None:
-                q = self._packed.int8_weight()
+            if self.kernel == "int8_dynamic":
+                q = self.qweight_t.t() if self.qweight_t is not None else self._packed.int8_weight()
             else:
-                q = self.qweight_t.t() if self.kernel == "int8_dynamic" else self.qweight
+                q = self.qweight
             weight = fm.dequantize_int8(q, self.scales, torch.float32)
             return fm.rotate_blocks(weight) if self.rotated else weight  # the rotation is its own inverse
         if self.kernel == "dequant":
@@ -211,10 +219,11 @@ class QuantLinear(nn.Module):
             out = F.linear(x, self.weight)
         elif kernel == "cast":
             out = F.linear(x, self.weight.to(x.dtype))
-        elif self._packed is not None:
-            out = self._packed.matmul(x)
         elif kernel == "int8_dynamic":
-            out = fm.int8_dynamic_matmul(x, self.qweight_t, self.scales)
+            if self._packed is not None and (self.qweight_t is None or x.numel() > INT_MM_MAX_ROWS * self.in_features):
+                out = self._packed.matmul(x)
+            else:
+                out = fm.int8_dynamic_matmul(x, self.qweight_t, self.scales)
         elif self.fmt == "int8":
             if kernel == "int8pack_mm" and x.numel() <= SMALL_M * self.in_features:
                 out = fm.int8_matmul(x, self.qweight, self.scales)

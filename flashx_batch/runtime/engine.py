@@ -43,9 +43,6 @@ from flashx_batch.runtime.tokenizer import Tokenizer
 from flashx_batch.runtime.torch_runner import PrefillPolicy, TorchRunner
 
 log = logging.getLogger(__name__)
-# packed weight copies for every grown decode batch size only while the model is small: 4 sizes of a 1 GiB model
-# are 4 GiB more host memory
-PACK_ALL_SIZES_BYTES = 1 << 30
 
 __all__ = ["ChoiceScores", "Engine", "GenerateStats", "RequestOutput", "check_options"]
 
@@ -151,12 +148,7 @@ class Engine:
             apply_precision_map(model, load_precision_map(o.precision_map), self.model_dir)
         arena = KVArena(model.local_config.cache_spec(), self.geometry.num_slots, self.dtype, self.device)
         if o.prepack_weights:
-            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            sizes = kv_sizing.decode_pack_sizes(o, self.geometry.base_rows, weight_bytes, PACK_ALL_SIZES_BYTES)
-            if len(sizes) == 1 and kv_sizing.grows_batches(o):
-                log.info("weights of %.1f GiB: packed for %d-row decode batches only", weight_bytes / 2**30,
-                         sizes[0])
-            self.backend.prepare_model(model, sizes)
+            self.backend.prepare_model(model)
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
         runner = TorchRunner(model, arena, self.backend, policy, merge, pad_id=cfg.pad_token_id or 0)

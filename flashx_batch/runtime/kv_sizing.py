@@ -70,14 +70,3 @@ def uses_extents(options: EngineOptions, backend_prefers_extents: bool) -> bool:
     o = options
     wanted = o.kv_layout == "extents" or (o.kv_layout == "auto" and backend_prefers_extents)
     return wanted and grows_batches(o) and o.refill and o.long_input != "rolling_merge"
-
-
-def decode_pack_sizes(options: EngineOptions, base_rows: int, weight_bytes: int, pack_all_limit: int
-                      ) -> list[int]:
-    """Decode batch sizes to keep packed weights for: the base rows, and with growing batches each
-    multiple of them up to the growth cap — one more copy of the weights per size, so a model over
-    `pack_all_limit` bytes of weights keeps the base size only (grown batches then use plain sgemm)."""
-    growth = options.batch_growth if grows_batches(options) else 1
-    if growth > 1 and weight_bytes > pack_all_limit:
-        growth = 1
-    return [base_rows * k for k in range(1, growth + 1)]

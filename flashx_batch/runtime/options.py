@@ -80,8 +80,8 @@ class EngineOptions:
     prefix_cache_tokens: int = knob(0, "prefix reuse: KV tokens kept for shared prefixes (0 = off)")
     precision_map: str | None = knob(None, "JSON from `python -m flashx_batch.quantize`: per-tensor weight "
                                            "formats")
-    prepack_weights: bool = knob(True, "CPU float32: MKL-packed weight copies for the decode batch (2x weight "
-                                       "memory)")
+    prepack_weights: bool = knob(True, "CPU float32 / bfloat16: linear weights packed for oneDNN, which then "
+                                       "runs every matmul (2x weight memory)")
     kv_layout: str = knob("auto", "growing refilled batches: stripes (equal, cut for the longest row), extents "
                                   "(each row its own prompt + new tokens), auto (the backend's preference: extents "
                                   "on CPU)",

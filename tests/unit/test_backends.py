@@ -225,32 +225,32 @@ def test_onnx_ray_options_follow_the_provider(monkeypatch):
 
 # ---- hooks the rest of the package asks instead of naming a device --------------------------------
 def test_cpu_prepare_model_packs_only_modules_that_opt_in():
+    from flashx_batch.backends.cpu import onednn_packs
     from flashx_batch.models.layers import Linear
     from flashx_batch.quant.linear import QuantLinear
 
-    class Unlisted(torch.nn.Module):  # prepack and a float32 weight, but no opt-in
+    class Unlisted(torch.nn.Module):  # pack() and a float32 weight, but no opt-in
         def __init__(self):
             super().__init__()
             self.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
-            self.calls = []
+            self.calls = 0
 
-        def prepack(self, sizes):
-            self.calls.append(sizes)
+        def pack(self):
+            self.calls += 1
 
     def linear(dtype):
         module = Linear(8, 16, bias=False, dtype=dtype, device=torch.device("cpu"))
         torch.nn.init.normal_(module.weight)
         return module
 
-    fp32, bf16, unlisted = linear(torch.float32), linear(torch.bfloat16), Unlisted()
+    fp32, bf16, half, unlisted = linear(torch.float32), linear(torch.bfloat16), linear(torch.float16), Unlisted()
     quant = QuantLinear.from_float(torch.randn(8, 16), "fp32", torch.float32)  # a float32 weight, its own kernel
-    model = torch.nn.ModuleList([fp32, bf16, unlisted, quant])
-    packed = CpuBackend().prepare_model(model, [4, 8])
-    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
-        assert packed == 0 and not fp32.packed
-        return
-    assert packed == 1 and sorted(fp32.packed) == [4, 8]  # the quantized linear is not counted: not packed
-    assert not bf16.packed and not unlisted.calls
+    model = torch.nn.ModuleList([fp32, bf16, half, unlisted, quant])
+    packed = CpuBackend().prepare_model(model)
+    expected = [m for m, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)) if onednn_packs(dtype)]
+    assert packed == len(expected)  # the quantized linear is not counted: not packed
+    assert [m for m in (fp32, bf16, half) if m.packed is not None] == expected
+    assert unlisted.calls == 0
 
 
 def test_graph_capture_is_refused_where_graphs_are_not_wired():

@@ -80,8 +80,10 @@ def test_loglikelihood_rolling_equals_lm_eval(engine, hflm, texts):
     assert len(docs) >= 100
     ours = engine.loglikelihood_rolling(docs)
     ref = hflm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(d,) for d in docs]), disable_tqdm=True)
-    diff = max(abs(a - b) for a, b in zip(ours, ref, strict=True))
-    assert diff <= 1e-4, diff
+    # a document's sum runs over up to ~200 tokens, each float32 GEMMs summed in another order than
+    # transformers' (oneDNN against MKL): equal to float32 precision relative to the sum
+    worst = max(abs(a - b) / (1e-4 + 1e-6 * abs(b)) for a, b in zip(ours, ref, strict=True))
+    assert worst <= 1.0, worst
     assert max(len(rolling_windows(engine.lm.encoder.encode([d])[0], 1, MAX_LEN)) for d in docs) > 1
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flashx_batch.backends.cpu import onednn_packs
 from flashx_batch.kvcache.allocator import ArenaFullError, SegmentAllocator
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.kvcache.geometry import ArenaGeometry
@@ -130,21 +131,30 @@ def test_finished_rows_leave_stripes_dense_and_the_allocator_whole():
     assert allocator.is_whole()
 
 
-@pytest.mark.skipif(not hasattr(torch.ops.mkl, "_mkl_linear") or not torch.backends.mkl.is_available(),
-                    reason="no MKL packed sgemm in this torch build")
-def test_packed_linear_pads_between_sizes_and_matches_plain_matmul():
-    """Weights packed for 4 and 8 rows: 4 or 8 rows run packed, 5-7 are padded up to 8, fewer than 4 and
-    more than 8 run plain sgemm; every shape (2-D, 3-D) gives F.linear's values to rounding."""
+@pytest.mark.skipif(not onednn_packs(torch.float32), reason="no oneDNN linear in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_plain_matmul_for_any_rows(dtype):
+    """One oneDNN-packed weight serves every row count and shape (2-D, 3-D, none, a strided view): each
+    gives F.linear's values to rounding, and a row's output does not depend on the rows beside it
+    beyond the last bits."""
     from flashx_batch.models.layers import Linear
 
+    if not onednn_packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
     torch.manual_seed(0)
-    layer = Linear(24, 16, True, torch.float32, torch.device("cpu"))
+    layer = Linear(24, 16, True, dtype, torch.device("cpu"))
     layer.weight.data.normal_()
     layer.bias.data.normal_()
-    layer.prepack([8, 4])
-    assert sorted(layer.packed) == [4, 8] and layer._pack_for[1:9] == [0, 0, 0, 4, 8, 8, 8, 8]
-    for shape in ((1, 16), (3, 16), (4, 16), (6, 16), (8, 16), (11, 16), (6, 1, 16), (2, 3, 16)):
-        x = torch.randn(shape)
+    layer.pack()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=2e-2)
+    for shape in ((1, 16), (3, 16), (8, 16), (11, 16), (300, 16), (6, 1, 16), (2, 3, 16), (0, 16)):
+        x = torch.randn(shape).to(dtype)
         out = layer.forward(x)
-        assert out.shape == (*shape[:-1], 24)
-        assert torch.allclose(out, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5), shape
+        assert out.shape == (*shape[:-1], 24) and out.dtype == dtype
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), **tol)
+    wide = torch.randn(5, 32).to(dtype)
+    strided = wide[:, ::2]
+    torch.testing.assert_close(layer.forward(strided), torch.nn.functional.linear(strided, layer.weight, layer.bias),
+                               **tol)
+    rows = torch.randn(9, 16).to(dtype)
+    torch.testing.assert_close(layer.forward(rows[:1]), layer.forward(rows)[:1], **tol)
