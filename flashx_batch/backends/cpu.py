@@ -36,7 +36,8 @@ class CpuBackend(Backend):
 
     def prepare_model(self, model: torch.nn.Module) -> int:
         """Pack the weights of every module that opts in (a class attribute `cpu_packable = True`, a
-        `pack()` method, a `weight` of a dtype `onednn_packs`: `models.layers.Linear`) into oneDNN's
+        `pack()` method, a `pack_dtype` naming the dtype of what it would pack — None off the CPU —
+        that `onednn_packs`: `models.layers.Linear`, `models.moe.SparseMoE`'s experts) into oneDNN's
         layout, through which they then multiply. Quantized linears do not opt in and keep their own
         kernels; torch builds without oneDNN keep plain sgemm. Duck-typed, so this package never
         imports the models above it."""
@@ -47,9 +48,10 @@ class CpuBackend(Backend):
 
 
 def _cpu_packable(module: torch.nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return (getattr(type(module), "cpu_packable", False) is True and callable(getattr(module, "pack", None))
-            and isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and onednn_packs(weight.dtype))
+    if getattr(type(module), "cpu_packable", False) is not True or not callable(getattr(module, "pack", None)):
+        return False
+    dtype = getattr(module, "pack_dtype", None)
+    return isinstance(dtype, torch.dtype) and onednn_packs(dtype)
 
 
 @functools.cache

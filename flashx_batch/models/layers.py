@@ -163,6 +163,11 @@ class Linear(nn.Module):
                      if bias else None)
         self.packed: torch.Tensor | None = None  # CPU: a oneDNN-packed copy of `weight`, see `pack`
 
+    @property
+    def pack_dtype(self) -> torch.dtype | None:
+        """The dtype `pack` would pack (None off the CPU: nothing to pack there)."""
+        return self.weight.dtype if self.weight.device.type == "cpu" else None
+
     def pack(self) -> None:
         """Keep a copy of the weight in oneDNN's own blocked layout and multiply through oneDNN's linear
         from now on, for any number of rows (one copy serves decode and prefill).
@@ -172,12 +177,22 @@ class Linear(nn.Module):
         (docs/benchmarks.md, "Float32 linears through oneDNN"). The copy is taken now: a later
         change to `weight` is not seen (weights are read-only once loaded). Rounding differs from
         sgemm's in the last bits, as sgemm's own does between row counts."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        self.packed = onednn_pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] in oneDNN's blocked layout for `onednn_linear` (any row count)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ b) through oneDNN's linear, W packed by `onednn_pack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 # a CPU prefill's gate / up output per chunk (`GatedMLP.forward`): under glibc's 32 MB mmap ceiling, so the

@@ -16,10 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashx_batch.models.config import MoESpec
-from flashx_batch.models.layers import GatedMLP, Linear
+from flashx_batch.models.layers import GatedMLP, Linear, onednn_linear, onednn_pack
 
 
 class SparseMoE(nn.Module):
+    cpu_packable = True  # the CPU backend's `prepare_model` calls `pack` where oneDNN takes the experts' dtype
+
     def __init__(self, spec: MoESpec, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.spec = spec
@@ -35,6 +37,19 @@ class SparseMoE(nn.Module):
                                          requires_grad=False)
         self.shared = GatedMLP(hidden, spec.shared_intermediate, dtype, device) if spec.shared_intermediate else None
         self.shared_gate = Linear(1, hidden, False, dtype, device) if spec.shared_gate else None
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # CPU: per expert, see `pack`
+
+    @property
+    def pack_dtype(self) -> torch.dtype | None:
+        """The dtype `pack` would pack (None off the CPU)."""
+        return self.experts_gate_up.dtype if self.experts_gate_up.device.type == "cpu" else None
+
+    def pack(self) -> None:
+        """Keep each expert's two weights in oneDNN's layout as well and multiply through oneDNN's linear
+        (`models.layers.Linear.pack`: the same kernels, the same reasons). The router stays a plain
+        matmul (module docstring)."""
+        self.packed = [(onednn_pack(self.experts_gate_up[e]), onednn_pack(self.experts_down[e]))
+                       for e in range(self.spec.num_experts)]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (chosen experts [N, top_k], their weights [N, top_k]): softmax over every
@@ -80,8 +95,14 @@ class SparseMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start : start + count]
-            gate, up = F.linear(flat[rows], self.experts_gate_up[expert]).split(inter, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.experts_down[expert]) * slot_weights[start : start + count, None]
+            if self.packed is not None:
+                gate_up_w, down_w = self.packed[expert]
+                gate, up = onednn_linear(flat[rows], gate_up_w).split(inter, dim=-1)
+                h = onednn_linear(F.silu(gate) * up, down_w)
+            else:
+                gate, up = F.linear(flat[rows], self.experts_gate_up[expert]).split(inter, dim=-1)
+                h = F.linear(F.silu(gate) * up, self.experts_down[expert])
+            h = h * slot_weights[start : start + count, None]
             out.index_add_(0, rows, h.float())  # experts in ascending order
             start += count
         out = out.to(flat.dtype)

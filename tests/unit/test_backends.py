@@ -230,6 +230,8 @@ def test_cpu_prepare_model_packs_only_modules_that_opt_in():
     from flashx_batch.quant.linear import QuantLinear
 
     class Unlisted(torch.nn.Module):  # pack() and a float32 weight, but no opt-in
+        pack_dtype = torch.float32
+
         def __init__(self):
             super().__init__()
             self.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
