@@ -76,23 +76,26 @@ def _kernel():
     @overload(slot)
     def _slot(cache, table, r, s, first, last):
         """Row r's slot s, KV heads [first, last): rows laid out slot after slot ([B, row slots, Hkv,
-        D], the table unused), or a paged batch's flat cache [N, Hkv, D] and its slot table [B, L].
-        Chosen by the cache's dimensions when the kernel compiles: no branch per slot."""
+        D], the table unused), or a flat cache [N, Hkv, D] with a paged batch's slot table [B, L] or
+        each row's first slot [B]. Chosen by the dimensions when the kernel compiles: no branch per slot."""
         if cache.ndim == 4:
             return lambda cache, table, r, s, first, last: cache[r, s, first:last]
+        if table.ndim == 1:  # each row's slots one after another from its own first slot (extents)
+            return lambda cache, table, r, s, first, last: cache[table[r] + s, first:last]
         return lambda cache, table, r, s, first, last: cache[table[r, s], first:last]
 
-    def attend(q, keys, values, table, slots, bias, scale, parts, out):  # pragma: no cover - compiled
+    def attend(q, keys, values, table, slots, lengths, bias, scale, parts, out):  # pragma: no cover - compiled
         rows, kv_heads, group, dim = q.shape
         span = (kv_heads + parts - 1) // parts
         for job in prange(rows * parts):  # one row's KV heads [first, last) per job
             r, first = job // parts, (job % parts) * span
             last = min(kv_heads, first + span)
             heads = max(0, last - first)
+            count = lengths[r] if lengths.shape[0] else slots  # this row's slots: all `slots`, or its own
             buf = np.empty((heads, dim), np.float32)
-            scores = np.empty((slots, heads, group), np.float32)
+            scores = np.empty((count, heads, group), np.float32)
             peak = np.full((heads, group), -np.inf, np.float32)
-            for s in range(slots):
+            for s in range(count):
                 k = widen(slot(keys, table, r, s, first, last), buf)
                 add = bias[r, s] if bias.shape[0] else np.float32(0.0)
                 for h in range(heads):
@@ -105,7 +108,7 @@ def _kernel():
                         peak[h, g] = max(peak[h, g], x)
             total = np.zeros((heads, group), np.float32)
             acc_out = np.zeros((heads, group, dim), np.float32)
-            for s in range(slots):
+            for s in range(count):
                 v = widen(slot(values, table, r, s, first, last), buf)
                 for h in range(heads):
                     for g in range(group):
@@ -140,10 +143,13 @@ def _compile(numba, source):
         log.info("no writable numba cache (%s): the CPU decode kernel compiles in every process", exc)
         kernel = numba.njit(parallel=True, fastmath=_FASTMATH)(source)
     query = np.ones((1, 1, 1, 4), np.float32)
-    layouts = ((1, 2, 1, 4), _NO_TABLE), ((2, 1, 4), np.zeros((1, 2), np.int64))  # rows of slots; flat + table
-    for (shape, table), dtype in ((layout, dtype) for layout in layouts for dtype in (np.float32, np.uint16)):
+    # rows of slots; flat + slot table; flat + each row's first slot and its own length
+    layouts = (((1, 2, 1, 4), _NO_TABLE, _NO_LENGTHS), ((2, 1, 4), np.zeros((1, 2), np.int64), _NO_LENGTHS),
+               ((2, 1, 4), np.zeros(1, np.int64), np.full(1, 2, np.int64)))
+    for (shape, table, lengths), dtype in ((layout, dtype) for layout in layouts for dtype in (np.float32, np.uint16)):
         cache, out = np.ones(shape, dtype), np.empty_like(query)
-        kernel(query, cache, cache, table, 2, np.zeros((1, 2), np.float32), np.float32(0.5), 1, out)
+        bias = np.zeros((0, 0) if len(lengths) else (1, 2), np.float32)
+        kernel(query, cache, cache, table, 2, lengths, bias, np.float32(0.5), 1, out)
         if not np.allclose(out, 1.0 if dtype == np.float32 else 0.0):  # uint16 1 is a subnormal bfloat16
             raise RuntimeError(f"the compiled kernel returned {out.ravel()} on a constant cache")
     return kernel
@@ -244,11 +250,30 @@ def attend_paged(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
     return _run(q, _numpy(keys), _numpy(values), index, table.shape[1], mask, scale)
 
 
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
+                lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend` for rows in extents of their own: keys / values the flat cache [slots, Hkv, D]
+    (`usable_paged`), row r's lengths[r] slots from flat slot starts[r] on, each read exactly to its
+    length (no mask) — every row of a decode step in one call, where strided views would need a call
+    per run of evenly spaced rows."""
+    if starts.dim() != 1 or starts.shape != lengths.shape or len(starts) != q.shape[0]:
+        raise ValueError(f"starts {tuple(starts.shape)} and lengths {tuple(lengths.shape)} do not match "
+                         f"{q.shape[0]} rows")
+    first = starts.to(torch.int64).contiguous()
+    count = lengths.to(torch.int64).contiguous()
+    if len(first):  # the kernel indexes without bounds checks
+        if int(count.min()) < 1 or int(first.min()) < 0 or int((first + count).max()) > keys.shape[0]:
+            raise ValueError(f"rows reach outside the cache's {keys.shape[0]} slots (or read none)")
+    slots = int(count.max()) if len(count) else 0
+    return _run(q, _numpy(keys), _numpy(values), first.numpy(), slots, None, scale, count.numpy())
+
+
 _NO_TABLE = np.zeros((0, 0), np.int64)
+_NO_LENGTHS = np.zeros(0, np.int64)
 
 
 def _run(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, table: np.ndarray, slots: int,
-         mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+         mask: torch.Tensor | None, scale: float, lengths: np.ndarray = _NO_LENGTHS) -> torch.Tensor:
     numba, kernel = _kernel()
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
@@ -256,7 +281,7 @@ def _run(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, table: np.ndarra
     parts = head_parts(rows, heads, threads)
     query = q.to(torch.float32).contiguous()
     out = torch.empty(query.shape, dtype=torch.float32)
-    kernel(query.numpy(), keys, values, table, slots, _bias(mask, rows, slots), np.float32(scale),
+    kernel(query.numpy(), keys, values, table, slots, lengths, _bias(mask, rows, slots), np.float32(scale),
            parts, out.numpy())
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 

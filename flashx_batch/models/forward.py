@@ -91,6 +91,10 @@ class Decode:
     runs: tuple[tuple[int, int, torch.Tensor, int | None], ...]
     window_mask: torch.Tensor | None = None  # sliding layers: [B, 1, 1, L], each row's last `window` slots
     last_only: bool = False
+    # rows in extents of their own: row i's first flat slot and the slots it reads ([B] each); a CPU
+    # attention reads every row in one call from these instead of one call per run
+    row_starts: torch.Tensor | None = None
+    row_lengths: torch.Tensor | None = None
 
 
 @dataclass

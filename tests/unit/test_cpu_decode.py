@@ -81,6 +81,31 @@ def test_a_paged_batch_is_read_through_its_slot_table(dtype):
     assert not cpu_decode.usable_paged(flat_k.transpose(0, 1), flat_v.transpose(0, 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_in_extents_are_read_each_to_its_own_length(dtype):
+    """Rows whose slots follow one another from their own first slot (extents), each of its own
+    length, in one call: as torch reads each row's slots alone; the row ending at the cache's last slot
+    reads nothing past it; starts or lengths that do not match the rows, read no slot, or reach outside
+    the cache are refused."""
+    g = torch.Generator().manual_seed(9)
+    flat_k, flat_v = (torch.randn(100, 2, 64, generator=g).to(dtype) for _ in range(2))
+    starts, lengths = torch.tensor([0, 40, 17, 70]), torch.tensor([12, 25, 1, 30])  # the last row ends at 100
+    q = torch.randn(4, 2, 2, 64, generator=g).to(dtype)
+    out = cpu_decode.attend_rows(q, flat_k, flat_v, starts, lengths, 0.125)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for r, (a, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+        keys, values = (t[a : a + n].transpose(0, 1)[None].float() for t in (flat_k, flat_v))
+        expected = F.scaled_dot_product_attention(q[r : r + 1].float(), keys, values, scale=0.125)
+        torch.testing.assert_close(out[r : r + 1].float(), expected, atol=tolerance, rtol=tolerance)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_decode.attend_rows(q, flat_k, flat_v, starts[:3], lengths[:3], 0.125)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_decode.attend_rows(q, flat_k, flat_v, starts, lengths + torch.tensor([0, 0, 0, 1]), 0.125)
+    with pytest.raises(ValueError, match="read none"):
+        cpu_decode.attend_rows(q, flat_k, flat_v, starts, lengths * torch.tensor([1, 0, 1, 1]), 0.125)
+
+
 def test_only_fewer_rows_than_threads_cut_a_rows_heads():
     assert cpu_decode.head_parts(rows=1, heads=4, threads=2) == 2
     assert cpu_decode.head_parts(rows=1, heads=4, threads=16) == 4
@@ -190,7 +215,7 @@ def test_warm_up_compiles_both_dtypes_and_a_broken_numba_falls_back(monkeypatch)
 def test_decoding_through_the_kernel_gives_torch_attention_s_tokens(tiny_models, monkeypatch, options):
     """Greedy generation with the kernel and with torch's attention: the same tokens, static,
     segment-sparse (merged slots' bias in the mask) and paged (shared prefixes: a boolean mask), rows
-    of different lengths (masked runs)."""
+    of different lengths (masked runs, or extents each read to its own length)."""
     from flashx_batch import Engine, SamplingParams
 
     path = tiny_models["llama"][0]
@@ -199,14 +224,14 @@ def test_decoding_through_the_kernel_gives_torch_attention_s_tokens(tiny_models,
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     engine = Engine.from_pretrained(path, backend="cpu", max_batch_size=4, max_input_len=64, max_output_len=12,
                                     segment_size=8, **options)
-    calls = {"attend": 0, "attend_paged": 0}
+    calls = {"attend": 0, "attend_paged": 0, "attend_rows": 0}
     for name in calls:
         real = getattr(cpu_decode, name)
         monkeypatch.setattr(cpu_decode, name, lambda *a, name=name, real=real: calls.update({name: calls[name] + 1})
                             or real(*a))
     kernel = [r.token_ids for r in engine.generate(prompts, params)]
-    assert calls["attend_paged" if options.get("prefix_cache_tokens") else "attend"], \
-        f"the decode steps did not reach the kernel: {calls}"
+    reached = calls["attend_paged"] if options.get("prefix_cache_tokens") else calls["attend"] + calls["attend_rows"]
+    assert reached, f"the decode steps did not reach the kernel: {calls}"
     monkeypatch.setattr(cpu_decode, "usable", lambda keys, values: False)
     monkeypatch.setattr(cpu_decode, "usable_paged", lambda keys, values: False)
     assert [r.token_ids for r in engine.generate(prompts, params)] == kernel
