@@ -54,6 +54,17 @@ def _cpu_packable(module: torch.nn.Module) -> bool:
     return isinstance(dtype, torch.dtype) and onednn_packs(dtype)
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] in oneDNN's blocked layout for `onednn_linear` (any row count); where
+    `onednn_packs(weight.dtype)`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ b) through oneDNN's linear, W packed by `onednn_pack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 @functools.cache
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether this torch build multiplies `dtype` weights through oneDNN's linear with a packed
@@ -69,8 +80,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     try:
         weight, bias = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
         x = torch.randn(3, 5, 40).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        out = onednn_linear(x, onednn_pack(weight), bias)
     except (RuntimeError, NotImplementedError):
         return False
     return out.shape == (3, 5, 24) and torch.allclose(out.float(), F.linear(x, weight, bias).float(),

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from flashx_batch.backends import for_device
-from flashx_batch.backends.cpu import onednn_packs
+from flashx_batch.backends.cpu import onednn_linear, onednn_pack, onednn_packs
 from flashx_batch.bench.models import moe_shape
 from flashx_batch.bench.workloads import Workload
 
@@ -79,9 +79,8 @@ def measure_matmul(device: torch.device | str = "cpu", n: int = 1024, dtype: tor
     c = torch.empty(n, n, dtype=dtype, device=device)  # no allocation inside the timing
     best = _best(lambda: torch.mm(a, b, out=c), device, repeats)
     if device.type == "cpu" and onednn_packs(dtype):
-        packed = torch.ops.mkldnn._reorder_linear_weight(b)
-        best = min(best, _best(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""),
-                               device, repeats))
+        packed = onednn_pack(b)
+        best = min(best, _best(lambda: onednn_linear(a, packed), device, repeats))
     return 2 * n**3 / best
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -250,22 +251,39 @@ def attend_paged(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tabl
     return _run(q, _numpy(keys), _numpy(values), index, table.shape[1], mask, scale)
 
 
-def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
-                lengths: torch.Tensor, scale: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class RowExtents:
+    """Rows in extents of their own (`row_extents`): row r reads lengths[r] slots from flat slot
+    starts[r] on. Built and checked once per decode step; every layer's `attend_rows` reuses it."""
+
+    starts: np.ndarray  # int64 [B]
+    lengths: np.ndarray  # int64 [B], each at least 1
+    longest: int
+    end: int  # one past the last slot any row reads
+
+
+def row_extents(starts: torch.Tensor, lengths: torch.Tensor) -> RowExtents:
+    """Each row's first flat slot and its slot count, [B] each, as `attend_rows` reads them; a row that
+    starts before slot 0 or reads no slot is refused."""
+    if starts.dim() != 1 or starts.shape != lengths.shape:
+        raise ValueError(f"starts {tuple(starts.shape)} and lengths {tuple(lengths.shape)} do not match")
+    first = starts.to(device="cpu", dtype=torch.int64).contiguous().numpy()
+    count = lengths.to(device="cpu", dtype=torch.int64).contiguous().numpy()
+    if len(first) and (count.min() < 1 or first.min() < 0):
+        raise ValueError("a row starts before the cache or reads none of it")
+    return RowExtents(first, count, int(count.max(initial=0)), int((first + count).max(initial=0)))
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowExtents,
+                scale: float) -> torch.Tensor:
     """`attend` for rows in extents of their own: keys / values the flat cache [slots, Hkv, D]
-    (`usable_paged`), row r's lengths[r] slots from flat slot starts[r] on, each read exactly to its
-    length (no mask) — every row of a decode step in one call, where strided views would need a call
-    per run of evenly spaced rows."""
-    if starts.dim() != 1 or starts.shape != lengths.shape or len(starts) != q.shape[0]:
-        raise ValueError(f"starts {tuple(starts.shape)} and lengths {tuple(lengths.shape)} do not match "
-                         f"{q.shape[0]} rows")
-    first = starts.to(torch.int64).contiguous()
-    count = lengths.to(torch.int64).contiguous()
-    if len(first):  # the kernel indexes without bounds checks
-        if int(count.min()) < 1 or int(first.min()) < 0 or int((first + count).max()) > keys.shape[0]:
-            raise ValueError(f"rows reach outside the cache's {keys.shape[0]} slots (or read none)")
-    slots = int(count.max()) if len(count) else 0
-    return _run(q, _numpy(keys), _numpy(values), first.numpy(), slots, None, scale, count.numpy())
+    (`usable_paged`), each row read exactly to its length (no mask) — every row of a decode step in
+    one call, where strided views would need a call per run of evenly spaced rows."""
+    if len(rows.starts) != q.shape[0]:
+        raise ValueError(f"{len(rows.starts)} row extents do not match {q.shape[0]} rows")
+    if rows.end > keys.shape[0]:  # the kernel indexes without bounds checks
+        raise ValueError(f"rows reach outside the cache's {keys.shape[0]} slots")
+    return _run(q, _numpy(keys), _numpy(values), rows.starts, rows.longest, None, scale, rows.lengths)
 
 
 _NO_TABLE = np.zeros((0, 0), np.int64)

@@ -118,11 +118,11 @@ class Attention(nn.Module):
         k_flat, v_flat = cache
         k_flat.index_copy_(0, ctx.write_flat, k[:, 0])  # row i's new token -> its slot
         v_flat.index_copy_(0, ctx.write_flat, v[:, 0])
-        if ctx.row_starts is not None and self.window is None and cpu_decode.usable_paged(k_flat, v_flat):
+        if ctx.row_extents is not None and self.window is None and cpu_decode.usable_paged(k_flat, v_flat):
             # rows in extents: every row read to its own length in one kernel call, not one call per run
             batch, group = q.shape[0], self.num_heads // self.num_kv_heads
             folded = q.reshape(batch, self.num_kv_heads, group, self.head_dim)
-            out = cpu_decode.attend_rows(folded, k_flat, v_flat, ctx.row_starts, ctx.row_lengths, self.scale)
+            out = cpu_decode.attend_rows(folded, k_flat, v_flat, ctx.row_extents, self.scale)
             return out.reshape(batch, self.num_heads, 1, self.head_dim)
         # each run of rows read in place through its strided view, up to its own longest row
         # (rows of very different lengths split into runs read only as far as each needs)

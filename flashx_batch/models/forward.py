@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashx_batch.models.cpu_decode import RowExtents
+
 
 def split_rows(lengths: tuple[int, ...], *packed: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """Packed [1, N, ...] tensors cut into their rows, in order: one batch [B, n, ...] when every row
@@ -91,10 +93,9 @@ class Decode:
     runs: tuple[tuple[int, int, torch.Tensor, int | None], ...]
     window_mask: torch.Tensor | None = None  # sliding layers: [B, 1, 1, L], each row's last `window` slots
     last_only: bool = False
-    # rows in extents of their own: row i's first flat slot and the slots it reads ([B] each); a CPU
-    # attention reads every row in one call from these instead of one call per run
-    row_starts: torch.Tensor | None = None
-    row_lengths: torch.Tensor | None = None
+    # rows in extents of their own (`cpu_decode.RowExtents`, checked once per step): a CPU attention reads
+    # every row in one call from these instead of one call per run
+    row_extents: RowExtents | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashx_batch.backends.cpu import onednn_linear, onednn_pack
 from flashx_batch.models.config import RopeConfig
 
 
@@ -183,16 +184,6 @@ class Linear(nn.Module):
         if self.packed is not None:
             return onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-
-def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A weight [N, K] in oneDNN's blocked layout for `onednn_linear` (any row count)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ b) through oneDNN's linear, W packed by `onednn_pack`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 # a CPU prefill's gate / up output per chunk (`GatedMLP.forward`): under glibc's 32 MB mmap ceiling, so the

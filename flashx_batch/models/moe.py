@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashx_batch.backends.cpu import onednn_linear, onednn_pack
 from flashx_batch.models.config import MoESpec
-from flashx_batch.models.layers import GatedMLP, Linear, onednn_linear, onednn_pack
+from flashx_batch.models.layers import GatedMLP, Linear
 
 
 class SparseMoE(nn.Module):

@@ -502,17 +502,17 @@ class TorchRunner(ModelRunner):
         mask = None
         if not all(run[-1] for run in runs):  # some run holds rows of different lengths
             mask = self._visible(max(run[4] for run in runs), positions)
-        extents = (starts, positions + 1) if self.device.type == "cpu" else None
+        extents = cpu_decode.row_extents(starts, positions + 1) if self.device.type == "cpu" else None
         return self.model.logits(self.step_hidden(tokens, positions, starts + positions, mask, runs, extents))
 
     def step_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,
                     mask: torch.Tensor | None, runs: tuple[tuple[int, int, int, int, int, bool], ...],
-                    extents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    extents: cpu_decode.RowExtents | None = None) -> torch.Tensor:
         """The decode forward up to the final norm -> hidden [B, hidden]: each run of rows (first row,
         end row, first flat slot, stride, slots read, aligned) attends through one strided view of the
         cache; `mask` [B, 1, 1, L] hides the slots past each row of a run that is not aligned.
-        `extents` (each row's first flat slot and its slots read, [B] each): where the attention can,
-        it reads all rows in one call from these instead (`Decode.row_starts`)."""
+        `extents` (each row's first flat slot and its slots read): where the attention can, it reads
+        all rows in one call from these instead (`Decode.row_extents`)."""
         cos, sin = self.model.rotary.lookup(positions[:, None])
         # each run's cache of every layer as one view [layers, parts, rows, heads, slots, D] (parts: keys
         # and values, or one latent), built once per step (not per layer: a few microseconds per view,
@@ -525,9 +525,8 @@ class TorchRunner(ModelRunner):
             views.append((a, b, kv[:, :, :, :slots].transpose(3, 4), None if aligned else slots))
         # sliding layers: each row's last `window` slots (slots are positions: such models keep every token)
         window = self._visible(max(run[4] for run in runs), positions, self.window) if self.window else None
-        row_starts, row_lengths = extents if extents is not None else (None, None)
         meta = Decode(cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views), window_mask=window,
-                      row_starts=row_starts, row_lengths=row_lengths)
+                      row_extents=extents)
         return self.model.hidden_states(tokens[:, None], meta, self.caches)[:, 0]
 
     def _paged_step(self, d: PagedDecode) -> torch.Tensor:

@@ -91,7 +91,7 @@ def test_rows_in_extents_are_read_each_to_its_own_length(dtype):
     flat_k, flat_v = (torch.randn(100, 2, 64, generator=g).to(dtype) for _ in range(2))
     starts, lengths = torch.tensor([0, 40, 17, 70]), torch.tensor([12, 25, 1, 30])  # the last row ends at 100
     q = torch.randn(4, 2, 2, 64, generator=g).to(dtype)
-    out = cpu_decode.attend_rows(q, flat_k, flat_v, starts, lengths, 0.125)
+    out = cpu_decode.attend_rows(q, flat_k, flat_v, cpu_decode.row_extents(starts, lengths), 0.125)
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for r, (a, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
@@ -99,11 +99,16 @@ def test_rows_in_extents_are_read_each_to_its_own_length(dtype):
         expected = F.scaled_dot_product_attention(q[r : r + 1].float(), keys, values, scale=0.125)
         torch.testing.assert_close(out[r : r + 1].float(), expected, atol=tolerance, rtol=tolerance)
     with pytest.raises(ValueError, match="do not match"):
-        cpu_decode.attend_rows(q, flat_k, flat_v, starts[:3], lengths[:3], 0.125)
+        cpu_decode.attend_rows(q, flat_k, flat_v, cpu_decode.row_extents(starts[:3], lengths[:3]), 0.125)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_decode.row_extents(starts, lengths[:3])
     with pytest.raises(ValueError, match="outside the cache"):
-        cpu_decode.attend_rows(q, flat_k, flat_v, starts, lengths + torch.tensor([0, 0, 0, 1]), 0.125)
-    with pytest.raises(ValueError, match="read none"):
-        cpu_decode.attend_rows(q, flat_k, flat_v, starts, lengths * torch.tensor([1, 0, 1, 1]), 0.125)
+        cpu_decode.attend_rows(q, flat_k, flat_v, cpu_decode.row_extents(starts, lengths + torch.tensor([0, 0, 0, 1])),
+                               0.125)
+    with pytest.raises(ValueError, match="reads none"):
+        cpu_decode.row_extents(starts, lengths * torch.tensor([1, 0, 1, 1]))
+    with pytest.raises(ValueError, match="before the cache"):
+        cpu_decode.row_extents(starts - 1, lengths)
 
 
 def test_only_fewer_rows_than_threads_cut_a_rows_heads():
