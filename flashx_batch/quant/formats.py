@@ -196,8 +196,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 
-def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None = None, offset: int = 0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None = None, offset: int = 0,
+                  rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations rows float32 [M, K] (any strides) -> (int8 codes [padded or M, K], peak [M, 1] float32):
     row i divided by its absolute maximum and rounded on a grid of `steps` steps each side of 0
     (x ~= code * peak / steps). One scale per row (per token), so a row is rounded the same in any
@@ -210,18 +210,26 @@ def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None =
     step's few rows go through one compiled pass (`row_kernel`), where torch's eight small ops would
     cost their dispatch each. No float -> uint8 conversion (several times slower than float -> int8
     in torch's CPU kernels): the offset is added to the int8 codes' bits. A NaN row has a NaN peak
-    (its output is NaN again once multiplied by it); its codes are meaningless and touch no other row."""
+    (its output is NaN again once multiplied by it); its codes are meaningless and touch no other row.
+
+    `rotate`: the rows are `rotate_blocks`' first (a rotated layer's input), in the compiled pass
+    where it serves (the same bits)."""
     count, width = rows.shape
     padded = count if padded is None else padded
-    codes = _workspace("codes", padded * width, torch.int8, rows.device).view(padded, width)
     fused = row_kernel.kernel() if (count * width <= _SMALL_ROWS and rows.device.type == "cpu"
                                     and rows.dtype == torch.float32) else None
     if fused is not None:
         codes, peak, codes_out, peak_out = _row_buffers(count, width, padded)
-        fused((rows.detach() if rows.requires_grad else rows).numpy(), float(steps), int(offset), codes_out, peak_out)
+        hadamard = _hadamard_numpy(ROTATION_BLOCK) if rotate else row_kernel.NO_ROTATION
+        # a strided view (a gated MLP's product) copied first: the compiled loops vectorize over C-contiguous
+        # rows only, and the copy costs less than the difference (3-4x on a rotated row)
+        fused(rows.detach().contiguous().numpy(), float(steps), int(offset), hadamard, codes_out, peak_out)
         if padded > count:
             codes[count:].fill_(offset - 256 if offset > 127 else offset)
         return codes, peak
+    if rotate:
+        rows = rotate_blocks(rows)
+    codes = _workspace("codes", padded * width, torch.int8, rows.device).view(padded, width)
     if count * width <= _SMALL_ROWS:  # two ops instead of four: at decode's few rows ops are the cost
         peak = rows.abs().amax(dim=1, keepdim=True)
     else:  # no |rows| temporary: at a prefill's many rows passes are the cost
@@ -282,7 +290,8 @@ INT_MM_STEPS = 127  # the activation grid `int8_dynamic_matmul` rounds on (int8 
 _INV_STEPS = torch.tensor(1.0 / INT_MM_STEPS, dtype=torch.float32)
 
 
-def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor, rotate: bool = False
+                        ) -> torch.Tensor:
     """x float32 [..., K] @ (q * scales)^T -> [..., N] in int8: each row of x quantized with its own
     scale (`quantize_rows`), int8 x int8 products accumulated in int32 by `torch._int_mm` (oneDNN's
     VNNI / AMX GEMM on x86), then the scales applied. `q_t` is the int8 weight transposed, [K, N];
@@ -291,8 +300,8 @@ def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor
     The float products are oneDNN's int8 linear's own, in its order — the exact int32 sum times the
     input's step (1 / 127 in float32), times the weight row's scale, times the row's peak — so a row
     comes out bit-identical to `PackedInt8.matmul` on a 127-step grid, whichever of the two a call
-    takes."""
-    codes, peak = quantize_rows(x.reshape(-1, x.shape[-1]))
+    takes. `rotate` as in `quantize_rows`."""
+    codes, peak = quantize_rows(x.reshape(-1, x.shape[-1]), rotate=rotate)
     out = torch.mul(torch._int_mm(codes, q_t), _INV_STEPS).mul_(scales).mul_(peak)  # int32 x float32: float32
     return out.reshape(*x.shape[:-1], q_t.shape[1])
 
@@ -320,13 +329,13 @@ class PackedInt8:
         self.steps = 127.0 if has_vnni() else 63.0
         self.zero = int(self.steps) + 1  # the uint8 code of 0.0
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x float32 [..., K] -> [..., N]."""
+    def matmul(self, x: torch.Tensor, rotate: bool = False) -> torch.Tensor:
+        """x float32 [..., K] -> [..., N]; `rotate` as in `quantize_rows`."""
         rows = x.reshape(-1, x.shape[-1])  # a view where it can be: quantize_rows reads any strides
         count = len(rows)
         # oneDNN builds a kernel per new row count (~1 ms): calls of many rows are padded with zero codes
         padded = count + (-count % PAD_ROWS if count > PAD_ROWS else 0)
-        codes, peak = quantize_rows(rows, self.steps, padded, offset=self.zero)
+        codes, peak = quantize_rows(rows, self.steps, padded, offset=self.zero, rotate=rotate)
         xq = codes.view(torch.uint8)  # code c as zero + c (modulo 256)
         out = torch.ops.onednn.qlinear_pointwise(xq, 1.0 / self.steps, self.zero, self.packed, self.scales,
                                                  self.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
@@ -341,7 +350,7 @@ class PackedInt8:
         return torch.round(torch.cat(columns).T / self.scales[:, None]).to(torch.int8)
 
 
-ROTATION_BLOCK = 16  # channels each `rotate_blocks` Hadamard mixes
+ROTATION_BLOCK = row_kernel.BLOCK  # channels each `rotate_blocks` Hadamard mixes (16; a constant of the compiled rounding)
 
 
 @functools.cache
@@ -351,6 +360,11 @@ def hadamard(size: int) -> torch.Tensor:
     while h.shape[0] < size:
         h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)))
     return h / size**0.5
+
+
+@functools.cache
+def _hadamard_numpy(size: int) -> np.ndarray:
+    return hadamard(size).numpy()
 
 
 def rotate_blocks(x: torch.Tensor, block: int = ROTATION_BLOCK) -> torch.Tensor:

@@ -213,7 +213,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel
-        if self.rotated:
+        if self.rotated and kernel != "int8_dynamic":  # int8_dynamic rotates as it rounds
             x = fm.rotate_blocks(x)
         if kernel in ("native", "simulated"):
             out = F.linear(x, self.weight)
@@ -221,9 +221,9 @@ class QuantLinear(nn.Module):
             out = F.linear(x, self.weight.to(x.dtype))
         elif kernel == "int8_dynamic":
             if self._packed is not None and (self.qweight_t is None or x.numel() > INT_MM_MAX_ROWS * self.in_features):
-                out = self._packed.matmul(x)
+                out = self._packed.matmul(x, rotate=self.rotated)
             else:
-                out = fm.int8_dynamic_matmul(x, self.qweight_t, self.scales)
+                out = fm.int8_dynamic_matmul(x, self.qweight_t, self.scales, rotate=self.rotated)
         elif self.fmt == "int8":
             if kernel == "int8pack_mm" and x.numel() <= SMALL_M * self.in_features:
                 out = fm.int8_matmul(x, self.qweight, self.scales)

@@ -2,13 +2,15 @@
 
 `formats.quantize_rows` rounds each row of a linear layer's input on its own grid before the int8
 GEMM. With torch ops that is eight small kernels (|x|, row maximum, clamp, reciprocal, two scalings,
-round, the int8 copy) plus the uint8 shift of the prepacked path: at a decode step's few rows each
-costs its fixed dispatch (the per-call figures: docs/benchmarks.md, "Ours against CTranslate2 and
-llama.cpp"). This kernel does the same rounding in one pass per row: each row's absolute maximum, then
-its codes, already shifted by the caller's zero point. Used for inputs of up to `formats._SMALL_ROWS`
-values (decode); larger ones stay on torch's multithreaded ops, where passes over memory are the
-cost. Compiled with numba on first use (cached on disk where the package directory or numba's user
-cache is writable); where numba is missing or fails, None, and the torch ops serve every call.
+round, the int8 copy) plus the uint8 shift of the prepacked path, and a rotated input (a down
+projection's, `formats.rotate_blocks`) one GEMM more over a strided copy: at a decode step's few rows
+each costs its fixed dispatch (the per-call figures: docs/benchmarks.md, "Ours against CTranslate2 and
+llama.cpp"). `kernel` does the same in one pass per row: the rotation, each row's absolute maximum,
+then its codes, already shifted by the caller's zero point: the torch ops' bits. Used for up to
+`formats._SMALL_ROWS` values (decode); larger calls stay on torch's multithreaded ops, where passes
+over memory are the cost. Compiled with numba on first use (cached on disk where the package
+directory or numba's user cache is writable); where numba is missing or fails, None, and the torch
+ops serve every call.
 """
 
 from __future__ import annotations
@@ -20,33 +22,68 @@ import numpy as np
 
 log = logging.getLogger("flashx_batch.quant.row_kernel")
 
+NO_ROTATION = np.zeros((0, 0), np.float32)  # `round_rows`' hadamard when rows are rounded as they are
+BLOCK = 16  # channels the rotation mixes (`formats.ROTATION_BLOCK`), a constant of the compiled code
+
 
 @functools.cache
 def kernel():
-    """The compiled `round_rows(rows, steps, offset, codes, peak)`, or None (torch ops serve then)."""
+    """The compiled `round_rows(rows, steps, offset, hadamard, codes, peak)`, or None (torch ops serve then)."""
     try:
         import numba
     except Exception as exc:  # never fatal, only slower
         log.info("numba unavailable (%s): int8 activation rounding runs as torch ops", exc)
         return None
 
-    def round_rows(rows, steps, offset, codes, peak):  # pragma: no cover - compiled
-        """rows float32 [M, K] -> codes uint8 [M, K] = round(x * steps / peak) + offset (modulo 256),
-        peak [M, 1] = the row's absolute maximum (at least 1e-12). A row holding NaN or infinity
-        gets that as its peak and zero codes (its output is NaN / infinite again once scaled)."""
+    block = BLOCK
+
+    @numba.njit
+    def rotate(rows, hadamard, out):  # pragma: no cover - compiled
+        """out = each run of `block` channels of rows times hadamard [block, block], one output at a time
+        (its sum in a register, the block a constant the compiler unrolls: 6x faster than a running sum
+        in memory)."""
         count, width = rows.shape
         for i in range(count):
-            top = np.float32(0.0)
+            for a in range(0, width, block):
+                for j in range(block):
+                    total = rows[i, a] * hadamard[0, j]
+                    for k in range(1, block):
+                        total += rows[i, a + k] * hadamard[k, j]
+                    out[i, a + j] = total
+
+    @numba.njit(fastmath={"nnan", "nsz", "reassoc"})
+    def largest(row):  # pragma: no cover - compiled
+        """The largest |value| of a finite row: a maximum the compiler vectorizes only when told no NaN
+        comes (rows that hold one are told apart before their peak is read)."""
+        top = np.float32(0.0)
+        for j in range(row.shape[0]):
+            top = max(top, abs(row[j]))
+        return top
+
+    def round_rows(rows, steps, offset, hadamard, codes, peak):  # pragma: no cover - compiled
+        """rows float32 [M, K] -> codes uint8 [M, K] = round(x * steps / peak) + offset (modulo 256),
+        peak [M, 1] = the row's absolute maximum (at least 1e-12). A row holding NaN or infinity
+        gets that as its peak and zero codes (its output is NaN / infinite again once scaled).
+
+        With `hadamard` [BLOCK, BLOCK] (not [0, 0]), each run of BLOCK channels of a row is first multiplied by it
+        (`formats.rotate_blocks`): products summed in channel order, which is how the GEMM there sums
+        (its bits, tested), in a row buffer instead of a rotated copy of the whole input."""
+        count, width = rows.shape
+        rotated = np.empty((count, width) if hadamard.shape[0] else (0, 0), np.float32)
+        if hadamard.shape[0]:
+            rotate(rows, hadamard, rotated)
+        for i in range(count):
+            row = rotated[i] if hadamard.shape[0] else rows[i]
             finite = True
-            for j in range(width):
-                a = abs(rows[i, j])
-                if not a < np.inf:  # NaN or infinity
-                    finite = False
-                    top = a
-                    break
-                if a > top:
-                    top = a
-            if finite and top < np.float32(1e-12):
+            for j in range(width):  # no early exit: the loop stays vectorized
+                finite &= abs(row[j]) < np.inf  # False for NaN too
+            top = largest(row)
+            if not finite:  # as torch's maximum: NaN if the row holds one, else infinity
+                top = np.float32(np.inf)
+                for j in range(width):
+                    if row[j] != row[j]:
+                        top = row[j]
+            elif top < np.float32(1e-12):
                 top = np.float32(1e-12)
             peak[i, 0] = top
             if not finite:
@@ -56,7 +93,7 @@ def kernel():
             # as the torch ops compute it, (1 / peak) * steps in float32: a row rounds the same on either path
             inv = (np.float32(1.0) / top) * np.float32(steps)
             for j in range(width):
-                codes[i, j] = np.uint8((np.int32(np.rint(rows[i, j] * inv)) + offset) & 255)
+                codes[i, j] = np.uint8((np.int32(np.rint(row[j] * inv)) + offset) & 255)
 
     try:
         try:
@@ -65,10 +102,11 @@ def kernel():
             compiled = numba.njit(round_rows)
         rows = np.array([[0.5, -1.0], [0.0, 0.0]], np.float32)
         codes, peak = np.empty((2, 2), np.uint8), np.empty((2, 1), np.float32)
-        compiled(rows, 127.0, 0, codes, peak)
+        compiled(rows, 127.0, 0, NO_ROTATION, codes, peak)
         if codes[0].tolist() != [64, 129] or peak[:, 0].tolist() != [1.0, np.float32(1e-12)]:
             raise RuntimeError(f"the compiled kernel rounded {rows.tolist()} to {codes.tolist()}, {peak.tolist()}")
     except Exception as exc:  # a compiler error on this platform: never fatal, only slower
         log.warning("int8 row rounding kernel unavailable (%s): torch ops round activations", exc)
         return None
     return compiled
+

@@ -316,3 +316,23 @@ def test_the_compiled_rounding_of_few_rows_matches_the_torch_ops(monkeypatch):
     assert fused[0][9:].view(torch.uint8).eq(64).all()  # padding: the zero point
     torch.testing.assert_close(fused[1], torch_ops[1], equal_nan=True, rtol=0, atol=0)
     assert fused[1][5].isnan().all() and fused[1][6].isinf().all() and fused[1][3].item() == pytest.approx(1e-12)
+
+
+@pytest.mark.parametrize("offset", [0, 64])
+def test_the_compiled_rounding_rotates_as_rotate_blocks_does(monkeypatch, offset):
+    """A rotated layer's few rows are rotated inside the compiled pass: the same codes and peaks, bit
+    for bit, as `rotate_blocks` (a GEMM) followed by the torch ops, strided rows included."""
+    from flashx_batch.quant import row_kernel
+
+    assert row_kernel.kernel() is not None
+    g = torch.Generator().manual_seed(15)
+    wide = torch.randn(24, 2 * 176, generator=g) * torch.randn(24, 2 * 176, generator=g)
+    wide[:, 5] *= 40  # heavy-tailed, as a gated product is
+    rows = wide[:, :176]
+    fused = [t.clone() for t in fm.quantize_rows(rows, 127.0, padded=24, offset=offset, rotate=True)]
+    monkeypatch.setattr(row_kernel, "kernel", lambda: None)
+    torch_ops = [t.clone() for t in fm.quantize_rows(rows, 127.0, padded=24, offset=offset, rotate=True)]
+    unrotated = fm.quantize_rows(rows, 127.0, padded=24, offset=offset)[0]
+    assert torch.equal(fused[0], torch_ops[0]) and torch.equal(fused[1], torch_ops[1])
+    assert not torch.equal(fused[0], unrotated)  # the rotation did happen
+
