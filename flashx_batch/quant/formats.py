@@ -350,7 +350,7 @@ class PackedInt8:
         return torch.round(torch.cat(columns).T / self.scales[:, None]).to(torch.int8)
 
 
-ROTATION_BLOCK = row_kernel.BLOCK  # channels each `rotate_blocks` Hadamard mixes (16; a constant of the compiled rounding)
+ROTATION_BLOCK = row_kernel.BLOCK  # channels each `rotate_blocks` Hadamard mixes (the compiled rounding's constant)
 
 
 @functools.cache
