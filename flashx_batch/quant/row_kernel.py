@@ -35,30 +35,44 @@ def kernel():
         log.info("numba unavailable (%s): int8 activation rounding runs as torch ops", exc)
         return None
 
+    from numba.extending import overload
+
     block = BLOCK
 
-    @numba.njit
-    def rotate(rows, hadamard, out):  # pragma: no cover - compiled
+    # overloads, not jitted functions `round_rows` closes over: numba's on-disk cache keys a closure by its
+    # variables, and a dispatcher's pickled form differs in every process (a fresh compile each time)
+    def rotate(rows, hadamard, out):  # pragma: no cover - replaced by the overload inside compiled code
+        raise NotImplementedError
+
+    def largest(row):  # pragma: no cover - replaced by the overload inside compiled code
+        raise NotImplementedError
+
+    @overload(rotate)
+    def _rotate(rows, hadamard, out):
         """out = each run of `block` channels of rows times hadamard [block, block], one output at a time
         (its sum in a register, the block a constant the compiler unrolls: 6x faster than a running sum
         in memory)."""
-        count, width = rows.shape
-        for i in range(count):
-            for a in range(0, width, block):
-                for j in range(block):
-                    total = rows[i, a] * hadamard[0, j]
-                    for k in range(1, block):
-                        total += rows[i, a + k] * hadamard[k, j]
-                    out[i, a + j] = total
+        def impl(rows, hadamard, out):
+            count, width = rows.shape
+            for i in range(count):
+                for a in range(0, width, block):
+                    for j in range(block):
+                        total = rows[i, a] * hadamard[0, j]
+                        for k in range(1, block):
+                            total += rows[i, a + k] * hadamard[k, j]
+                        out[i, a + j] = total
+        return impl
 
-    @numba.njit(fastmath={"nnan", "nsz", "reassoc"})
-    def largest(row):  # pragma: no cover - compiled
+    @overload(largest, jit_options={"fastmath": {"nnan", "nsz", "reassoc"}})
+    def _largest(row):
         """The largest |value| of a finite row: a maximum the compiler vectorizes only when told no NaN
         comes (rows that hold one are told apart before their peak is read)."""
-        top = np.float32(0.0)
-        for j in range(row.shape[0]):
-            top = max(top, abs(row[j]))
-        return top
+        def impl(row):
+            top = np.float32(0.0)
+            for j in range(row.shape[0]):
+                top = max(top, abs(row[j]))
+            return top
+        return impl
 
     def round_rows(rows, steps, offset, hadamard, codes, peak):  # pragma: no cover - compiled
         """rows float32 [M, K] -> codes uint8 [M, K] = round(x * steps / peak) + offset (modulo 256),

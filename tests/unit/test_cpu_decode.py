@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,6 +215,20 @@ def test_warm_up_compiles_both_dtypes_and_a_broken_numba_falls_back(monkeypatch)
         monkeypatch.undo()
         cpu_decode._kernel.cache_clear()
     assert cpu_decode.usable(keys, values)
+
+
+def test_a_second_process_loads_the_compiled_kernels_from_the_disk_cache():
+    """Each Ray actor is a process of its own: the kernels must come from numba's on-disk cache after the
+    first compile, not be compiled again (~20 s for the decode kernel here; a jitted helper captured by
+    a kernel's closure once made every process miss the cache, and a node added mid-job came up too
+    late to get work)."""
+    probe = ("from flashx_batch.models import cpu_decode; from flashx_batch.quant import row_kernel; "
+             "kernels = [cpu_decode._kernel()[1], row_kernel.kernel()]; "
+             "print(min(sum(k.stats.cache_hits.values()) for k in kernels))")
+    for _ in range(2):  # the first may compile and write the cache; the second must read it
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) >= 1, "a kernel was compiled again instead of loaded from the cache"
 
 
 @pytest.mark.parametrize("options", [dict(cache_policy="static"),
