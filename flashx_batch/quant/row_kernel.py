@@ -79,9 +79,9 @@ def kernel():
         peak [M, 1] = the row's absolute maximum (at least 1e-12). A row holding NaN or infinity
         gets that as its peak and zero codes (its output is NaN / infinite again once scaled).
 
-        With `hadamard` [BLOCK, BLOCK] (not [0, 0]), each run of BLOCK channels of a row is first multiplied by it
-        (`formats.rotate_blocks`): products summed in channel order, which is how the GEMM there sums
-        (its bits, tested), in a row buffer instead of a rotated copy of the whole input."""
+        With `hadamard` [BLOCK, BLOCK] (not [0, 0]), each run of BLOCK channels of a row is first
+        multiplied by it (`formats.rotate_blocks`): products summed in channel order, which is how the
+        GEMM there sums (its bits, tested), with no torch call of its own."""
         count, width = rows.shape
         rotated = np.empty((count, width) if hadamard.shape[0] else (0, 0), np.float32)
         if hadamard.shape[0]:
@@ -123,4 +123,3 @@ def kernel():
         log.warning("int8 row rounding kernel unavailable (%s): torch ops round activations", exc)
         return None
     return compiled
-
