@@ -196,7 +196,7 @@ def _bias(mask: torch.Tensor | None, rows: int, slots: int) -> np.ndarray:
     """The mask as the kernel's additive float32 [rows, slots] (empty: no mask), read as SDPA reads it:
     a boolean mask keeps the True slots, any other dtype is added to the scores."""
     if mask is None:
-        return np.zeros((0, 0), np.float32)
+        return _NO_BIAS
     length = mask.shape[-1]
     if length != 1 and length < slots:
         raise ValueError(f"decode attention mask covers {length} slots, the keys {slots}")
@@ -288,6 +288,7 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
 
 _NO_TABLE = np.zeros((0, 0), np.int64)
 _NO_LENGTHS = np.zeros(0, np.int64)
+_NO_BIAS = np.zeros((0, 0), np.float32)  # read-only to the kernel: one shared empty array, not one per call
 
 
 def _run(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, table: np.ndarray, slots: int,

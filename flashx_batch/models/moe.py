@@ -52,6 +52,12 @@ class SparseMoE(nn.Module):
         self.packed = [(onednn_pack(self.experts_gate_up[e]), onednn_pack(self.experts_down[e]))
                        for e in range(self.spec.num_experts)]
 
+    def _expert_linear(self, x: torch.Tensor, expert: int, which: int) -> torch.Tensor:
+        """x through expert's gate / up (`which` 0) or down (1) weight: its packed copy where there is one."""
+        if self.packed is not None:
+            return onednn_linear(x, self.packed[expert][which])
+        return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (chosen experts [N, top_k], their weights [N, top_k]): softmax over every
         expert in float32, the top k, renormalised over them with `norm_topk_prob`; or sigmoid routing
@@ -96,14 +102,8 @@ class SparseMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start : start + count]
-            if self.packed is not None:
-                gate_up_w, down_w = self.packed[expert]
-                gate, up = onednn_linear(flat[rows], gate_up_w).split(inter, dim=-1)
-                h = onednn_linear(F.silu(gate) * up, down_w)
-            else:
-                gate, up = F.linear(flat[rows], self.experts_gate_up[expert]).split(inter, dim=-1)
-                h = F.linear(F.silu(gate) * up, self.experts_down[expert])
-            h = h * slot_weights[start : start + count, None]
+            gate, up = self._expert_linear(flat[rows], expert, 0).split(inter, dim=-1)
+            h = self._expert_linear(F.silu(gate) * up, expert, 1) * slot_weights[start : start + count, None]
             out.index_add_(0, rows, h.float())  # experts in ascending order
             start += count
         out = out.to(flat.dtype)

@@ -212,9 +212,7 @@ class QuantLinear(nn.Module):
         return fm.int4_matmul(eye.to(self.dtype), self.kernel, self._int4, self.out_features).float().T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel
-        if self.rotated and kernel != "int8_dynamic":  # int8_dynamic rotates as it rounds
-            x = fm.rotate_blocks(x)
+        kernel = self.kernel  # a rotated layer is int8_dynamic (`from_float`), which rotates its input as it rounds
         if kernel in ("native", "simulated"):
             out = F.linear(x, self.weight)
         elif kernel == "cast":
