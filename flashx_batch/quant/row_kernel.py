@@ -26,9 +26,26 @@ NO_ROTATION = np.zeros((0, 0), np.float32)  # `round_rows`' hadamard when rows a
 BLOCK = 16  # channels the rotation mixes (`formats.ROTATION_BLOCK`), a constant of the compiled code
 
 
+# Stubs numba replaces inside compiled code with the overloads `register` gives them. Module-level, so
+# other compiled kernels (`models.int8_decode`) call the same rounding; overloads rather than jitted
+# functions a kernel closes over: numba's on-disk cache keys a closure by its variables, and a
+# dispatcher's pickled form differs in every process (a fresh compile each time).
+def rotate(rows, hadamard, out):  # pragma: no cover - replaced by the overload inside compiled code
+    raise NotImplementedError
+
+
+def largest(row):  # pragma: no cover - replaced by the overload inside compiled code
+    raise NotImplementedError
+
+
+def round_row(row, steps, offset, codes):  # pragma: no cover - replaced by the overload inside compiled code
+    raise NotImplementedError
+
+
 @functools.cache
-def kernel():
-    """The compiled `round_rows(rows, steps, offset, hadamard, codes, peak)`, or None (torch ops serve then)."""
+def register():
+    """Import numba and give the stubs above their compiled implementations; the numba module, or
+    None where numba is missing (the callers' torch paths serve then)."""
     try:
         import numba
     except Exception as exc:  # never fatal, only slower
@@ -38,14 +55,6 @@ def kernel():
     from numba.extending import overload
 
     block = BLOCK
-
-    # overloads, not jitted functions `round_rows` closes over: numba's on-disk cache keys a closure by its
-    # variables, and a dispatcher's pickled form differs in every process (a fresh compile each time)
-    def rotate(rows, hadamard, out):  # pragma: no cover - replaced by the overload inside compiled code
-        raise NotImplementedError
-
-    def largest(row):  # pragma: no cover - replaced by the overload inside compiled code
-        raise NotImplementedError
 
     @overload(rotate)
     def _rotate(rows, hadamard, out):
@@ -74,20 +83,13 @@ def kernel():
             return top
         return impl
 
-    def round_rows(rows, steps, offset, hadamard, codes, peak):  # pragma: no cover - compiled
-        """rows float32 [M, K] -> codes uint8 [M, K] = round(x * steps / peak) + offset (modulo 256),
-        peak [M, 1] = the row's absolute maximum (at least 1e-12). A row holding NaN or infinity
-        gets that as its peak and zero codes (its output is NaN / infinite again once scaled).
-
-        With `hadamard` [BLOCK, BLOCK] (not [0, 0]), each run of BLOCK channels of a row is first
-        multiplied by it (`formats.rotate_blocks`): products summed in channel order, which is how the
-        GEMM there sums (its bits, tested), with no torch call of its own."""
-        count, width = rows.shape
-        rotated = np.empty((count, width) if hadamard.shape[0] else (0, 0), np.float32)
-        if hadamard.shape[0]:
-            rotate(rows, hadamard, rotated)
-        for i in range(count):
-            row = rotated[i] if hadamard.shape[0] else rows[i]
+    @overload(round_row)
+    def _round_row(row, steps, offset, codes):
+        """One row float32 [K] -> codes uint8 [K] = round(x * steps / peak) + offset (modulo 256); returns
+        the peak, the row's absolute maximum (at least 1e-12). A row holding NaN or infinity gets that as
+        its peak and zero codes (its output is NaN / infinite again once scaled)."""
+        def impl(row, steps, offset, codes):
+            width = row.shape[0]
             finite = True
             for j in range(width):  # no early exit: the loop stays vectorized
                 finite &= abs(row[j]) < np.inf  # False for NaN too
@@ -97,23 +99,52 @@ def kernel():
                 for j in range(width):
                     if row[j] != row[j]:
                         top = row[j]
-            elif top < np.float32(1e-12):
-                top = np.float32(1e-12)
-            peak[i, 0] = top
-            if not finite:
                 for j in range(width):
-                    codes[i, j] = np.uint8(offset & 255)
-                continue
+                    codes[j] = np.uint8(offset & 255)
+                return top
+            if top < np.float32(1e-12):
+                top = np.float32(1e-12)
             # as the torch ops compute it, (1 / peak) * steps in float32: a row rounds the same on either path
             inv = (np.float32(1.0) / top) * np.float32(steps)
             for j in range(width):
-                codes[i, j] = np.uint8((np.int32(np.rint(row[j] * inv)) + offset) & 255)
+                codes[j] = np.uint8((np.int32(np.rint(row[j] * inv)) + offset) & 255)
+            return top
+        return impl
+
+    return numba
+
+
+def compile_kernel(numba, source, **options):
+    """`source` jitted with numba's on-disk cache (next to the package or numba's user cache), or without
+    one where neither is writable (a read-only install: compiled in each process)."""
+    try:
+        return numba.njit(cache=True, **options)(source)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(**options)(source)
+
+
+@functools.cache
+def kernel():
+    """The compiled `round_rows(rows, steps, offset, hadamard, codes, peak)`, or None (torch ops serve then)."""
+    numba = register()
+    if numba is None:
+        return None
+
+    def round_rows(rows, steps, offset, hadamard, codes, peak):  # pragma: no cover - compiled
+        """rows float32 [M, K] -> codes uint8 [M, K], peak [M, 1] (`round_row`, row by row).
+
+        With `hadamard` [BLOCK, BLOCK] (not [0, 0]), each run of BLOCK channels of a row is first
+        multiplied by it (`formats.rotate_blocks`): products summed in channel order, which is how the
+        GEMM there sums (its bits, tested), with no torch call of its own."""
+        count, width = rows.shape
+        rotated = np.empty((count, width) if hadamard.shape[0] else (0, 0), np.float32)
+        if hadamard.shape[0]:
+            rotate(rows, hadamard, rotated)
+        for i in range(count):
+            peak[i, 0] = round_row(rotated[i] if hadamard.shape[0] else rows[i], steps, offset, codes[i])
 
     try:
-        try:
-            compiled = numba.njit(cache=True)(round_rows)
-        except RuntimeError:  # no writable cache location (a read-only install): compile in each process
-            compiled = numba.njit(round_rows)
+        compiled = compile_kernel(numba, round_rows)
         rows = np.array([[0.5, -1.0], [0.0, 0.0]], np.float32)
         codes, peak = np.empty((2, 2), np.uint8), np.empty((2, 1), np.float32)
         compiled(rows, 127.0, 0, NO_ROTATION, codes, peak)

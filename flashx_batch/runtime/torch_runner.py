@@ -22,6 +22,8 @@ from flashx_batch.models import cpu_decode
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.forward import Decode, Extend, FinalLayerInputs, Packed, PackedTrees, Paged, TeacherForced
 from flashx_batch.models.layers import Linear
+from flashx_batch.quant.int8_decode import MAX_ROWS as FUSED_MAX_ROWS
+from flashx_batch.quant.int8_decode import Int8Decode
 from flashx_batch.runtime.compressed_prefill import CompressedPrefill
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.kv_merge import MergeSettings
@@ -91,6 +93,10 @@ class TorchRunner(ModelRunner):
         self._starts: dict[int, torch.Tensor] = {}  # stripe capacity -> flat slot where each stripe begins
         self.graphs: DecodeGraphs | None = None  # striped decode steps from CUDA graphs (the engine sets it)
         self.live = _LiveRows(self.device)
+        # an all-int8 model's CPU decode steps in a few compiled calls a layer (`quant.int8_decode`); False
+        # runs them module by module (the A / B of `bench.int8_cpu`)
+        self.fuse_int8_decode = True
+        self._fused: tuple[tuple, Int8Decode | None] | None = None  # (what it was built over, the step)
         self.compress = CompressedPrefill(self)
         self._bf16_head: torch.Tensor | None = None  # `_surprisal_head`, made on first use
         # a tensor-parallel rank: every rank samples from the same gathered logits, and takes rank 0's tokens
@@ -144,6 +150,10 @@ class TorchRunner(ModelRunner):
 
     def reset(self) -> None:
         self.live = _LiveRows(self.device)
+        # an all-int8 model's CPU decode steps in a few compiled calls a layer (`quant.int8_decode`); False
+        # runs them module by module (the A / B of `bench.int8_cpu`)
+        self.fuse_int8_decode = True
+        self._fused: tuple[tuple, Int8Decode | None] | None = None  # (what it was built over, the step)
 
     def synchronize(self) -> None:
         self.backend.synchronize()
@@ -512,7 +522,10 @@ class TorchRunner(ModelRunner):
         end row, first flat slot, stride, slots read, aligned) attends through one strided view of the
         cache; `mask` [B, 1, 1, L] hides the slots past each row of a run that is not aligned.
         `extents` (each row's first flat slot and its slots read): where the attention can, it reads
-        all rows in one call from these instead (`Decode.row_extents`)."""
+        all rows in one call from these instead (`Decode.row_extents`), and an all-int8 model runs the
+        step fused (`quant.int8_decode`) where it can."""
+        if extents is not None and len(tokens) <= FUSED_MAX_ROWS and (fused := self._int8_decode()) is not None:
+            return fused.hidden(tokens, positions, write_flat, extents)
         cos, sin = self.model.rotary.lookup(positions[:, None])
         # each run's cache of every layer as one view [layers, parts, rows, heads, slots, D] (parts: keys
         # and values, or one latent), built once per step (not per layer: a few microseconds per view,
@@ -528,6 +541,16 @@ class TorchRunner(ModelRunner):
         meta = Decode(cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views), window_mask=window,
                       row_extents=extents)
         return self.model.hidden_states(tokens[:, None], meta, self.caches)[:, 0]
+
+    def _int8_decode(self) -> Int8Decode | None:
+        """The fused int8 decode step for the model as it is now (built again once a module or cache was
+        swapped, e.g. by a precision change), or None where it does not serve it."""
+        if not self.fuse_int8_decode:
+            return None
+        key = Int8Decode.fingerprint(self.model, self.caches)
+        if self._fused is None or self._fused[0] != key:
+            self._fused = (key, Int8Decode.build(self.model, self.caches))
+        return self._fused[1]
 
     def _paged_step(self, d: PagedDecode) -> torch.Tensor:
         positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)[:, None]
