@@ -50,7 +50,7 @@ def _paired(run, repeats: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", choices=sorted(SHAPES), help="a random model of this shape instead of the bundled one")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a random model of this shape, not the bundled one")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", default="1,8,20")
@@ -85,7 +85,8 @@ def main() -> int:
         result["step"][rows] = _paired(step, args.repeats)
         print(f"step of {rows} rows: {result['step'][rows]}", flush=True)
 
-    workloads = {"W1": mixed_intake(FULL, vocab, 0), "W2": equal_lengths(FULL, vocab, 0), "W3": few_shot(FULL, vocab, 0)}
+    workloads = {"W1": mixed_intake(FULL, vocab, 0), "W2": equal_lengths(FULL, vocab, 0),
+                 "W3": few_shot(FULL, vocab, 0)}
     for name, w in workloads.items():
         engine = engines[name == "W3"]
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in w.max_new_tokens]
