@@ -92,7 +92,7 @@ def main() -> int:
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in w.max_new_tokens]
         fresh = iter(range(1000))
 
-        def whole(fused: bool, w=w, engine=engine, params=params, name=name) -> tuple[float, list]:
+        def whole(fused: bool, w=w, engine=engine, params=params, name=name, fresh=fresh) -> tuple[float, list]:
             engine.runner.fuse_int8_decode = fused
             run = w.with_fresh_prefixes(next(fresh) // 2) if name == "W3" else w  # both paths of a pair: the same
             start = time.perf_counter()
