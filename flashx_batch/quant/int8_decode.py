@@ -286,6 +286,34 @@ def _why_not(model, caches) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Reads:
+    """Which cache slots each row's attention reads, as `cpu_decode`'s kernel takes them: rows in extents of
+    their own (`extents`), or through a paged batch's slot table (`paged`)."""
+
+    table: np.ndarray  # int64: each row's first flat slot [B], or its slot table [B, L]
+    slots: int  # slots the longest row reads
+    lengths: np.ndarray  # int64 [B] each row's slots (extents), or empty
+    bias: np.ndarray  # float32 [B, L]: -inf on a paged row's slots past its position, or empty
+    end: int  # one past the largest flat slot read
+
+    @classmethod
+    def extents(cls, rows: cpu_decode.RowExtents) -> Reads:
+        return cls(rows.starts, rows.longest, rows.lengths, cpu_decode._NO_BIAS, rows.end)
+
+    @classmethod
+    def paged(cls, table: torch.Tensor, positions: torch.Tensor) -> Reads:
+        """table [B, L] flat slot of each row's position (L > every position), positions [B]: row i reads
+        its slots 0..positions[i] (the rest of its table masked, as `TorchRunner.paged` masks them)."""
+        index = table.to(torch.int64).contiguous().numpy()
+        if index.size and index.min() < 0:
+            raise ValueError("a slot table reaches before the cache")
+        pos = positions.to(torch.int64).numpy()
+        span = np.arange(index.shape[1])
+        bias = np.where(span[None, :] <= pos[:, None], np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        return cls(index, index.shape[1], cpu_decode._NO_LENGTHS, bias, int(index.max(initial=-1)) + 1)
+
+
 class Int8Decode:
     """The fused decode step of one model over one arena (`build`); `hidden` runs a step."""
 
@@ -326,24 +354,26 @@ class Int8Decode:
         return cls(model, caches)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,
-               rows: cpu_decode.RowExtents) -> torch.Tensor:
+               reads: Reads) -> torch.Tensor:
         """One decode step: tokens [B] at RoPE positions [B], row i's new K / V into flat slot write_flat[i],
-        attention over `rows` -> final-norm hidden states [B, hidden]."""
+        attention over `reads` -> final-norm hidden states [B, hidden]."""
         count = len(tokens)
-        if not 0 < count <= MAX_ROWS or len(rows.starts) != count:
-            raise ValueError(f"a fused step serves 1..{MAX_ROWS} rows with one extent each, not {count}")
-        if rows.end > self.caches[0][0].shape[0]:  # the kernels index without bounds checks
-            raise ValueError(f"rows reach outside the cache's {self.caches[0][0].shape[0]} slots")
+        if not 0 < count <= MAX_ROWS or len(reads.table) != count:
+            raise ValueError(f"a fused step serves 1..{MAX_ROWS} rows with one read each, not {count}")
+        slots = self.caches[0][0].shape[0]
+        pos = positions.to(torch.int64).contiguous().numpy()
+        write = write_flat.to(torch.int64).contiguous().numpy()
+        # the kernels index without bounds checks
+        if reads.end > slots or write.min() < 0 or write.max() >= slots:
+            raise ValueError(f"rows reach outside the cache's {slots} slots")
         rotary = self.model.rotary
-        if int(positions.max()) >= rotary.max_positions:
-            raise ValueError(f"position {int(positions.max())} is past the RoPE table's {rotary.max_positions}")
+        if pos.min() < 0 or pos.max() >= rotary.max_positions:
+            raise ValueError(f"a position outside the RoPE table's 0..{rotary.max_positions - 1}")
         b = self._buffers.get(count)
         if b is None:
             b = self._buffers[count] = _Buffers(self.model, count)
         k, inv, eps = self.kernels, self.inv, self.eps
         cos, sin = rotary.cos.numpy(), rotary.signed_sin.numpy()
-        pos = positions.to(torch.int64).contiguous().numpy()
-        write = write_flat.to(torch.int64).contiguous().numpy()
         x = F.embedding(tokens, self.model.embed)  # [B, hidden], fresh: the residual stream, updated in place
         xs = x.numpy()
         attend_numba, attend = cpu_decode._kernel()
@@ -361,8 +391,8 @@ class Int8Decode:
             keys, values = self.caches[i]
             k["rope_write"](qkv.run(qkv_w), inv, qkv_s, qkv.peak, cos, sin, pos, layer.attn.num_heads,
                             layer.attn.num_kv_heads, keys, values, write, b.qkv_row, b.query)
-            attend(b.query_heads, keys, values, rows.starts, rows.longest, rows.lengths, cpu_decode._NO_BIAS,
-                   self.scale, parts, b.attended_heads)
+            attend(b.query_heads, keys, values, reads.table, reads.slots, reads.lengths, reads.bias, self.scale, parts,
+                   b.attended_heads)
             round_rows(b.attended, o.steps, o.offset, o.hadamard, o.codes_np, o.peak)
             k["residual_norm_round"](o.run(o_w), inv, o_s, o.peak, xs, self.norms[i][1], eps, gate_up.hadamard,
                                      gate_up.steps, gate_up.offset, gate_up.scratch, gate_up.rotated,

@@ -23,7 +23,7 @@ from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.forward import Decode, Extend, FinalLayerInputs, Packed, PackedTrees, Paged, TeacherForced
 from flashx_batch.models.layers import Linear
 from flashx_batch.quant.int8_decode import MAX_ROWS as FUSED_MAX_ROWS
-from flashx_batch.quant.int8_decode import Int8Decode
+from flashx_batch.quant.int8_decode import Int8Decode, Reads
 from flashx_batch.runtime.compressed_prefill import CompressedPrefill
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.kv_merge import MergeSettings
@@ -525,7 +525,7 @@ class TorchRunner(ModelRunner):
         all rows in one call from these instead (`Decode.row_extents`), and an all-int8 model runs the
         step fused (`quant.int8_decode`) where it can."""
         if extents is not None and len(tokens) <= FUSED_MAX_ROWS and (fused := self._int8_decode()) is not None:
-            return fused.hidden(tokens, positions, write_flat, extents)
+            return fused.hidden(tokens, positions, write_flat, Reads.extents(extents))
         cos, sin = self.model.rotary.lookup(positions[:, None])
         # each run's cache of every layer as one view [layers, parts, rows, heads, slots, D] (parts: keys
         # and values, or one latent), built once per step (not per layer: a few microseconds per view,
@@ -557,6 +557,9 @@ class TorchRunner(ModelRunner):
         table = self.live.table
         writes = table.gather(1, positions)
         kv_len = max(d.positions) + 1
+        if self.device.type == "cpu" and len(writes) <= FUSED_MAX_ROWS and (fused := self._int8_decode()) is not None:
+            reads = Reads.paged(table[:, :kv_len], positions[:, 0])
+            return self.model.logits(fused.hidden(self.live.tokens, positions[:, 0], writes[:, 0], reads))
         last = torch.zeros(len(d.positions), dtype=torch.long, device=self.device)
         return self.paged(self.live.tokens[:, None], positions, writes, table[:, :kv_len], last)
 

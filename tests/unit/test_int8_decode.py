@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.bench.int8_cpu import quantize_all
 from flashx_batch.quant import int8_decode
-from flashx_batch.quant.int8_decode import Int8Decode
+from flashx_batch.quant.int8_decode import Int8Decode, Reads
 from flashx_batch.runtime.torch_runner import TorchRunner
 
 pytestmark = pytest.mark.skipif(int8_decode._kernels() is None, reason="numba cannot compile the fused kernels here")
@@ -28,8 +29,8 @@ def _engine(path, **options) -> Engine:
 
 def test_each_fused_step_gives_the_layer_by_layer_hidden_states_and_cache(tiny_models, monkeypatch):
     """Every decode step runs both ways on the same cache: the fused step's hidden states and the keys and
-    values it wrote match the modules' (the norm's sum and so a rare int8 code may differ: a tolerance,
-    not bit equality); the modules' values are kept, so both see the same history at every step."""
+    values it wrote match the modules' (the norm sums in another order, so a rare int8 code may differ by
+    a step: a tolerance, not bit equality); the modules' values are kept, so both see the same history."""
     engine = _engine(tiny_models["llama"][0])
     quantize_all(engine)
     runner = engine.runner
@@ -43,12 +44,13 @@ def test_each_fused_step_gives_the_layer_by_layer_hidden_states_and_cache(tiny_m
         written = [(k[write_flat].clone(), v[write_flat].clone()) for k, v in self.caches]
         self.fuse_int8_decode = False
         plain = step_hidden(self, tokens, positions, write_flat, mask, runs, extents)
-        for (k_f, v_f), (k, v) in zip(written, self.caches, strict=True):
-            torch.testing.assert_close(k_f, k[write_flat], rtol=0, atol=1e-3)
-            torch.testing.assert_close(v_f, v[write_flat], rtol=0, atol=1e-3)
         scale = plain.abs().max()
-        torch.testing.assert_close(fused / scale, plain / scale, rtol=0, atol=1e-3)
-        compared.append(len(tokens))
+        # a wrong scale, RoPE or cache slot is off everywhere, every step; a code one step off (the norm's
+        # last bit) moves a few values by ~1 % of the largest
+        compared.append(max([((fused - plain).abs().max() / scale).item()] +
+                            [((a - b[write_flat]).abs().max() / b[write_flat].abs().max()).item()
+                             for pair, cache in zip(written, self.caches, strict=True)
+                             for a, b in zip(pair, cache, strict=True)]))
         return plain
 
     monkeypatch.setattr(TorchRunner, "step_hidden", both)
@@ -56,19 +58,32 @@ def test_each_fused_step_gives_the_layer_by_layer_hidden_states_and_cache(tiny_m
     assert all(len(o.token_ids) == 12 for o in out)
     assert runner._fused is not None and runner._fused[1] is not None, "the fused step did not serve this model"
     assert len(compared) >= 11
+    assert statistics.median(compared) < 1e-5 and max(compared) < 0.1, compared
 
 
-def test_fused_and_layer_by_layer_decoding_give_the_same_tokens(tiny_models):
-    """Greedy tokens from the bundled path with the step fused and without, rows of different lengths."""
-    engine = _engine(tiny_models["llama"][0])
+@pytest.mark.parametrize("options", [{}, dict(prefix_cache_tokens=32)])
+def test_fused_and_layer_by_layer_decoding_give_the_same_tokens(tiny_models, monkeypatch, options):
+    """Greedy tokens with the step fused and without, rows of different lengths: in extents of their own,
+    and (with a prefix cache) a paged batch whose rows read shared prefix segments through slot tables."""
+    engine = _engine(tiny_models["llama"][0], segment_size=8, **options)
     quantize_all(engine)
+    prompts = _prompts(5)
+    prompts += [prompts[2][:18] + [7, 9, 11], prompts[2][:18] + [13]]  # share whole segments with a batch-mate
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    reads, hidden = [], Int8Decode.hidden
+
+    def spy(self, tokens, positions, write_flat, r):
+        reads.append("paged" if r.bias.size else "extents")
+        return hidden(self, tokens, positions, write_flat, r)
+
+    monkeypatch.setattr(Int8Decode, "hidden", spy)
     tokens = {}
     for fused in (True, False):
         engine.runner.fuse_int8_decode = fused
-        tokens[fused] = [o.token_ids for o in engine.generate(_prompts(6), params)]
-    assert engine.runner._fused[1] is not None
-    assert tokens[True] == tokens[False]
+        tokens[fused] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert ("paged" if options else "extents") in reads
+    # the same tokens but where a code one step off (the norm's last bit) tips a near tie: one row at most
+    assert sum(a != b for a, b in zip(tokens[True], tokens[False], strict=True)) <= 1, tokens
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "glm"])
@@ -102,12 +117,20 @@ def test_a_step_it_does_not_serve_is_refused(tiny_models):
 
     rows = int8_decode.MAX_ROWS + 1
     tokens, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
-    extents = cpu_decode.row_extents(positions, positions + 1)
+    extents = Reads.extents(cpu_decode.row_extents(positions, positions + 1))
     with pytest.raises(ValueError, match="serves"):
         fused.hidden(tokens, positions, positions, extents)
-    far = cpu_decode.row_extents(torch.tensor([runner.caches[0][0].shape[0]]), torch.tensor([1]))
+    slots = runner.caches[0][0].shape[0]
+    far = Reads.extents(cpu_decode.row_extents(torch.tensor([slots]), torch.tensor([1])))
     with pytest.raises(ValueError, match="outside the cache"):
         fused.hidden(tokens[:1], positions[:1], positions[:1], far)
+    near = Reads.extents(cpu_decode.row_extents(torch.tensor([0]), torch.tensor([1])))
+    with pytest.raises(ValueError, match="outside the cache"):  # the new token's slot past the cache
+        fused.hidden(tokens[:1], positions[:1], torch.tensor([slots]), near)
+    with pytest.raises(ValueError, match="RoPE"):
+        fused.hidden(tokens[:1], torch.tensor([runner.model.rotary.max_positions]), positions[:1], near)
+    with pytest.raises(ValueError, match="before the cache"):
+        Reads.paged(torch.tensor([[0, -1]]), torch.tensor([1]))
 
 
 def test_the_fused_kernels_load_from_the_disk_cache_in_a_second_process():
