@@ -8,25 +8,29 @@ SwiGLU), each a few microseconds of fixed cost whatever the rows. Here a layer i
 elementwise that lies between them:
 
     norm + round -> qkv GEMM -> scales, RoPE, K / V into the cache -> attention (`cpu_decode`'s kernel)
-    -> round -> o GEMM -> scales, residual, norm, round -> gate_up GEMM -> scales, SwiGLU, round
-    -> down GEMM -> scales, residual, and the next layer's norm + round (the last: the final norm).
+    -> round -> o GEMM -> scales, residual, norm, round -> gate_up GEMM -> scales -> torch's silu and
+    product -> round -> down GEMM -> scales, residual, and the next layer's norm + round (the last: the
+    final norm).
 
-The numbers are the unfused path's: the same GEMMs on the same codes, each GEMM's scales applied in
-its order, the same rounding (`quant.row_kernel.round_row`) and RoPE and attention bits. Two steps
-sum in another order or call another exp: the norm's mean of squares and SwiGLU's sigmoid, so a value
-may differ from the unfused path's in its last bit and, once in a long while, a code by one step
-(tests bound the logits' difference).
+The numbers are the modules' own, bit for bit: the same GEMMs on the same codes, each GEMM's scales
+applied in its order, the same rounding (`quant.row_kernel.round_row`), RoPE, attention kernel and
+silu, and the norm's mean of squares summed in the order torch's CPU sum kernel sums a row (its
+vector width found once by reproducing torch's sums on probe rows: `_sum_lanes`; where no width we
+know reproduces them, no fused step). So fusing changes no token, only the time (tested step by step).
 
 `Int8Decode.build` takes a model only where this covers it exactly; anything else (a float or mixed
 layer, biases, q / k norms, sliding windows, sandwich norms, experts, latent attention, tensor
 parallel ranks, a bfloat16 cache, interleaved RoPE, numba missing) gets None and runs the modules as
-before. It serves steps of rows in extents of their own (`cpu_decode.RowExtents`) of at most
-`MAX_ROWS` rows; larger steps are not dominated by dispatch and keep torch's threaded ops.
+before. It serves steps of at most `MAX_ROWS` rows reading the cache in extents of their own or through a
+paged batch's slot tables (`Reads`); larger steps are not dominated by dispatch and keep torch's
+threaded ops. One runner thread at a time: its buffers are the step's own, shared across calls.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -42,16 +46,20 @@ from flashx_batch.quant.linear import INT_MM_MAX_ROWS, QuantLinear
 
 log = logging.getLogger("flashx_batch.quant.int8_decode")
 
+MAX_ROWS = fm.PAD_ROWS  # rows a fused step serves: below the prepacked kernel's padding
 _NO_PEAK = np.empty((0, 1), np.float32)  # the final norm's call: it rounds nothing
-
-MAX_ROWS = fm.PAD_ROWS  # rows a fused step serves: below the prepacked kernel's padding, one buffer set per count
+_LANES = (8, 16, 4)  # vector widths (float32 lanes) torch's CPU sum kernel may reduce with, most likely first
 
 
 def dequant(acc, inv, scales, peak, i, n):  # pragma: no cover - replaced by the overload inside compiled code
     raise NotImplementedError
 
 
-def normed(x, weight, eps, out):  # pragma: no cover - replaced by the overload inside compiled code
+def sum_squares(x, lanes):  # pragma: no cover - replaced by the overload inside compiled code
+    raise NotImplementedError
+
+
+def normed(x, weight, eps, lanes, out):  # pragma: no cover - replaced by the overload inside compiled code
     raise NotImplementedError
 
 
@@ -59,13 +67,27 @@ def finish(rows, hadamard, rotated, steps, offset, codes):  # pragma: no cover -
     raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class Kernels:
+    norm_round: object
+    residual_norm_round: object
+    rope_write: object
+    dequant_rows: object
+    lanes: int  # the vector width torch's sum kernel reduces a row with on this machine (`_sum_lanes`)
+
+
 @functools.cache
-def _kernels():
-    """The compiled passes, or None where numba is missing or fails (the modules serve every step then)."""
+def _kernels() -> Kernels | None:
+    """The compiled passes, or None where numba is missing or fails, or torch's row sums cannot be
+    reproduced here (the modules serve every step then)."""
     numba = row_kernel.register()
-    if numba is None or cpu_decode._kernel() is None:
+    if numba is None or cpu_decode._kernel() is None or row_kernel.kernel() is None:
         return None
     from numba.extending import overload
+
+    # the kernels inline row_kernel's overloads, but numba's disk cache only watches this file: the
+    # stamp, a closure variable of each kernel, is part of its cache key, so an edited row_kernel misses
+    stamp = int(hashlib.sha256(inspect.getsource(row_kernel).encode()).hexdigest()[:12], 16)
 
     @overload(dequant)
     def _dequant(acc, inv, scales, peak, i, n):
@@ -76,15 +98,60 @@ def _kernels():
             return lambda acc, inv, scales, peak, i, n: ((np.float32(acc[i, n]) * inv) * scales[n]) * peak[i, 0]
         return lambda acc, inv, scales, peak, i, n: acc[i, n] * peak[i, 0]
 
-    @overload(normed, jit_options={"fastmath": {"reassoc", "nsz"}})
-    def _normed(x, weight, eps, out):
-        """out = RMSNorm(x) [K] as `layers.RMSNorm` computes it in float32: x * rsqrt(mean(x^2) + eps) * w
-        (the sum of squares vectorized, so in another order than torch's)."""
-        def impl(x, weight, eps, out):
+    @overload(sum_squares)
+    def _sum_squares(x, lanes):
+        """sum(x * x) of a contiguous float32 row in the order torch's CPU sum kernel adds it (`cascade_sum`:
+        vectors of `lanes`, four accumulated side by side in a cascade of levels every 16 steps, then the
+        leftover vectors, the four folded, the leftover values, the lanes one after another)."""
+        def impl(x, lanes):
+            width = x.shape[0]
+            vectors = width // lanes
+            rows = vectors // 4
+            acc = np.zeros((4, 4, lanes), np.float32)  # [level, column, lane]
+            i = 0
+            while i + 16 <= rows:
+                for _ in range(16):
+                    for k in range(4):
+                        base = (4 * i + k) * lanes
+                        for lane in range(lanes):
+                            acc[0, k, lane] += x[base + lane] * x[base + lane]
+                    i += 1
+                for level in range(1, 4):
+                    for k in range(4):
+                        for lane in range(lanes):
+                            acc[level, k, lane] += acc[level - 1, k, lane]
+                            acc[level - 1, k, lane] = 0
+                    if i & (15 << (4 * level)):
+                        break
+            while i < rows:
+                for k in range(4):
+                    base = (4 * i + k) * lanes
+                    for lane in range(lanes):
+                        acc[0, k, lane] += x[base + lane] * x[base + lane]
+                i += 1
+            for level in range(1, 4):
+                for k in range(4):
+                    for lane in range(lanes):
+                        acc[0, k, lane] += acc[level, k, lane]
+            for vector in range(rows * 4, vectors):
+                for lane in range(lanes):
+                    acc[0, 0, lane] += x[vector * lanes + lane] * x[vector * lanes + lane]
+            for k in range(1, 4):
+                for lane in range(lanes):
+                    acc[0, 0, lane] += acc[0, k, lane]
             total = np.float32(0.0)
-            for j in range(x.shape[0]):
+            for j in range(vectors * lanes, width):
                 total += x[j] * x[j]
-            scale = np.float32(1.0) / np.sqrt(total / np.float32(x.shape[0]) + eps)
+            for lane in range(lanes):
+                total += acc[0, 0, lane]
+            return total
+        return impl
+
+    @overload(normed)
+    def _normed(x, weight, eps, lanes, out):
+        """out = RMSNorm(x) [K] as `layers.RMSNorm` computes it in float32: x * rsqrt(mean(x^2) + eps) * w."""
+        def impl(x, weight, eps, lanes, out):
+            scale = np.float32(1.0) / np.sqrt(sum_squares(x, lanes) / np.float32(x.shape[0]) + eps)
             for j in range(x.shape[0]):
                 out[j] = (x[j] * scale) * weight[j]
         return impl
@@ -100,23 +167,28 @@ def _kernels():
             return row_kernel.round_row(rows[0], steps, offset, codes)
         return impl
 
-    def norm_round(x, weight, eps, hadamard, steps, offset, scratch, rotated, codes, peak):  # pragma: no cover
+    def norm_round(x, weight, eps, lanes, hadamard, steps, offset, scratch, rotated, codes,
+                   peak):  # pragma: no cover - compiled
         """Each row of x [M, K]: normed (`normed`), then rounded for the next GEMM into codes, peak."""
+        if stamp < 0:
+            return
         for i in range(x.shape[0]):
-            normed(x[i], weight, eps, scratch[0])
+            normed(x[i], weight, eps, lanes, scratch[0])
             peak[i, 0] = finish(scratch, hadamard, rotated, steps, offset, codes[i])
 
-    def residual_norm_round(acc, inv, scales, acc_peak, x, weight, eps, hadamard, steps, offset, scratch, rotated,
-                            codes, peak):  # pragma: no cover - compiled
+    def residual_norm_round(acc, inv, scales, acc_peak, x, weight, eps, lanes, hadamard, steps, offset, scratch,
+                            rotated, codes, peak):  # pragma: no cover - compiled
         """x [M, K] += the GEMM's output (the residual), then each row normed and rounded (`norm_round`);
         with `codes` of no rows, the normed rows go to `scratch` [M, K] instead (the final norm)."""
+        if stamp < 0:
+            return
         for i in range(x.shape[0]):
             for n in range(x.shape[1]):
                 x[i, n] = dequant(acc, inv, scales, acc_peak, i, n) + x[i, n]
             if codes.shape[0] == 0:
-                normed(x[i], weight, eps, scratch[i])
+                normed(x[i], weight, eps, lanes, scratch[i])
             else:
-                normed(x[i], weight, eps, scratch[0])
+                normed(x[i], weight, eps, lanes, scratch[0])
                 peak[i, 0] = finish(scratch, hadamard, rotated, steps, offset, codes[i])
 
     def rope_write(acc, inv, scales, acc_peak, cos, sin, positions, heads, kv_heads, keys, values, write,
@@ -124,6 +196,8 @@ def _kernels():
         """The qkv GEMM's output [M, (H + 2 Hkv) D] -> post-RoPE queries into query [M, H D], post-RoPE keys
         and the values into the cache's slot write[i] ([slots, Hkv, D] each). RoPE as `layers.apply_rotary_`:
         x * cos + swap_halves(x) * signed_sin over the first `cos.shape[1]` channels of each head."""
+        if stamp < 0:
+            return
         dim = keys.shape[2]
         span = cos.shape[1]
         half = span // 2
@@ -151,105 +225,169 @@ def _kernels():
     def dequant_rows(acc, inv, scales, acc_peak, out):  # pragma: no cover - compiled
         """The GEMM's output [M, N] in float32 into out (SwiGLU's input: torch's vectorized silu takes it
         from there, whose exp numba would call one value at a time)."""
+        if stamp < 0:
+            return
         for i in range(acc.shape[0]):
             for n in range(acc.shape[1]):
                 out[i, n] = dequant(acc, inv, scales, acc_peak, i, n)
 
+    def sum_rows(x, lanes, out):  # pragma: no cover - compiled
+        """mean(x * x) of each row, as `normed` computes it (the probe `_sum_lanes` compares with torch)."""
+        if stamp < 0:
+            return
+        for i in range(x.shape[0]):
+            out[i] = sum_squares(x[i], lanes) / np.float32(x.shape[1])
+
     try:
         compiled = {fn.__name__: row_kernel.compile_kernel(numba, fn)
-                    for fn in (norm_round, residual_norm_round, rope_write, dequant_rows)}
-        _warm_up(compiled)
+                    for fn in (norm_round, residual_norm_round, rope_write, dequant_rows, sum_rows)}
+        lanes = _sum_lanes(compiled.pop("sum_rows"))
+        if lanes is None:
+            log.warning("torch's CPU row sums follow no order the fused int8 decode reproduces: decode steps "
+                        "run layer by layer")
+            return None
+        kernels = Kernels(**compiled, lanes=lanes)
+        _warm_up(kernels)
     except Exception as exc:  # a compiler error on this platform: never fatal, only slower
         log.warning("fused int8 decode unavailable (%s): decode steps run layer by layer", exc)
         return None
-    return compiled
+    return kernels
 
 
-def _warm_up(k: dict) -> None:
+def _sum_lanes(sum_rows) -> int | None:
+    """The vector width with which `sum_rows` gives torch's own mean of squares, bit for bit, on random rows
+    of widths that take every branch of torch's summation (leftover vectors and values, cascade levels);
+    None if no width in `_LANES` does."""
+    rng = np.random.default_rng(0)
+    probes = [(rng.standard_normal((3, width)) * scale).astype(np.float32)
+              for width, scale in ((16, 1.0), (100, 3.0), (256, 0.5), (704, 10.0), (1408, 1.0), (5000, 2.0),
+                                   (11008, 1.0), (70000, 0.1))]
+    for lanes in _LANES:
+        same = True
+        for x in probes:
+            t = torch.from_numpy(x)
+            out = np.empty(len(x), np.float32)
+            sum_rows(x, lanes, out)
+            same = same and np.array_equal(torch.mean(t * t, -1).numpy(), out)
+        if same:
+            return lanes
+    return None
+
+
+def _warm_up(k: Kernels) -> None:
     """Each kernel called once with every argument type a step passes (both GEMMs' outputs), so it is
     compiled (or loaded from the disk cache) now and a compiler error surfaces here, not in a step; and
     one known answer checked."""
     f32 = np.float32
     x, weight, scratch = np.ones((1, 4), f32), np.ones(4, f32), np.empty((1, 4), f32)
     codes, peak = np.empty((1, 4), np.uint8), np.empty((1, 1), f32)
-    k["norm_round"](x, weight, f32(0.0), row_kernel.NO_ROTATION, 127.0, 0, scratch, np.empty((1, 0), f32), codes,
-                    peak)
+    k.norm_round(x, weight, f32(0.0), k.lanes, row_kernel.NO_ROTATION, 127.0, 0, scratch, np.empty((1, 0), f32),
+                 codes, peak)
     if codes.tolist() != [[127] * 4] or peak[0, 0] != 1.0:
         raise RuntimeError(f"the compiled norm rounded ones to {codes.tolist()}, peak {peak.tolist()}")
     for acc in (np.ones((1, 4), np.int32), np.ones((1, 4), f32)):
-        k["residual_norm_round"](acc, f32(1.0), weight, peak, x.copy(), weight, f32(0.0), row_kernel.NO_ROTATION, 127.0,
-                                 0, scratch, np.empty((1, 0), f32), codes, peak.copy())
-        k["residual_norm_round"](acc, f32(1.0), weight, peak, x.copy(), weight, f32(0.0), row_kernel.NO_ROTATION, 0.0,
-                                 0, scratch, np.empty((1, 0), f32), np.empty((0, 4), np.uint8), _NO_PEAK)
-        k["dequant_rows"](acc, f32(1.0), weight, peak, scratch)
+        k.residual_norm_round(acc, f32(1.0), weight, peak, x.copy(), weight, f32(0.0), k.lanes, row_kernel.NO_ROTATION,
+                              127.0, 0, scratch, np.empty((1, 0), f32), codes, peak.copy())
+        k.residual_norm_round(acc, f32(1.0), weight, peak, x.copy(), weight, f32(0.0), k.lanes, row_kernel.NO_ROTATION,
+                              0.0, 0, scratch, np.empty((1, 0), f32), np.empty((0, 4), np.uint8), _NO_PEAK)
+        k.dequant_rows(acc, f32(1.0), weight, peak, scratch)
         cache = np.zeros((1, 1, 1), f32)
-        k["rope_write"](np.ones((1, 3), acc.dtype), f32(1.0), np.ones(3, f32), peak, np.ones((1, 0), f32),
-                        np.ones((1, 0), f32), np.zeros(1, np.int64), 1, 1, cache, cache.copy(), np.zeros(1, np.int64),
-                        np.empty((1, 3), f32), np.empty((1, 1), f32))
+        k.rope_write(np.ones((1, 3), acc.dtype), f32(1.0), np.ones(3, f32), peak, np.ones((1, 0), f32),
+                     np.ones((1, 0), f32), np.zeros(1, np.int64), 1, 1, cache, cache.copy(), np.zeros(1, np.int64),
+                     np.empty((1, 3), f32), np.empty((1, 1), f32))
 
 
-@dataclass
 class _Gemm:
-    """One role's int8 linear layers (qkv, o, gate_up or down: the same shape in every layer) as a fused
-    step calls them, for one row count: the kernel `QuantLinear.forward` would pick for that many rows,
-    the codes it reads (the rounding's grid and zero point are that kernel's), and where its output lands."""
+    """One role's int8 linear layers (qkv, o, gate_up or down: the same shape in every layer) with one of
+    `QuantLinear`'s two int8_dynamic kernels, and what it reads and writes for up to MAX_ROWS rows: the
+    codes (the rounding's grid and zero point are that kernel's), the rows' peaks, the int32 sums."""
 
-    int_mm: bool  # `torch._int_mm` on the plain weight, else oneDNN's prepacked int8 linear
-    steps: float
-    offset: int
-    hadamard: np.ndarray
-    codes: torch.Tensor  # int8 [M, K]
-    codes_np: np.ndarray  # the same memory as uint8
-    peak: np.ndarray  # float32 [M, 1]
-    acc: torch.Tensor | None  # int32 [M, N] (`_int_mm` writes it), None for the prepacked kernel
-    scratch: np.ndarray  # float32 [1, K]: one input row before it is rounded (C-contiguous: it vectorizes)
-    rotated: np.ndarray  # float32 [1, K] or [1, 0]: that row rotated, where the layer is
-
-    @classmethod
-    def build(cls, module: QuantLinear, rows: int) -> _Gemm:
+    def __init__(self, module: QuantLinear, int_mm: bool) -> None:
+        self.int_mm = int_mm  # `torch._int_mm` on the plain weight, else oneDNN's prepacked int8 linear
         packed = module._packed
-        int_mm = module.qweight_t is not None and (packed is None or rows <= INT_MM_MAX_ROWS)
-        steps, offset = (float(fm.INT_MM_STEPS), 0) if int_mm else (float(packed.steps), int(packed.zero))
-        codes = torch.empty(rows, module.in_features, dtype=torch.int8)
-        acc = torch.empty(rows, module.out_features, dtype=torch.int32) if int_mm else None
-        hadamard = fm._hadamard_numpy(fm.ROTATION_BLOCK) if module.rotated else row_kernel.NO_ROTATION
-        width = module.in_features
-        return cls(int_mm, steps, offset, hadamard, codes, codes.view(torch.uint8).numpy(),
-                   np.empty((rows, 1), np.float32), acc, np.empty((1, width), np.float32),
-                   np.empty((1, width if module.rotated else 0), np.float32))
+        self.steps, self.offset = (float(fm.INT_MM_STEPS), 0) if int_mm else (float(packed.steps), int(packed.zero))
+        self.hadamard = fm._hadamard_numpy(fm.ROTATION_BLOCK) if module.rotated else row_kernel.NO_ROTATION
+        self.codes = torch.empty(MAX_ROWS, module.in_features, dtype=torch.int8)
+        self.peak = np.empty((MAX_ROWS, 1), np.float32)
+        self.acc = torch.empty(MAX_ROWS, module.out_features, dtype=torch.int32) if int_mm else None
+        # one input row before it is rounded, and rotated where the layer is (C-contiguous: they vectorize)
+        self.scratch = np.empty((1, module.in_features), np.float32)
+        self.rotated = np.empty((1, module.in_features if module.rotated else 0), np.float32)
+
+
+class _GemmRows:
+    """A `_Gemm`'s buffers cut to one step's rows (leading rows: still C-contiguous)."""
+
+    def __init__(self, gemm: _Gemm, rows: int) -> None:
+        self.int_mm, self.steps, self.offset, self.hadamard = gemm.int_mm, gemm.steps, gemm.offset, gemm.hadamard
+        self.scratch, self.rotated = gemm.scratch, gemm.rotated
+        self.codes = gemm.codes[:rows]
+        self.codes_np = self.codes.view(torch.uint8).numpy()
+        self.peak = gemm.peak[:rows]
+        self.acc = None if gemm.acc is None else gemm.acc[:rows]
+        self.acc_np = None if self.acc is None else self.acc.numpy()
 
     def run(self, module: QuantLinear) -> np.ndarray:
         """`module`'s GEMM over the codes -> its raw output (int32 sums, or float32 without the rows' peaks)."""
         if self.int_mm:
             torch._int_mm(self.codes, module.qweight_t, out=self.acc)
-            return self.acc.numpy()
+            return self.acc_np
         p = module._packed
         out = torch.ops.onednn.qlinear_pointwise(self.codes.view(torch.uint8), 1.0 / p.steps, p.zero, p.packed,
                                                  p.scales, p.zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-        return out.numpy()
+        return np.ascontiguousarray(out.numpy())  # a strided result would compile the kernels anew
 
 
 class _Buffers:
-    """Everything a step of `rows` rows writes, made once per row count."""
+    """Everything a step writes, made once for MAX_ROWS rows: the GEMMs' for each kernel they may take."""
 
-    def __init__(self, model, rows: int) -> None:
+    def __init__(self, model) -> None:
         cfg = model.config
-        layer = model.layers[0]
-        self.qkv = _Gemm.build(layer.attn.qkv, rows)
-        self.o = _Gemm.build(layer.attn.o_proj, rows)
-        self.gate_up = _Gemm.build(layer.mlp.gate_up, rows)
-        self.down = _Gemm.build(layer.mlp.down, rows)
-        self.qkv_row = np.empty((1, layer.attn.qkv.out_features), np.float32)
-        self.gate_up_out = torch.empty(rows, 2 * cfg.intermediate_size, dtype=torch.float32)
-        self.gate, self.up = self.gate_up_out.split(cfg.intermediate_size, dim=1)
-        self.product = torch.empty(rows, cfg.intermediate_size, dtype=torch.float32)
-        self.query = np.empty((rows, cfg.num_heads * cfg.head_dim), np.float32)
-        group = cfg.num_heads // cfg.num_kv_heads
-        self.query_heads = self.query.reshape(rows, cfg.num_kv_heads, group, cfg.head_dim)
+        attn, mlp = model.layers[0].attn, model.layers[0].mlp
+        self.modules = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)  # every layer's have these shapes
+        self._gemms: dict[tuple[int, bool], _Gemm] = {}
+        self.qkv_row = np.empty((1, attn.qkv.out_features), np.float32)
+        self.gate_up_out = torch.empty(MAX_ROWS, 2 * cfg.intermediate_size, dtype=torch.float32)
+        self.product = torch.empty(MAX_ROWS, cfg.intermediate_size, dtype=torch.float32)
+        self.query = np.empty((MAX_ROWS, cfg.num_heads * cfg.head_dim), np.float32)
         self.attended = np.empty_like(self.query)
-        self.attended_heads = self.attended.reshape(self.query_heads.shape)
-        self.hidden = torch.empty(rows, cfg.hidden_size, dtype=torch.float32)
+        self.hidden = torch.empty(MAX_ROWS, cfg.hidden_size, dtype=torch.float32)
         self.no_codes = np.empty((0, cfg.hidden_size), np.uint8)
+        self.heads = (cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+
+    def gemm(self, role: int, rows: int) -> _Gemm:
+        """The buffers of role `role` (qkv, o, gate_up, down) for the kernel a call of `rows` rows takes."""
+        module = self.modules[role]
+        key = (role, _takes_int_mm(module, rows))
+        if key not in self._gemms:
+            self._gemms[key] = _Gemm(module, key[1])
+        return self._gemms[key]
+
+
+def _takes_int_mm(module: QuantLinear, rows: int) -> bool:
+    """Whether `QuantLinear.forward` multiplies `rows` rows through `torch._int_mm` (else the prepacked kernel)."""
+    return module.qweight_t is not None and (module._packed is None or rows <= INT_MM_MAX_ROWS)
+
+
+class _Step:
+    """The views of `_Buffers` one step of `rows` rows uses (made once per row count; views, no memory)."""
+
+    def __init__(self, b: _Buffers, rows: int) -> None:
+        self.qkv, self.o, self.gate_up, self.down = (_GemmRows(b.gemm(role, rows), rows) for role in range(4))
+        self.qkv_row = b.qkv_row
+        inter = b.product.shape[1]
+        self.gate_up_out = b.gate_up_out[:rows]
+        self.gate_up_np = self.gate_up_out.numpy()
+        self.gate, self.up = self.gate_up_out.split(inter, dim=1)
+        self.product = b.product[:rows]
+        self.product_np = self.product.numpy()
+        self.query = b.query[:rows]
+        self.query_heads = self.query.reshape(rows, *b.heads)
+        self.attended = b.attended[:rows]
+        self.attended_heads = self.attended.reshape(rows, *b.heads)
+        self.hidden = b.hidden[:rows]
+        self.hidden_np = self.hidden.numpy()
+        self.no_codes = b.no_codes
 
 
 def _why_not(model, caches) -> str | None:
@@ -259,14 +397,26 @@ def _why_not(model, caches) -> str | None:
     cfg = model.config
     if model.shard is not None:
         return "a tensor-parallel rank"
+    if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
+        return "not a float32 model on the CPU"
     if cfg.sliding_window is not None and any(cfg.window_layers):
         return "sliding-window layers"
-    if cfg.rope.interleaved or cfg.rotary_dim % 2:
+    if cfg.rope.interleaved:
         return "interleaved RoPE"
+    if cfg.rotary_dim % 2 or cfg.rotary_dim > cfg.head_dim:
+        return f"a rotary width of {cfg.rotary_dim} for heads of {cfg.head_dim}"
+    if cfg.num_heads % cfg.num_kv_heads:
+        return "query heads not a multiple of the KV heads"
+    ref = model.layers[0]
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp
-        if not isinstance(attn, Attention) or attn.q_norm is not None or layer.post_attn_norm is not None:
+        if not isinstance(attn, Attention) or attn.q_norm is not None:
             return "attention other than plain grouped-query attention"
+        if layer.post_attn_norm is not None or layer.post_mlp_norm is not None:
+            return "sandwich norms"
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale) != (
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ref.attn.scale):
+            return "layers of different attention shapes"
         if not isinstance(mlp, GatedMLP) or not all(isinstance(n, RMSNorm) for n in (layer.input_norm, layer.mlp_norm)):
             return "an MLP other than a gated one"
         for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down):
@@ -274,15 +424,18 @@ def _why_not(model, caches) -> str | None:
                 return "a layer not in int8_dynamic"
             if lin.scales.dtype != torch.float32:
                 return "scales not in float32"
-        ref = model.layers[0]
+        if attn.qkv.out_features != (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim:
+            return "a qkv projection of another width"
         if any(getattr(layer.attn, n).rotated != getattr(ref.attn, n).rotated for n in ("qkv", "o_proj")) or any(
                 getattr(layer.mlp, n).rotated != getattr(ref.mlp, n).rotated for n in ("gate_up", "down")):
             return "layers rotated differently"
+        if any(getattr(layer.mlp, n).in_features != getattr(ref.mlp, n).in_features for n in ("gate_up", "down")):
+            return "layers of different MLP widths"
     for keys, values in caches:
         if keys.dtype != torch.float32 or not cpu_decode.usable_paged(keys, values):
             return "a cache other than a contiguous float32 one"
-    if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
-        return "not a float32 model on the CPU"
+        if tuple(keys.shape[1:]) != (cfg.num_kv_heads, cfg.head_dim):
+            return "a cache of another head shape"
     return None
 
 
@@ -317,29 +470,31 @@ class Reads:
 class Int8Decode:
     """The fused decode step of one model over one arena (`build`); `hidden` runs a step."""
 
-    def __init__(self, model, caches) -> None:
+    def __init__(self, model, caches, kernels: Kernels) -> None:
         self.model = model
-        self.kernels = _kernels()
+        self.kernels = kernels
         self.caches = [(k.numpy(), v.numpy()) for k, v in caches]
         self.norms = [(layer.input_norm.weight.numpy(), layer.mlp_norm.weight.numpy()) for layer in model.layers]
         self.final_norm = model.norm.weight.numpy()
         self.eps = np.float32(model.config.rms_norm_eps)
         self.inv = np.float32(1.0 / fm.INT_MM_STEPS)  # `formats._INV_STEPS`
-        self.layers = list(model.layers)
+        self.heads = (model.config.num_heads, model.config.num_kv_heads)
         # per layer, per role (qkv, o, gate_up, down): the module and its weight rows' scales
         self.linears = [tuple((lin, lin.scales.contiguous().numpy()) for lin in
                               (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down))
                         for layer in model.layers]
         self.scale = np.float32(model.layers[0].attn.scale)
-        self._buffers: dict[int, _Buffers] = {}
+        self._buffers: _Buffers | None = None  # made at the first step (inside its inference mode)
+        self._steps: dict[int, _Step] = {}
 
     @staticmethod
     def fingerprint(model, caches) -> tuple:
-        """What the step was built over: a swapped module (a new precision) or cache means building anew."""
-        mods = tuple(id(getattr(part, name, None)) for layer in model.layers
-                     for part, name in ((layer.attn, "qkv"), (layer.attn, "o_proj"), (layer.mlp, "gate_up"),
-                                        (layer.mlp, "down")))
-        return mods, tuple(view[0].data_ptr() for view in caches)
+        """What a step is built over: the linear modules themselves (held, so a swapped one never reads as
+        the old one) and the cache's memory; anything else means building anew."""
+        modules = tuple(getattr(part, name, None) for layer in model.layers
+                        for part, name in ((layer.attn, "qkv"), (layer.attn, "o_proj"), (layer.mlp, "gate_up"),
+                                           (layer.mlp, "down")))
+        return modules, tuple(view[0].data_ptr() for view in caches)
 
     @classmethod
     def build(cls, model, caches) -> Int8Decode | None:
@@ -349,10 +504,10 @@ class Int8Decode:
         if reason is not None:
             log.debug("fused int8 decode not used: %s", reason)
             return None
-        if _kernels() is None:
-            return None
-        return cls(model, caches)
+        kernels = _kernels()
+        return None if kernels is None else cls(model, caches, kernels)
 
+    @torch.inference_mode()
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,
                reads: Reads) -> torch.Tensor:
         """One decode step: tokens [B] at RoPE positions [B], row i's new K / V into flat slot write_flat[i],
@@ -369,11 +524,13 @@ class Int8Decode:
         rotary = self.model.rotary
         if pos.min() < 0 or pos.max() >= rotary.max_positions:
             raise ValueError(f"a position outside the RoPE table's 0..{rotary.max_positions - 1}")
-        b = self._buffers.get(count)
+        cos, sin = rotary.cos.contiguous().numpy(), rotary.signed_sin.contiguous().numpy()
+        if self._buffers is None:
+            self._buffers = _Buffers(self.model)
+        b = self._steps.get(count)
         if b is None:
-            b = self._buffers[count] = _Buffers(self.model, count)
-        k, inv, eps = self.kernels, self.inv, self.eps
-        cos, sin = rotary.cos.numpy(), rotary.signed_sin.numpy()
+            b = self._steps[count] = _Step(self._buffers, count)
+        k, inv, eps, lanes = self.kernels, self.inv, self.eps, self.kernels.lanes
         x = F.embedding(tokens, self.model.embed)  # [B, hidden], fresh: the residual stream, updated in place
         xs = x.numpy()
         attend_numba, attend = cpu_decode._kernel()
@@ -381,30 +538,28 @@ class Int8Decode:
         attend_numba.set_num_threads(threads)
         parts = cpu_decode.head_parts(count, b.query_heads.shape[1], threads)
         qkv, o, gate_up, down = b.qkv, b.o, b.gate_up, b.down
-        round_rows, hidden = row_kernel.kernel(), b.hidden.numpy()
-        k["norm_round"](xs, self.norms[0][0], eps, qkv.hadamard, qkv.steps, qkv.offset, qkv.scratch, qkv.rotated,
-                        qkv.codes_np, qkv.peak)
-        gate_up_out, product = b.gate_up_out.numpy(), b.product.numpy()
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            (qkv_w, qkv_s), (o_w, o_s), (gu_w, gu_s), (down_w, down_s) = self.linears[i]
+        round_rows, (heads, kv_heads) = row_kernel.kernel(), self.heads
+        k.norm_round(xs, self.norms[0][0], eps, lanes, qkv.hadamard, qkv.steps, qkv.offset, qkv.scratch, qkv.rotated,
+                     qkv.codes_np, qkv.peak)
+        last = len(self.linears) - 1
+        for i, ((qkv_w, qkv_s), (o_w, o_s), (gu_w, gu_s), (down_w, down_s)) in enumerate(self.linears):
             keys, values = self.caches[i]
-            k["rope_write"](qkv.run(qkv_w), inv, qkv_s, qkv.peak, cos, sin, pos, layer.attn.num_heads,
-                            layer.attn.num_kv_heads, keys, values, write, b.qkv_row, b.query)
+            k.rope_write(qkv.run(qkv_w), inv, qkv_s, qkv.peak, cos, sin, pos, heads, kv_heads, keys, values, write,
+                         b.qkv_row, b.query)
             attend(b.query_heads, keys, values, reads.table, reads.slots, reads.lengths, reads.bias, self.scale, parts,
                    b.attended_heads)
             round_rows(b.attended, o.steps, o.offset, o.hadamard, o.codes_np, o.peak)
-            k["residual_norm_round"](o.run(o_w), inv, o_s, o.peak, xs, self.norms[i][1], eps, gate_up.hadamard,
-                                     gate_up.steps, gate_up.offset, gate_up.scratch, gate_up.rotated,
-                                     gate_up.codes_np, gate_up.peak)
-            k["dequant_rows"](gate_up.run(gu_w), inv, gu_s, gate_up.peak, gate_up_out)
+            k.residual_norm_round(o.run(o_w), inv, o_s, o.peak, xs, self.norms[i][1], eps, lanes, gate_up.hadamard,
+                                  gate_up.steps, gate_up.offset, gate_up.scratch, gate_up.rotated, gate_up.codes_np,
+                                  gate_up.peak)
+            k.dequant_rows(gate_up.run(gu_w), inv, gu_s, gate_up.peak, b.gate_up_np)
             torch.mul(F.silu(b.gate, inplace=True), b.up, out=b.product)  # `GatedMLP`'s ops: its bits
-            round_rows(product, down.steps, down.offset, down.hadamard, down.codes_np, down.peak)
+            round_rows(b.product_np, down.steps, down.offset, down.hadamard, down.codes_np, down.peak)
             acc = down.run(down_w)
             if i < last:
-                k["residual_norm_round"](acc, inv, down_s, down.peak, xs, self.norms[i + 1][0], eps, qkv.hadamard,
-                                         qkv.steps, qkv.offset, qkv.scratch, qkv.rotated, qkv.codes_np, qkv.peak)
+                k.residual_norm_round(acc, inv, down_s, down.peak, xs, self.norms[i + 1][0], eps, lanes, qkv.hadamard,
+                                      qkv.steps, qkv.offset, qkv.scratch, qkv.rotated, qkv.codes_np, qkv.peak)
             else:  # no codes: the final norm's rows into the hidden states
-                k["residual_norm_round"](acc, inv, down_s, down.peak, xs, self.final_norm, eps,
-                                         row_kernel.NO_ROTATION, 0.0, 0, hidden, qkv.rotated, b.no_codes, _NO_PEAK)
+                k.residual_norm_round(acc, inv, down_s, down.peak, xs, self.final_norm, eps, lanes,
+                                      row_kernel.NO_ROTATION, 0.0, 0, b.hidden_np, qkv.rotated, b.no_codes, _NO_PEAK)
         return b.hidden.clone()  # the buffer is the next step's

@@ -27,7 +27,7 @@ BLOCK = 16  # channels the rotation mixes (`formats.ROTATION_BLOCK`), a constant
 
 
 # Stubs numba replaces inside compiled code with the overloads `register` gives them. Module-level, so
-# other compiled kernels (`models.int8_decode`) call the same rounding; overloads rather than jitted
+# other compiled kernels (`quant.int8_decode`) call the same rounding; overloads rather than jitted
 # functions a kernel closes over: numba's on-disk cache keys a closure by its variables, and a
 # dispatcher's pickled form differs in every process (a fresh compile each time).
 def rotate(rows, hadamard, out):  # pragma: no cover - replaced by the overload inside compiled code

@@ -94,7 +94,7 @@ class TorchRunner(ModelRunner):
         self.graphs: DecodeGraphs | None = None  # striped decode steps from CUDA graphs (the engine sets it)
         self.live = _LiveRows(self.device)
         # an all-int8 model's CPU decode steps in a few compiled calls a layer (`quant.int8_decode`); False
-        # runs them module by module (the A / B of `bench.int8_cpu`)
+        # runs them module by module (the A / B of `jobs/fused_int8_decode_ab.py`)
         self.fuse_int8_decode = True
         self._fused: tuple[tuple, Int8Decode | None] | None = None  # (what it was built over, the step)
         self.compress = CompressedPrefill(self)
@@ -150,10 +150,7 @@ class TorchRunner(ModelRunner):
 
     def reset(self) -> None:
         self.live = _LiveRows(self.device)
-        # an all-int8 model's CPU decode steps in a few compiled calls a layer (`quant.int8_decode`); False
-        # runs them module by module (the A / B of `bench.int8_cpu`)
-        self.fuse_int8_decode = True
-        self._fused: tuple[tuple, Int8Decode | None] | None = None  # (what it was built over, the step)
+        self._fused = None  # built again at the next decode step (the setting `fuse_int8_decode` stays)
 
     def synchronize(self) -> None:
         self.backend.synchronize()
