@@ -108,27 +108,22 @@ def _kernels() -> Kernels | None:
             vectors = width // lanes
             rows = vectors // 4
             acc = np.zeros((4, 4, lanes), np.float32)  # [level, column, lane]
-            i = 0
-            while i + 16 <= rows:
-                for _ in range(16):
-                    for k in range(4):
-                        base = (4 * i + k) * lanes
-                        for lane in range(lanes):
-                            acc[0, k, lane] += x[base + lane] * x[base + lane]
-                    i += 1
+            blocks = rows // 16 * 16  # rows in whole blocks of 16: each block's end cascades up the levels
+            for i in range(rows):
+                for k in range(4):
+                    base = (4 * i + k) * lanes
+                    for lane in range(lanes):
+                        acc[0, k, lane] += x[base + lane] * x[base + lane]
+                done = i + 1
+                if done > blocks or done % 16:
+                    continue
                 for level in range(1, 4):
                     for k in range(4):
                         for lane in range(lanes):
                             acc[level, k, lane] += acc[level - 1, k, lane]
                             acc[level - 1, k, lane] = 0
-                    if i & (15 << (4 * level)):
+                    if done & (15 << (4 * level)):
                         break
-            while i < rows:
-                for k in range(4):
-                    base = (4 * i + k) * lanes
-                    for lane in range(lanes):
-                        acc[0, k, lane] += x[base + lane] * x[base + lane]
-                i += 1
             for level in range(1, 4):
                 for k in range(4):
                     for lane in range(lanes):
