@@ -293,16 +293,23 @@ _NO_BIAS = np.zeros((0, 0), np.float32)  # read-only to the kernel: one shared e
 
 def _run(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, table: np.ndarray, slots: int,
          mask: torch.Tensor | None, scale: float, lengths: np.ndarray = _NO_LENGTHS) -> torch.Tensor:
+    query = q.to(torch.float32).contiguous()
+    out = torch.empty(query.shape, dtype=torch.float32)
+    attend_into(query.numpy(), keys, values, table, slots, lengths, _bias(mask, len(q), slots), np.float32(scale),
+                out.numpy())
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def attend_into(query: np.ndarray, keys: np.ndarray, values: np.ndarray, table: np.ndarray, slots: int,
+                lengths: np.ndarray, bias: np.ndarray, scale: np.float32, out: np.ndarray) -> None:
+    """The kernel on arrays as it takes them (query / out float32 [B, Hkv, G, D]; the rest as `_run` makes
+    them), on torch's thread count, a row's heads shared out when rows are fewer than threads: for a
+    caller that keeps its own buffers (`quant.int8_decode`)."""
     numba, kernel = _kernel()
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
-    rows, heads = q.shape[:2]
-    parts = head_parts(rows, heads, threads)
-    query = q.to(torch.float32).contiguous()
-    out = torch.empty(query.shape, dtype=torch.float32)
-    kernel(query.numpy(), keys, values, table, slots, lengths, _bias(mask, rows, slots), np.float32(scale),
-           parts, out.numpy())
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    parts = head_parts(query.shape[0], query.shape[1], threads)
+    kernel(query, keys, values, table, slots, lengths, bias, scale, parts, out)
 
 
 def warm_up() -> bool:

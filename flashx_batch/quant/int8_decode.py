@@ -472,7 +472,7 @@ class Int8Decode:
         self.norms = [(layer.input_norm.weight.numpy(), layer.mlp_norm.weight.numpy()) for layer in model.layers]
         self.final_norm = model.norm.weight.numpy()
         self.eps = np.float32(model.config.rms_norm_eps)
-        self.inv = np.float32(1.0 / fm.INT_MM_STEPS)  # `formats._INV_STEPS`
+        self.inv = fm._INV_STEPS.numpy()[()]  # the input step `int8_dynamic_matmul` multiplies by
         self.heads = (model.config.num_heads, model.config.num_kv_heads)
         # per layer, per role (qkv, o, gate_up, down): the module and its weight rows' scales
         self.linears = [tuple((lin, lin.scales.contiguous().numpy()) for lin in
@@ -528,10 +528,6 @@ class Int8Decode:
         k, inv, eps, lanes = self.kernels, self.inv, self.eps, self.kernels.lanes
         x = F.embedding(tokens, self.model.embed)  # [B, hidden], fresh: the residual stream, updated in place
         xs = x.numpy()
-        attend_numba, attend = cpu_decode._kernel()
-        threads = min(torch.get_num_threads(), attend_numba.config.NUMBA_NUM_THREADS)
-        attend_numba.set_num_threads(threads)
-        parts = cpu_decode.head_parts(count, b.query_heads.shape[1], threads)
         qkv, o, gate_up, down = b.qkv, b.o, b.gate_up, b.down
         round_rows, (heads, kv_heads) = row_kernel.kernel(), self.heads
         k.norm_round(xs, self.norms[0][0], eps, lanes, qkv.hadamard, qkv.steps, qkv.offset, qkv.scratch, qkv.rotated,
@@ -541,8 +537,8 @@ class Int8Decode:
             keys, values = self.caches[i]
             k.rope_write(qkv.run(qkv_w), inv, qkv_s, qkv.peak, cos, sin, pos, heads, kv_heads, keys, values, write,
                          b.qkv_row, b.query)
-            attend(b.query_heads, keys, values, reads.table, reads.slots, reads.lengths, reads.bias, self.scale, parts,
-                   b.attended_heads)
+            cpu_decode.attend_into(b.query_heads, keys, values, reads.table, reads.slots, reads.lengths, reads.bias,
+                                   self.scale, b.attended_heads)
             round_rows(b.attended, o.steps, o.offset, o.hadamard, o.codes_np, o.peak)
             k.residual_norm_round(o.run(o_w), inv, o_s, o.peak, xs, self.norms[i][1], eps, lanes, gate_up.hadamard,
                                   gate_up.steps, gate_up.offset, gate_up.scratch, gate_up.rotated, gate_up.codes_np,
