@@ -12,9 +12,12 @@
 # Needs torch with CUDA, transformers, safetensors, tokenizers, pytest (no Ray, Hydra or network: the
 # runtime and these checks do not import them). Writes DIR/device_tests.txt, DIR/gpu_protocol.log,
 # DIR/gpu_protocol.json, DIR/kv_sparse/kv_sparse.json, DIR/kv_sparse.log and DIR/gpu.txt; the exit
-# status is the first failure's (0: all passed).
+# status is the first failure's (0: all passed). PARTS="tests kv_sparse" runs only those parts (default:
+# tests protocol kv_sparse), for a rerun inside the same few minutes.
 set -u
 OUT=${OUT:-results/gpu}
+PARTS=${PARTS:-tests protocol kv_sparse}
+tests=0 protocol=0 sparse=0
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -22,16 +25,23 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 } > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
-timeout 120 $PY -m pytest -q -s -rA -p no:cacheprovider tests/device > "$OUT/device_tests.txt" 2>&1
-tests=$?
-tail -n 5 "$OUT/device_tests.txt"
-timeout 360 $PY -m flashx_batch.bench.gpu_protocol --out "$OUT" --budget-s 300 > "$OUT/gpu_protocol.log" 2>&1
-protocol=$?
-grep -E "INFO flashx_batch.bench.gpu_protocol|ERROR|Traceback" "$OUT/gpu_protocol.log" | tail -n 20
-timeout 90 $PY -m flashx_batch.bench.kv_sparse --out "$OUT/kv_sparse" --backend cuda --dtype bfloat16 \
-    --static-rows 32 --repeats 3 > "$OUT/kv_sparse.log" 2>&1
-sparse=$?
-grep -E "INFO flashx_batch.bench.kv_sparse|ERROR|Traceback" "$OUT/kv_sparse.log" | tail -n 5
+if [[ " $PARTS " == *" tests "* ]]; then
+    timeout 120 $PY -m pytest -q -s -rA -p no:cacheprovider tests/device > "$OUT/device_tests.txt" 2>&1
+    tests=$?
+    grep -E "agreement" "$OUT/device_tests.txt"
+    tail -n 5 "$OUT/device_tests.txt"
+fi
+if [[ " $PARTS " == *" protocol "* ]]; then
+    timeout 360 $PY -m flashx_batch.bench.gpu_protocol --out "$OUT" --budget-s 300 > "$OUT/gpu_protocol.log" 2>&1
+    protocol=$?
+    grep -E "INFO flashx_batch.bench.gpu_protocol|ERROR|Traceback" "$OUT/gpu_protocol.log" | tail -n 20
+fi
+if [[ " $PARTS " == *" kv_sparse "* ]]; then
+    timeout 90 $PY -m flashx_batch.bench.kv_sparse --out "$OUT/kv_sparse" --backend cuda --dtype bfloat16 \
+        --static-rows 32 --repeats 3 > "$OUT/kv_sparse.log" 2>&1
+    sparse=$?
+    grep -E "INFO flashx_batch.bench.kv_sparse|ERROR|Traceback|SystemExit" "$OUT/kv_sparse.log" | tail -n 5
+fi
 grep -E "test_tensor_parallel_over_two_gpus" "$OUT/device_tests.txt" > "$OUT/tensor_parallel.txt" 2>&1 || true
 gpus=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "${gpus:-0}" -lt 2 ]; then

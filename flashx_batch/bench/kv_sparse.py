@@ -12,6 +12,11 @@ Rows: by default the least common multiple of the two engines' batch sizes (56 f
 defaults), so neither runs a part-empty last batch: the steady state of a long job. A row count that
 suits only one side skews the ratio — 48 rows are 6 full static batches but 3 full merged batches and
 one 6/14 full — so `--rows` reports the tail effect when you want it (the JSON records the rows used).
+Where that multiple is large (32 and 49 rows on a GPU: 1568), the default is instead the smallest
+multiple of static's batch that fills at least four segment_sparse batches: static runs only full
+batches and segment_sparse's last one is part-empty, a tail that counts against segment_sparse. Where
+the held-out split holds too few non-overlapping windows, windows overlap (the stride is halved until
+there are enough; the JSON records it).
 """
 
 from __future__ import annotations
@@ -32,6 +37,27 @@ from flashx_batch.runtime.options import bundled_model_dir
 log = logging.getLogger("flashx_batch.bench.kv_sparse")
 
 
+def default_rows(static_batch: int, sparse_batch: int) -> int:
+    """Whole batches on both sides where that is few enough; else whole static batches (see the module doc)."""
+    both = math.lcm(static_batch, sparse_batch)
+    if both <= 4 * max(static_batch, sparse_batch):
+        return both
+    return static_batch * -(-4 * sparse_batch // static_batch)
+
+
+def prompt_windows(tokenizer, prompt_len: int, rows: int) -> tuple[list[list[int]], int]:
+    """`rows` held-out windows of `prompt_len` tokens, overlapping only where the split is too short."""
+    stride = prompt_len
+    while True:
+        prompts = token_windows(tokenizer, prompt_len, rows, stride=stride)
+        if len(prompts) == rows:
+            return prompts, stride
+        if stride <= 16:
+            raise SystemExit(f"the held-out split holds {len(prompts)} windows of {prompt_len} tokens even 16 tokens "
+                             f"apart, {rows} were asked for: pass a smaller --rows or --prompt-len")
+        stride //= 2
+
+
 def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, repeats: int,
         static_rows: int = 8, preset: str | None = None, threads: int | None = None, backend: str = "cpu",
         dtype: str = "float32") -> dict:
@@ -41,11 +67,8 @@ def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, rep
     engines = {"static": Engine.from_pretrained(model_dir, **common),
                "segment_sparse": Engine.from_pretrained(model_dir, **sparse, **common)}
     if rows is None:
-        rows = math.lcm(*(e.admitted_batch_size for e in engines.values()))
-    prompts = token_windows(engines["static"].tokenizer, prompt_len, rows)
-    if len(prompts) < rows:
-        raise SystemExit(f"the held-out split holds {len(prompts)} windows of {prompt_len} tokens, {rows} were "
-                         "asked for: pass a smaller --rows or --prompt-len")
+        rows = default_rows(engines["static"].admitted_batch_size, engines["segment_sparse"].admitted_batch_size)
+    prompts, stride = prompt_windows(engines["static"].tokenizer, prompt_len, rows)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for engine in engines.values():
         engine.generate(prompts[:2], params)  # warm-up
@@ -61,7 +84,7 @@ def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, rep
     tok_s = {name: len(prompts) * new_tokens / statistics.median(s) for name, s in seconds.items()}
     return {
         "model": str(model_dir), "backend": backend, "dtype": dtype,
-        "rows": len(prompts), "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "rows": len(prompts), "prompt_len": prompt_len, "window_stride": stride, "new_tokens": new_tokens,
         "arena_bytes": {n: e.runner.arena.nbytes for n, e in engines.items()},
         "admitted_batch_size": {n: e.admitted_batch_size for n, e in engines.items()},
         "kv_preset": engines["segment_sparse"].options.kv_preset,

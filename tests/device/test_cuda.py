@@ -9,6 +9,8 @@ from model_factory import build
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.backends import get_backend
+from flashx_batch.quality.heldout import token_windows
+from flashx_batch.runtime.options import bundled_model_dir
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (or HIP) GPU")]
@@ -36,18 +38,30 @@ def test_backend_resolves_and_reports_memory():
     assert backend.ray_options() == {"num_gpus": 1.0}
 
 
-def test_float32_on_gpu_matches_cpu_and_bf16_agreement(llama):
+def test_float32_on_gpu_matches_cpu(llama):
     name = get_backend("auto").name
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     cpu = Engine.from_pretrained(llama, backend="cpu", dtype="float32", **OPTS).generate(_prompts(), params)
     gpu32 = Engine.from_pretrained(llama, backend=name, dtype="float32", **OPTS).generate(_prompts(), params)
     assert [o.token_ids for o in gpu32] == [o.token_ids for o in cpu]
-    gpu16 = Engine.from_pretrained(llama, backend=name, dtype="bfloat16", **OPTS).generate(_prompts(), params)
-    pairs = [(a, b) for o, r in zip(gpu16, cpu, strict=True) for a, b in zip(o.token_ids, r.token_ids, strict=True)]
-    agreement = sum(a == b for a, b in pairs) / len(pairs)
-    # Greedy paths diverge after the first differing token, so this is a lower bound on per-step agreement.
-    print(f"\n[{torch.cuda.get_device_name(0)}] bfloat16 vs float32-CPU greedy token agreement: {agreement:.3f}")
-    assert agreement > 0.5
+
+
+def test_bfloat16_on_gpu_agrees_with_float32_cpu_teacher_forced():
+    """bf16 on the GPU vs float32 on the CPU, next-token top-1 on the same held-out text (teacher forced,
+    so one flipped token does not carry into the rest). Measured on the bundled trained model: a random
+    model's logits are nearly flat, and there bf16's rounding alone flips half the greedy tokens (seen:
+    0.500 free-running agreement on the random tiny Llama), which says nothing about a broken kernel."""
+    name = get_backend("auto").name
+    opts = dict(max_batch_size=8, max_input_len=256, max_output_len=16, segment_size=16)
+    cpu = Engine.from_pretrained(bundled_model_dir(), backend="cpu", dtype="float32", **opts)
+    gpu16 = Engine.from_pretrained(bundled_model_dir(), backend=name, dtype="bfloat16", **opts)
+    windows = token_windows(cpu.tokenizer, 256, 8)
+    ref = torch.cat([t.argmax(-1) for t in cpu.score(windows)])
+    got = torch.cat([t.float().cpu().argmax(-1) for t in gpu16.score(windows)])
+    agreement = (ref == got).float().mean().item()
+    print(f"\n[{torch.cuda.get_device_name(0)}] bfloat16 vs float32-CPU teacher-forced top-1 agreement "
+          f"({ref.numel()} positions, bundled model): {agreement:.4f}")
+    assert agreement >= 0.9
 
 
 @pytest.mark.parametrize("policy", ["static", "segment_sparse"])
