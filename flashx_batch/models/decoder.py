@@ -218,25 +218,46 @@ class Attention(nn.Module):
                          index: torch.Tensor) -> torch.Tensor:
         """Attention output of the packed positions `index` (ascending) from the queries, keys and
         values a `last_only` packed pass kept: each query sees its own row's keys up to itself
-        -> [1, n, hidden] (after o_proj)."""
+        -> [1, n, hidden] (after o_proj).
+
+        Rows of one length go through one kernel call, their picked queries padded to the most any of
+        them has (a padded query sees its row's first key and is dropped after). The bookkeeping is on
+        the host, read once: on a GPU, a read per row would wait for the previous row's kernel."""
         if self.window is not None:
             raise ValueError("attend_positions serves layers without a sliding window")
-        bounds = torch.tensor((0, *row_lengths), device=index.device).cumsum(0)
-        cuts = torch.searchsorted(index, bounds).tolist()
-        outs = []
-        for r in range(len(row_lengths)):
-            picked = index[cuts[r] : cuts[r + 1]]
-            if len(picked) == 0:
-                continue
-            a, b = int(bounds[r]), int(bounds[r + 1])
+        device = final.q.device
+        picked_all = index.cpu()
+        bounds = [0, *torch.tensor(row_lengths).cumsum(0).tolist()]
+        cuts = torch.searchsorted(picked_all, torch.tensor(bounds)).tolist()
+        by_length: dict[int, list[int]] = {}
+        for r, n in enumerate(row_lengths):
+            if cuts[r + 1] > cuts[r]:
+                by_length.setdefault(n, []).append(r)
+        outs: list[tuple[list[int], torch.Tensor]] = []  # (rows, their picked outputs [n, H * D] in order)
+        for length, rows in by_length.items():
+            counts = [cuts[r + 1] - cuts[r] for r in rows]
+            most = max(counts)
+            local = torch.zeros(len(rows), most, dtype=torch.long)  # row-local query positions; pads: 0
+            valid = torch.zeros(len(rows), most, dtype=torch.bool)
+            for i, (r, c) in enumerate(zip(rows, counts, strict=True)):
+                local[i, :c] = picked_all[cuts[r] : cuts[r + 1]] - bounds[r]
+                valid[i, :c] = True
+            starts = torch.tensor([bounds[r] for r in rows])
             # query at row position p sees keys 0..p of its row
-            visible = torch.arange(b - a, device=index.device)[None] <= (picked - a)[:, None]
-            out = F.scaled_dot_product_attention(final.q[:, picked].transpose(1, 2), final.k[:, a:b].transpose(1, 2),
-                                                 final.v[:, a:b].transpose(1, 2), attn_mask=visible[None, None],
-                                                 scale=self.scale, enable_gqa=True)  # [1, H, n_r, D]
-            outs.append(out.transpose(1, 2))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return self.o_proj.forward(out.flatten(-2))
+            visible = (torch.arange(length)[None, None] <= local[:, :, None])[:, None].to(device)
+            keys = (starts[:, None] + torch.arange(length)).to(device)  # [R, length] packed positions
+            q = final.q[0, (starts[:, None] + local).to(device)].transpose(1, 2)  # [R, H, most, D]
+            k, v = final.k[0, keys].transpose(1, 2), final.v[0, keys].transpose(1, 2)  # [R, Hkv, length, D]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True)
+            outs.append((rows, out.transpose(1, 2).flatten(-2)[valid.to(device)]))
+        if len(outs) == 1:  # every row of one length: already in index order
+            out = outs[0][1]
+        else:  # rows of several lengths: each picked output back to its place in `index`
+            out = torch.empty(len(picked_all), outs[0][1].shape[-1], dtype=outs[0][1].dtype, device=device)
+            for rows, values in outs:
+                at = torch.cat([torch.arange(cuts[r], cuts[r + 1]) for r in rows])
+                out[at.to(device)] = values
+        return self.o_proj.forward(out[None])
 
     def _paged(self, q, k, v, ctx: Paged, cache: KVView) -> torch.Tensor:
         batch, seq = q.shape[:2]
@@ -391,8 +412,9 @@ class DecoderModel(nn.Module):
         if final is None or final.residual is None or final.q is None or not isinstance(layer.attn, Attention):
             raise ValueError("final_hidden_at needs a last_only packed pass of a standard-attention model that kept "
                              "its final layer's inputs (Packed.final)")
-        attend = layer.attn.attend_positions
-        hidden = layer.block(final.residual[:, index], lambda _: attend(final, meta.row_lengths, index))
+        attend = layer.attn.attend_positions  # reads `index` on the host: pass it from there
+        hidden = layer.block(final.residual[:, index.to(final.residual.device)],
+                             lambda _: attend(final, meta.row_lengths, index))
         return self.norm.forward(hidden)[0]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,8 @@ class CompressedPrefill:
             starts = (num_slots - torch.tensor(lengths[:count]).flip(0).cumsum(0).flip(0)).tolist()
             logits, scores, probe = self.runner.prefill_packed_at(
                 prompts[done : done + count], starts, observe=self.merge.window, surprisal=self.merge.surprisal)
+            # the plans are host work on a few numbers per group: the scores come over once, not row by row
+            scores = torch.cat(scores).cpu().split(lengths[:count])
             searches = [ProtectionSearch(row_scores, n, self.merge) for n, row_scores in zip(lengths, scores)]
             # every row's next groups in one call: the final layer and LM head for those tokens only
             while any(wanted := [s.wanted() for s in searches]):

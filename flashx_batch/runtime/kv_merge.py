@@ -336,8 +336,10 @@ def apply_plans(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
     else:  # one by one: only rolling merges (a single job) have slots of other fan-in
         for (src_start, length, dst_start, plan), (kept, _) in zip(jobs, fan_ins):
             _apply_any(arena, src_start, length, dst_start, plan, kept, rotary, src_positions)
-    for _, _, dst_start, plan in jobs:
-        arena.bias[dst_start : dst_start + plan.num_slots] = plan.log_counts().to(arena.bias.device)
+    # every job's log-count bias in one write (on a GPU: one copy over, not one per row)
+    where = torch.cat([torch.arange(dst, dst + plan.num_slots) for _, _, dst, plan in jobs])
+    bias = torch.cat([plan.log_counts() for *_, plan in jobs])
+    arena.bias.index_copy_(0, where.to(arena.bias.device), bias.to(arena.bias.device, arena.bias.dtype))
     return [plan.num_slots for *_, plan in jobs]
 
 

@@ -616,8 +616,7 @@ class SurprisalProbe:
         at, inverse = torch.unique(at, sorted=True, return_inverse=True)
         values = torch.zeros(0)
         if len(at):
-            device = self.runner.device
-            hidden = self.runner.model.final_hidden_at(self.meta, (at - 1).to(device))
+            hidden = self.runner.model.final_hidden_at(self.meta, at - 1)
             values = self.runner.next_token_loss(hidden, self.ids[at.to(self.ids.device)])
         out, used = [], 0
         for pos in wanted:

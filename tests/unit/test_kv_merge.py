@@ -263,6 +263,23 @@ def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
         assert torch.equal(runner.prompt_surprisal(prompt), got)  # the harness's path, the same numbers
 
 
+def test_packed_surprisal_of_rows_sharing_lengths_interleaved(llama_dir):
+    """Rows of one length share one attention call (their asked-for queries padded to the most any of
+    them asks), and rows of other lengths sit between them in the pack: every row's surprisal is still
+    the plain forward's, bit for bit, whichever of its tokens are asked for."""
+    engine = _engine(llama_dir, cache_policy="segment_sparse", max_batch_size=8)
+    runner = engine.runner
+    prompts = _prompts((40, 17, 40, 33, 17, 40))
+    starts = [0, 48, 96, 144, 192, 240]
+    _, _, probe = runner.prefill_packed_at(prompts, starts, surprisal=True)
+    every = probe.tokens([torch.arange(len(p)) for p in prompts])
+    some = [torch.arange(0, 40, 3), torch.tensor([16]), torch.tensor([], dtype=torch.long),
+            torch.tensor([32, 1, 20]), torch.arange(17), torch.tensor([0])]
+    for prompt, got, want_at, asked in zip(prompts, every, some, probe.tokens(some), strict=True):
+        assert torch.equal(got, runner.prompt_surprisal(prompt))
+        assert torch.equal(asked, got[want_at])
+
+
 def test_protection_search_asks_for_the_shortfall_not_every_group_left():
     """Text with a name or a number every few groups (one group in seven protected): after the first
     round the search asks for about what is still missing, scaled by how many asked groups came
