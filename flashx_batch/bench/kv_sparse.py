@@ -70,8 +70,8 @@ def run(model_dir: Path, rows: int | None, prompt_len: int, new_tokens: int, rep
         rows = default_rows(engines["static"].admitted_batch_size, engines["segment_sparse"].admitted_batch_size)
     prompts, stride = prompt_windows(engines["static"].tokenizer, prompt_len, rows)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    for engine in engines.values():
-        engine.generate(prompts[:2], params)  # warm-up
+    for engine in engines.values():  # warm-up at a full batch: on a GPU, kernels and graphs for its shapes
+        engine.generate(prompts[: engine.admitted_batch_size], params)
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     phases: dict[str, dict[str, list[float]]] = {name: {"prefill_s": [], "decode_s": []} for name in engines}
     stats = {}
