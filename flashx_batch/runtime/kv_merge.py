@@ -22,6 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flashx_batch.kvcache.arena import KVArena
@@ -129,10 +130,10 @@ def attention_order(scores: torch.Tensor, length: int, settings: MergeSettings) 
     window (the prompt's last tokens, where the question sits) paid the group, or the group before
     it. The tokens after an attended one are what copying or recalling needs next, and the window
     attends to where a match starts. Ties go to the earlier group."""
-    groups = eligible_groups(length, settings)
-    attention = group_sums(scores, groups)
+    groups = _eligible(length, settings)  # consecutive: their tokens are one slice
+    attention = scores.float()[groups.start * GROUP : groups.stop * GROUP].view(-1, GROUP).sum(-1)
     attention = torch.maximum(attention, torch.cat((attention[:1], attention[:-1])))
-    return [groups[i] for i in torch.argsort(attention, stable=True).tolist()]
+    return [groups.start + i for i in torch.argsort(attention, stable=True).tolist()]
 
 
 class ProtectionSearch:
@@ -238,35 +239,40 @@ def choose_compression(scores: torch.Tensor, length: int, settings: MergeSetting
 
 def plan_groups(length: int, groups: list[int], evict: list[int] | tuple[int, ...] = ()) -> MergePlan:
     """Merge each listed 4-token group into one slot (its tokens weighed equally, bias log 4) and
-    evict the groups in `evict`; every other token keeps its slot."""
+    evict the groups in `evict`; every other token keeps its slot.
+
+    Host bookkeeping on a few hundred integers per row, done in numpy: a torch op costs several times
+    a numpy op at this size, and a packed prefill plans every row it compresses."""
     if set(groups) & set(evict):
         raise ValueError(f"plan_groups: groups {sorted(set(groups) & set(evict))[:8]} are both merged and evicted")
-    tokens = torch.arange(length)
+    tokens = np.arange(length)
     whole = length // GROUP  # groups lying fully inside the prompt: only those can merge
+    group_of = np.minimum(tokens // GROUP, whole)
+    inside = tokens < whole * GROUP
 
-    def members_of(listed) -> torch.Tensor:
-        chosen = torch.zeros(whole + 1, dtype=torch.bool)
-        chosen[torch.tensor([g for g in listed if g < whole], dtype=torch.int64)] = True
-        return chosen[torch.clamp(tokens // GROUP, max=whole)] & (tokens < whole * GROUP)
+    def members_of(listed) -> np.ndarray:
+        chosen = np.zeros(whole + 1, dtype=bool)
+        chosen[[g for g in listed if g < whole]] = True
+        return chosen[group_of] & inside
 
     in_group, dropped = members_of(groups), members_of(evict)
     kept = ~(in_group | dropped)
     starts = kept | ((tokens % GROUP == 0) & in_group)  # tokens that open a slot
-    target = torch.cumsum(starts.long(), 0) - 1
+    target = np.cumsum(starts) - 1
     target[dropped] = -1
     num_slots = int(starts.sum())
-    weight = torch.ones(length, dtype=torch.float32)
-    counts = torch.ones(num_slots, dtype=torch.int64)
-    positions = torch.zeros(num_slots, dtype=torch.float32)
-    positions[target[kept]] = tokens[kept].float()
-    if bool(in_group.any()):
-        members = tokens[in_group].view(-1, GROUP)  # [merged groups, 4]
+    weight = np.ones(length, dtype=np.float32)
+    counts = np.ones(num_slots, dtype=np.int64)
+    positions = np.zeros(num_slots, dtype=np.float32)
+    positions[target[kept]] = tokens[kept]
+    if in_group.any():
+        members = tokens[in_group].reshape(-1, GROUP)  # [merged groups, 4]
         slots = target[members[:, 0]]
         counts[slots] = GROUP
-        w = torch.full(members.shape, 1.0 / GROUP)
-        weight[members.reshape(-1)] = w.reshape(-1)
-        positions[slots] = (w * members.float()).sum(dim=1)
-    return MergePlan(target, weight, counts.tolist(), positions.tolist())
+        weight[members.reshape(-1)] = np.float32(1.0 / GROUP)
+        positions[slots] = (np.float32(1.0 / GROUP) * members.astype(np.float32)).sum(axis=1, dtype=np.float32)
+    return MergePlan(torch.from_numpy(target.astype(np.int64)), torch.from_numpy(weight), counts.tolist(),
+                     positions.tolist())
 
 
 def plan_oldest(counts: list[int], positions: list[float], slots_to_free: int, settings: MergeSettings) -> MergePlan:
@@ -327,15 +333,16 @@ def apply_plans(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
     Returns each job's slot count."""
     if src_positions is not None and len(jobs) != 1:
         raise ValueError("src_positions describe one job's source slots; pass one job with them")
-    fan_ins = []
+    fan_ins = []  # per job: the source slots kept, and how many sources each target slot has (numpy, host)
     for _, _, _, plan in jobs:
-        kept = (plan.target >= 0).nonzero().squeeze(1)
-        fan_ins.append((kept, torch.bincount(plan.target[kept], minlength=plan.num_slots)))
-    if all(set(fan_in.tolist()) <= {1, GROUP} for _, fan_in in fan_ins):
+        target = plan.target.numpy()
+        kept = np.flatnonzero(target >= 0)
+        fan_ins.append((kept, np.bincount(target[kept], minlength=plan.num_slots)))
+    if all(np.isin(fan_in, (1, GROUP)).all() for _, fan_in in fan_ins):
         _apply_groups(arena, jobs, fan_ins, rotary, src_positions)
     else:  # one by one: only rolling merges (a single job) have slots of other fan-in
         for (src_start, length, dst_start, plan), (kept, _) in zip(jobs, fan_ins):
-            _apply_any(arena, src_start, length, dst_start, plan, kept, rotary, src_positions)
+            _apply_any(arena, src_start, length, dst_start, plan, torch.from_numpy(kept), rotary, src_positions)
     # every job's log-count bias in one write (on a GPU: one copy over, not one per row)
     where = torch.cat([torch.arange(dst, dst + plan.num_slots) for _, _, dst, plan in jobs])
     bias = torch.cat([plan.log_counts() for *_, plan in jobs])
@@ -344,44 +351,49 @@ def apply_plans(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
 
 
 def _apply_groups(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
-                  fan_ins: list[tuple[torch.Tensor, torch.Tensor]], rotary: RotaryTable | None,
+                  fan_ins: list[tuple[np.ndarray, np.ndarray]], rotary: RotaryTable | None,
                   src_positions: list[float] | None) -> None:
     """Every slot is one source copied or GROUP sources merged (4:1 plans, evictions, one-pass rolling
     merges): gather the copies and the groups of every job, reduce each group densely, write all
     back. Faster than the scatter-add of `_apply_any` (docs/benchmarks.md, "Segment-sparse KV"), and
     one set of kernels for all the rows of a packed prefill."""
     storage, device = arena.storage, arena.storage.device
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("src", "dst", "members", "slots", "w", "at", "slot_at")}
+    # the index bookkeeping is numpy on the host (a few small arrays per row of the pack); one copy of
+    # each index array to the device at the end
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("src", "dst", "members", "slots", "w", "at", "slot_at")}
     for (src_start, length, dst_start, plan), (kept, fan_in) in zip(jobs, fan_ins):
-        per_source = fan_in[plan.target[kept]]
+        target = plan.target.numpy()
+        per_source = fan_in[target[kept]]
         single = kept[per_source == 1]
         grouped = kept[per_source == GROUP]
-        grouped = grouped[torch.argsort(plan.target[grouped], stable=True)]  # each slot's sources side by side
+        grouped = grouped[np.argsort(target[grouped], kind="stable")]  # each slot's sources side by side
         parts["src"].append(src_start + single)
-        parts["dst"].append(dst_start + plan.target[single])
+        parts["dst"].append(dst_start + target[single])
         if len(grouped):
-            slots = plan.target[grouped[::GROUP]]
-            positions = torch.tensor(src_positions if src_positions is not None else range(length), dtype=torch.float32)
+            slots = target[grouped[::GROUP]]
+            positions = (np.asarray(src_positions, dtype=np.float32) if src_positions is not None
+                         else np.arange(length, dtype=np.float32))
             parts["members"].append(src_start + grouped)
             parts["slots"].append(dst_start + slots)
-            parts["w"].append(plan.weight[grouped])
+            parts["w"].append(plan.weight.numpy()[grouped])
             parts["at"].append(positions[grouped])
-            parts["slot_at"].append(torch.tensor(plan.positions, dtype=torch.float32)[slots])
+            parts["slot_at"].append(np.asarray(plan.positions, dtype=np.float32)[slots])
+    joined = {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items() if v}
     # index_select / index_copy_ move whole [Hkv, D] slots: faster than advanced indexing on dim 2
     # (docs/benchmarks.md, "Segment-sparse KV")
-    copies = storage.index_select(2, torch.cat(parts["src"]).to(device))  # copies, read before any write
-    writes = [(torch.cat(parts["dst"]), copies)]
+    copies = storage.index_select(2, joined["src"].to(device))  # copies, read before any write
+    writes = [(joined["dst"], copies)]
     if parts["members"]:
-        weights = torch.cat(parts["w"]).view(-1, GROUP).to(device)[None, :, :, None, None]
-        members = storage.index_select(2, torch.cat(parts["members"]).to(device)).float()  # [layers, 2, 4g, Hkv, D]
+        weights = joined["w"].view(-1, GROUP).to(device)[None, :, :, None, None]
+        members = storage.index_select(2, joined["members"].to(device)).float()  # [layers, 2, 4g, Hkv, D]
         values = (members[:, 1].unflatten(1, (-1, GROUP)) * weights).sum(2)
         keys = members[:, 0]
         if rotary is not None:
-            keys = rotary.rotate(keys, torch.cat(parts["at"]), inverse=True)  # back to before RoPE
+            keys = rotary.rotate(keys, joined["at"], inverse=True)  # back to before RoPE
         keys = (keys.unflatten(1, (-1, GROUP)) * weights).sum(2)
         if rotary is not None:
-            keys = rotary.rotate(keys, torch.cat(parts["slot_at"]))
-        writes.append((torch.cat(parts["slots"]), torch.stack((keys, values), dim=1).to(storage.dtype)))
+            keys = rotary.rotate(keys, joined["slot_at"])
+        writes.append((joined["slots"], torch.stack((keys, values), dim=1).to(storage.dtype)))
     for targets, data in writes:
         storage.index_copy_(2, targets.to(device), data)
 

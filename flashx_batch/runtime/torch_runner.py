@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -606,24 +607,21 @@ class SurprisalProbe:
     @torch.inference_mode()
     def tokens(self, positions: list[torch.Tensor]) -> list[torch.Tensor]:
         """positions[r]: row-local token positions of row r (any order, may be empty) -> the
-        surprisal of each, in nats, float32 on the host (a row's first token: 0)."""
-        packed, wanted = [], []
-        for r, pos in enumerate(positions):
-            pos = pos.to(torch.long)
-            wanted.append(pos)
-            packed.append(pos[pos > 0] + self.offsets[r])
-        at = torch.cat(packed) if packed else torch.zeros(0, dtype=torch.long)
-        at, inverse = torch.unique(at, sorted=True, return_inverse=True)
-        values = torch.zeros(0)
+        surprisal of each, in nats, float32 on the host (a row's first token: 0). The bookkeeping is
+        numpy on the host: it runs for every row of a pack in every round."""
+        wanted = [pos.cpu().numpy().astype(np.int64, copy=False) for pos in positions]
+        packed = [pos[pos > 0] + self.offsets[r] for r, pos in enumerate(wanted)]
+        at, inverse = np.unique(np.concatenate(packed) if packed else np.zeros(0, np.int64), return_inverse=True)
+        values = np.zeros(0, dtype=np.float32)
         if len(at):
-            hidden = self.runner.model.final_hidden_at(self.meta, at - 1)
-            values = self.runner.next_token_loss(hidden, self.ids[at.to(self.ids.device)])
+            hidden = self.runner.model.final_hidden_at(self.meta, torch.from_numpy(at - 1))
+            values = self.runner.next_token_loss(hidden, self.ids[torch.from_numpy(at).to(self.ids.device)]).numpy()
         out, used = [], 0
         for pos in wanted:
-            row = torch.zeros(len(pos), dtype=torch.float32)
+            row = np.zeros(len(pos), dtype=np.float32)
             inside = pos > 0
             count = int(inside.sum())
             row[inside] = values[inverse[used : used + count]]
             used += count
-            out.append(row)
+            out.append(torch.from_numpy(row))
         return out
