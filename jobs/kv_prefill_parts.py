@@ -9,7 +9,9 @@ of segment_sparse's compressed prefill are timed by wrapping the runner's calls 
 synchronize before each clock read, so a part's time is its own work): the packed prefill passes, the
 surprisal probe rounds (final layer + LM head for the asked-for tokens), the plans (host), the merges.
 Writes DIR/kv_prefill_parts.json: per engine the median prefill seconds, the packs it ran, and
-segment_sparse's parts (median over repeats, seconds per job) with what is left over ("other").
+segment_sparse's parts (median over repeats, seconds per job) with what is left over ("other": the
+scheduler, the packs' staging arithmetic, the rest of `generate`). The ratio comes from runs without the
+parts' clocks; the parts from a run with them (on a GPU, each clock read waits for the device).
 """
 
 from __future__ import annotations
@@ -25,37 +27,45 @@ import torch
 
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.quality.heldout import token_windows
-from flashx_batch.runtime import compressed_prefill, torch_runner
+from flashx_batch.runtime import compressed_prefill, kv_merge, torch_runner
 from flashx_batch.runtime.options import bundled_model_dir
 
-PARTS = {  # part name -> (owner, attribute) wrapped while timing
-    "packed prefill": (torch_runner.TorchRunner, "prefill_packed_at"),
-    "surprisal probe": (torch_runner.SurprisalProbe, "tokens"),
-    "plans": (compressed_prefill, "plan_groups"),
-    "protection search": (compressed_prefill, "ProtectionSearch"),
-    "merges": (compressed_prefill, "apply_plans"),
+PARTS = {  # part name -> the (owner, attribute)s wrapped while timing
+    "packed prefill": [(torch_runner.TorchRunner, "prefill_packed_at")],
+    "surprisal probe": [(torch_runner.SurprisalProbe, "tokens")],
+    "plans": [(compressed_prefill, "plan_groups")],
+    "protection search": [(kv_merge.ProtectionSearch, a) for a in ("__init__", "wanted", "feed", "plan")],
+    "merges": [(compressed_prefill, "apply_plans")],
 }
 
 
 def timed_parts(sync) -> tuple[dict[str, float], dict[str, int], list]:
-    """Wrap each part's callable: seconds and calls accumulate per part; returns the undo list."""
+    """Wrap each part's callables: seconds and calls accumulate per part (a call made inside a timed
+    call is not timed again); returns the undo list."""
     seconds: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
+    depth = [0]
     undo = []
-    for name, (owner, attr) in PARTS.items():
-        original = getattr(owner, attr)
+    for name, targets in PARTS.items():
+        for owner, attr in targets:
+            original = getattr(owner, attr)
 
-        def wrapper(*args, _original=original, _name=name, **kwargs):
-            sync()
-            start = time.perf_counter()
-            out = _original(*args, **kwargs)
-            sync()
-            seconds[_name] += time.perf_counter() - start
-            calls[_name] += 1
-            return out
+            def wrapper(*args, _original=original, _name=name, **kwargs):
+                if depth[0]:
+                    return _original(*args, **kwargs)
+                sync()
+                start = time.perf_counter()
+                depth[0] += 1
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    depth[0] -= 1
+                    sync()
+                    seconds[_name] += time.perf_counter() - start
+                    calls[_name] += 1
 
-        setattr(owner, attr, wrapper)
-        undo.append((owner, attr, original))
+            setattr(owner, attr, wrapper)
+            undo.append((owner, attr, original))
     return seconds, calls, undo
 
 
@@ -81,26 +91,29 @@ def main(argv: list[str] | None = None) -> int:
         engine.generate(prompts, one)
     prefill: dict[str, list[float]] = {name: [] for name in engines}
     parts: dict[str, list[float]] = defaultdict(list)
+    timed: list[float] = []  # segment_sparse's prefill with the parts' clocks (and syncs) in it
     calls: dict[str, int] = {}
     for _ in range(args.repeats):
-        engines["static"].generate(prompts, one)
-        prefill["static"].append(engines["static"].last_stats.prefill_s)
+        for name, engine in engines.items():  # the ratio: both without the parts' clocks
+            engine.generate(prompts, one)
+            prefill[name].append(engine.last_stats.prefill_s)
         seconds, counted, undo = timed_parts(sync)
         try:
             engines["segment_sparse"].generate(prompts, one)
         finally:
             for owner, attr, original in undo:
                 setattr(owner, attr, original)
-        prefill["segment_sparse"].append(engines["segment_sparse"].last_stats.prefill_s)
+        timed.append(engines["segment_sparse"].last_stats.prefill_s)
         for name in PARTS:
             parts[name].append(seconds[name])
         calls = dict(counted)
-        parts["other"].append(prefill["segment_sparse"][-1] - sum(seconds.values()))
+        parts["other"].append(timed[-1] - sum(seconds.values()))
     result = {
         "backend": args.backend, "dtype": args.dtype, "device": str(device), "rows": len(prompts),
         "prompt_len": args.prompt_len, "static_rows": args.static_rows,
         "admitted_batch_size": {n: e.admitted_batch_size for n, e in engines.items()},
         "prefill_s": {n: statistics.median(v) for n, v in prefill.items()},
+        "segment_sparse_timed_prefill_s": statistics.median(timed),
         "segment_sparse_parts_s": {n: statistics.median(v) for n, v in parts.items()},
         "segment_sparse_calls": calls,
         "ratio_prefill_sparse_over_static": statistics.median(prefill["segment_sparse"])

@@ -53,8 +53,8 @@ def prompt_windows(tokenizer, prompt_len: int, rows: int) -> tuple[list[list[int
         if len(prompts) == rows:
             return prompts, stride
         if stride <= 16:
-            raise SystemExit(f"the held-out split holds {len(prompts)} windows of {prompt_len} tokens even 16 tokens "
-                             f"apart, {rows} were asked for: pass a smaller --rows or --prompt-len")
+            raise SystemExit(f"the held-out split holds {len(prompts)} windows of {prompt_len} tokens even {stride} "
+                             f"tokens apart, {rows} were asked for: pass a smaller --rows or --prompt-len")
         stride //= 2
 
 

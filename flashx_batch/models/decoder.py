@@ -249,7 +249,8 @@ class Attention(nn.Module):
             q = final.q[0, (starts[:, None] + local).to(device)].transpose(1, 2)  # [R, H, most, D]
             k, v = final.k[0, keys].transpose(1, 2), final.v[0, keys].transpose(1, 2)  # [R, Hkv, length, D]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True)
-            outs.append((rows, out.transpose(1, 2).flatten(-2)[valid.to(device)]))
+            flat = torch.arange(valid.numel()).view_as(valid)[valid]  # host-side pick (a mask would read the device)
+            outs.append((rows, out.transpose(1, 2).flatten(-2).flatten(0, 1).index_select(0, flat.to(device))))
         if len(outs) == 1:  # every row of one length: already in index order
             out = outs[0][1]
         else:  # rows of several lengths: each picked output back to its place in `index`

@@ -18,7 +18,7 @@ def token_windows(tokenizer: Tokenizer, length: int, limit: int, path: Path = HE
     Documents are joined with the EOS token into one stream (licence files are often shorter than
     a 640-token window), in file order, so the windows are the same on every run.
     """
-    stride = stride or length
+    stride = length if stride is None else stride
     if not 0 < stride <= length:
         raise ValueError(f"token_windows: stride must be in 1..{length} (the window length), got {stride}")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

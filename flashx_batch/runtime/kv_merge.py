@@ -329,7 +329,9 @@ def apply_plans(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
                 rotary: RotaryTable | None = None, src_positions: list[float] | None = None) -> list[int]:
     """`apply_plan` for several (src_start, length, dst_start, plan) at once — the rows of one packed
     prefill. Every job's source is read before any job writes, so a job's destination may overlap
-    any job's source. `src_positions` (a rolling merge's slot positions) belong to a single job.
+    any job's source; the jobs' destinations must not overlap one another (each row writes its own
+    stripe: the writes go in one `index_copy_`, whose order on a GPU is not defined). `src_positions`
+    (a rolling merge's slot positions) belong to a single job.
     Returns each job's slot count."""
     if src_positions is not None and len(jobs) != 1:
         raise ValueError("src_positions describe one job's source slots; pass one job with them")

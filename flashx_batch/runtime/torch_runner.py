@@ -330,8 +330,11 @@ class TorchRunner(ModelRunner):
         so a chunk is still in cache when the softmax reads it back (on a CPU, chunks of 64 MiB took
         several times longer per position); never fewer than 64 positions (each chunk reads the whole
         LM head) nor more than 64 MiB of logits (a 150k vocabulary never makes an [N, V] tensor of
-        every position)."""
+        every position). On an accelerator the 64 MiB bound alone: no cache to stay in, and each chunk
+        is a few kernel launches more."""
         vocab = max(1, self.model.config.vocab_size)
+        if self.device.type != "cpu":
+            return max(1, (1 << 24) // vocab)
         return max(1, min(max(64, (1 << 20) // vocab), (1 << 24) // vocab))
 
     def _surprisal_head(self) -> torch.Tensor | None:

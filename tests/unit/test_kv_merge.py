@@ -273,7 +273,7 @@ def test_packed_surprisal_of_rows_sharing_lengths_interleaved(llama_dir):
     starts = [0, 48, 96, 144, 192, 240]
     _, _, probe = runner.prefill_packed_at(prompts, starts, surprisal=True)
     every = probe.tokens([torch.arange(len(p)) for p in prompts])
-    some = [torch.arange(0, 40, 3), torch.tensor([16]), torch.tensor([], dtype=torch.long),
+    some = [torch.arange(0, 40, 3), torch.tensor([16]), torch.tensor([38, 5]),
             torch.tensor([32, 1, 20]), torch.arange(17), torch.tensor([0])]
     for prompt, got, want_at, asked in zip(prompts, every, some, probe.tokens(some), strict=True):
         assert torch.equal(got, runner.prompt_surprisal(prompt))
