@@ -363,7 +363,7 @@ def _apply_groups(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
     # the index bookkeeping is numpy on the host (a few small arrays per row of the pack); one copy of
     # each index array to the device at the end
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("src", "dst", "members", "slots", "w", "at", "slot_at")}
-    for (src_start, length, dst_start, plan), (kept, fan_in) in zip(jobs, fan_ins):
+    for (src_start, _, dst_start, plan), (kept, fan_in) in zip(jobs, fan_ins):
         target = plan.target.numpy()
         per_source = fan_in[target[kept]]
         single = kept[per_source == 1]
@@ -373,12 +373,12 @@ def _apply_groups(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
         parts["dst"].append(dst_start + target[single])
         if len(grouped):
             slots = target[grouped[::GROUP]]
-            positions = (np.asarray(src_positions, dtype=np.float32) if src_positions is not None
-                         else np.arange(length, dtype=np.float32))
             parts["members"].append(src_start + grouped)
             parts["slots"].append(dst_start + slots)
             parts["w"].append(plan.weight.numpy()[grouped])
-            parts["at"].append(positions[grouped])
+            # a source slot's position: its token index, or a rolling merge's slot positions
+            parts["at"].append(grouped.astype(np.float32) if src_positions is None
+                               else np.asarray(src_positions, dtype=np.float32)[grouped])
             parts["slot_at"].append(np.asarray(plan.positions, dtype=np.float32)[slots])
     joined = {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items() if v}
     # index_select / index_copy_ move whole [Hkv, D] slots: faster than advanced indexing on dim 2
