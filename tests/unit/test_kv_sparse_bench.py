@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashx_batch.bench.kv_sparse import default_rows, prompt_windows
+from flashx_batch.bench.kv_sparse import default_rows, free_compression_ceiling, prompt_windows
 from flashx_batch.quality.heldout import token_windows
 from flashx_batch.runtime.options import bundled_model_dir
 from flashx_batch.runtime.tokenizer import Tokenizer
@@ -38,3 +38,10 @@ def test_prompt_windows_overlap_only_when_the_split_runs_short(tokenizer):
     many, stride = prompt_windows(tokenizer, 512, available + 1)
     assert stride < 512 and len(many) == available + 1
     assert len({tuple(p) for p in many}) == len(many)
+
+
+def test_free_compression_ceiling_keeps_static_prefill_and_sparse_decode():
+    phases = {"static": {"prefill_s": [1.0, 9.0, 1.2], "decode_s": [1.2, 1.3, 0.1]},
+              "segment_sparse": {"prefill_s": [5.0, 5.0, 5.0], "decode_s": [0.8, 0.9, 0.7]}}
+    # medians: static 1.2 + 1.2; segment_sparse's decode 0.8; its prefill does not enter
+    assert free_compression_ceiling(phases) == pytest.approx(2.4 / 2.0)
