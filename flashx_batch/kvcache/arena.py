@@ -26,6 +26,9 @@ class KVArena:
         parts, heads, dim = arena_shape(spec)
         self.storage = torch.zeros(len(spec), parts, num_slots, heads, dim, dtype=dtype, device=device)
         self.bias = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        # host-side: False while no slot has ever held a merge bias (evict-only plans write none), so a
+        # decode step whose rows all write their last slot needs no mask at all; once True it stays True
+        self.has_merge_bias = False
         # per-layer views, built once: slicing the storage anew costs every layer of every step
         self._flat = [tuple(self.storage[layer].unbind(0)) for layer in range(len(spec))]
 
@@ -46,6 +49,12 @@ class KVArena:
 
     def flat(self, layer: int) -> tuple[torch.Tensor, ...]:
         return self._flat[layer]
+
+    def write_bias(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the merge bias of flat `slots` to `values` (host tensors: the flag is read from them)."""
+        if bool(values.any()):
+            self.has_merge_bias = True
+        self.bias.index_copy_(0, slots.to(self.bias.device), values.to(self.bias.device, self.bias.dtype))
 
     def stripe_bias(self, rows: int, capacity: int) -> torch.Tensor:
         """[rows, capacity] log-count bias per slot of stripes 0..rows-1 cut `capacity` slots long."""

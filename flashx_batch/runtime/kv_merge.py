@@ -348,7 +348,7 @@ def apply_plans(arena: KVArena, jobs: list[tuple[int, int, int, MergePlan]],
     # every job's log-count bias in one write (on a GPU: one copy over, not one per row)
     where = torch.cat([torch.arange(dst, dst + plan.num_slots) for _, _, dst, plan in jobs])
     bias = torch.cat([plan.log_counts() for *_, plan in jobs])
-    arena.bias.index_copy_(0, where.to(arena.bias.device), bias.to(arena.bias.device, arena.bias.dtype))
+    arena.write_bias(where, bias)
     return [plan.num_slots for *_, plan in jobs]
 
 

@@ -464,7 +464,8 @@ class TorchRunner(ModelRunner):
 
         `write_slots` (default = positions) differ from positions once a row's KV is merged; then
         the mask also carries each slot's log-count bias from the arena. `aligned`: every row writes
-        slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask.
+        slot kv_len - 1 (rows of one length stepping together), so every slot is visible: no mask (for
+        merged rows too while the arena holds no merge bias: `KVArena.has_merge_bias`).
         `groups` (see `layouts.stripes.attention_groups`): attend in runs of rows (start, end, slots
         read); only rows of mixed lengths are split, so `aligned` (no mask) never comes with groups.
         With `graphs` set, the step runs from a CUDA graph at padded shapes (groups are not needed
@@ -474,7 +475,9 @@ class TorchRunner(ModelRunner):
             logits = self.graphs.decode(tokens, positions, kv_len, write_slots, capacity, stripes)
             if logits is not None:
                 return logits
-        mask = None if aligned and write_slots is None else self.stripe_mask(positions, write_slots, kv_len, capacity)
+        # aligned rows see every slot: no mask, unless merged slots carry a bias (evicting leaves none)
+        plain = aligned and (write_slots is None or not self.arena.has_merge_bias)
+        mask = None if plain else self.stripe_mask(positions, write_slots, kv_len, capacity)
         runs = tuple((a, b, a * capacity, capacity, n, mask is None)
                      for a, b, n in groups or ((0, len(tokens), kv_len),))
         write_flat = self.stripe_starts(capacity, stripes)[: len(tokens)]

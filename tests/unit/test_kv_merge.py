@@ -403,6 +403,30 @@ def test_a_moved_row_does_not_inherit_the_finished_rows_merge_bias(llama_dir):
     assert together[1].token_ids == alone[0].token_ids
 
 
+def test_evict_only_rows_decode_without_a_mask_and_the_same_tokens(llama_dir, monkeypatch):
+    """Evicting leaves no merge bias, so aligned rows step with no mask at all; a bias in the arena
+    (a merge) brings the mask back, and the tokens do not change."""
+    from flashx_batch.runtime.torch_runner import TorchRunner
+
+    engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8)
+    prompts, params = _prompts((96,) * 4, seed=11), SamplingParams(max_new_tokens=16, ignore_eos=True)
+    masks = []
+    original = TorchRunner.stripe_mask
+    monkeypatch.setattr(TorchRunner, "stripe_mask", lambda self, *a: masks.append(a) or original(self, *a))
+    unmasked = engine.generate(prompts, params)
+    assert engine.last_stats.kv_bytes_peak < engine.last_stats.kv_bytes_static_peak  # the rows were compressed
+    assert not engine.runner.arena.has_merge_bias and not masks
+    engine.runner.arena.has_merge_bias = True  # as a merge would leave it
+    masked = engine.generate(prompts, params)
+    assert masks and [o.token_ids for o in unmasked] == [o.token_ids for o in masked]
+
+
+def test_a_merge_marks_the_arena_as_holding_merge_bias(llama_dir):
+    engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8, kv_evict_share=0.5)
+    engine.generate(_prompts((96,) * 2), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert engine.runner.arena.has_merge_bias and bool((engine.runner.arena.bias > 0).any())
+
+
 def test_stripes_hold_every_prompt_length_at_awkward_fractions(llama_dir):
     """Rounding the merge count can leave a shorter prompt longer once merged; the stripe must fit it."""
     engine = _engine(llama_dir, cache_policy="segment_sparse", kv_merge_fraction=0.4, max_input_len=64,

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from merge_support import assert_dense_path_equals_scatter
 
 from flashx_batch import Engine
+from flashx_batch.kvcache.arena import KVArena
+from flashx_batch.kvcache.spec import LayerCache
 from flashx_batch.quality.ablations import (
     POLICIES,
     choose_groups,
@@ -25,17 +27,6 @@ from flashx_batch.runtime.kv_merge import (
 )
 
 
-class _Arena:
-    """What `apply_plan` rewrites: the arena's storage [layers, 2 (K/V), slots, Hkv, D] and per-slot bias."""
-
-    def __init__(self, layers: int, slots: int, heads: int, dim: int):
-        self.storage = torch.zeros(layers, 2, slots, heads, dim)
-        self.bias = torch.zeros(slots)
-
-    def flat(self, layer: int):
-        return self.storage[layer, 0], self.storage[layer, 1]
-
-
 def _attend(q, arena, length):
     k, v = arena.flat(0)
     return F.scaled_dot_product_attention(q, k[:length].transpose(0, 1)[None], v[:length].transpose(0, 1)[None],
@@ -46,7 +37,7 @@ def test_duplicate_oracle_holds_for_score_weighted_merges():
     """Duplicates receive equal attention, so a score-weighted merge is exact too (bias log 4)."""
     torch.manual_seed(1)
     length, heads, dim = 64, 2, 16
-    arena = _Arena(1, length, heads, dim)
+    arena = KVArena((LayerCache("kv", 2, heads, dim),), length, torch.float32, torch.device("cpu"))
     arena.storage[0, :, :length] = torch.randn(2, length // GROUP, heads, dim).repeat_interleave(GROUP, dim=1)
     q = torch.randn(1, heads, 3, dim)
     full = _attend(q, arena, length)
