@@ -120,7 +120,7 @@ def protect_nats_for(vocab_size: int, share: float = 0.75) -> float:
 def least_attended(scores: torch.Tensor, length: int, settings: MergeSettings, count: int) -> list[int]:
     """The `count` eligible groups whose tokens received the least attention (pooled sum of
     `scores`, one per token), least attended first. `count` must be at least 1."""
-    groups = eligible_groups(length, settings)
+    groups = _eligible(length, settings)
     lost = group_sums(scores, groups)
     return [groups[i] for i in torch.argsort(lost, stable=True)[:count].tolist()]
 
@@ -130,10 +130,10 @@ def attention_order(scores: torch.Tensor, length: int, settings: MergeSettings) 
     window (the prompt's last tokens, where the question sits) paid the group, or the group before
     it. The tokens after an attended one are what copying or recalling needs next, and the window
     attends to where a match starts. Ties go to the earlier group."""
-    groups = _eligible(length, settings)  # consecutive: their tokens are one slice
-    attention = scores.float()[groups.start * GROUP : groups.stop * GROUP].view(-1, GROUP).sum(-1)
+    groups = _eligible(length, settings)
+    attention = group_sums(scores, groups)
     attention = torch.maximum(attention, torch.cat((attention[:1], attention[:-1])))
-    return [groups.start + i for i in torch.argsort(attention, stable=True).tolist()]
+    return [groups[i] for i in torch.argsort(attention, stable=True).tolist()]
 
 
 class ProtectionSearch:
@@ -218,8 +218,11 @@ def group_tokens(groups: list[int]) -> torch.Tensor:
     return (torch.tensor(groups, dtype=torch.long)[:, None] * GROUP + torch.arange(GROUP)).reshape(-1)
 
 
-def group_sums(values: torch.Tensor, groups: list[int]) -> torch.Tensor:
-    """Sum of a per-token tensor over each listed 4-token group (any order) -> float32 [len(groups)]."""
+def group_sums(values: torch.Tensor, groups: list[int] | range) -> torch.Tensor:
+    """Sum of a per-token tensor over each listed 4-token group (any order) -> float32 [len(groups)].
+    Consecutive groups (a `range`, such as the eligible ones) are one slice: no index tensor."""
+    if isinstance(groups, range) and groups.step == 1:
+        return values.float()[groups.start * GROUP : groups.stop * GROUP].view(-1, GROUP).sum(-1)
     return values.float()[group_tokens(groups)].view(-1, GROUP).sum(-1)
 
 

@@ -92,8 +92,9 @@ class PagedPrefill:
 class StripeDecode:
     """One token per row, row i in stripe i of `stripes` stripes `capacity` slots long, at RoPE
     position positions[i], written to slot write_slots[i] of its stripe (None: the positions; merged
-    rows' slots and positions part ways, and then every read carries the arena's merge bias).
-    Attention reads `kv_len` slots; `aligned`: every row writes slot kv_len - 1, no mask; `groups`:
+    rows' slots and positions part ways, and then every read carries the arena's merge bias, if it
+    holds any). Attention reads `kv_len` slots; `aligned`: every row writes slot kv_len - 1, no mask
+    (unless a merge bias must be added); `groups`:
     runs of rows (start, end, slots read) each read only as far as it needs."""
 
     positions: tuple[int, ...]

@@ -73,7 +73,7 @@ class StripeLayout(Layout):
         self.longest_from = longest_from
         self.layer_slot_bytes, self.split_min_bytes = layer_slot_bytes, split_min_bytes
         super().__init__()
-        self.merged = False  # some row's slots and positions parted ways: every step reads the merge bias
+        self.merged = False  # some row's slots and positions parted ways: steps name each row's write slot
 
     def joinable(self, queue: deque[Row]) -> int:
         return min(self.geometry.max_rows - len(self.rows), len(queue))
