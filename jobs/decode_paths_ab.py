@@ -20,10 +20,10 @@ import time
 import torch
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.backends import cpu_decode
 from flashx_batch.bench.int8_cpu import quantize_all
 from flashx_batch.bench.variants import prefix_reuse_options
 from flashx_batch.bench.workloads import FULL, equal_lengths, few_shot, mixed_intake
-from flashx_batch.models import cpu_decode
 from flashx_batch.quant import row_kernel
 from flashx_batch.runtime.options import bundled_model_dir
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flashx_batch.models import cpu_decode
+from flashx_batch.backends import cpu_decode
 
 log = logging.getLogger("flashx_batch.bench.cpu_decode")
 

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashx_batch.backends.attention import AttentionBackend
+from flashx_batch.backends.attention.meta import ForwardMeta
 from flashx_batch.models.config import ModelConfig
-from flashx_batch.models.forward import Decode, Extend, ForwardMeta, Packed, Paged, TeacherForced, split_rows
 from flashx_batch.models.layers import Linear, RMSNorm, apply_rotary_
 
 NORM_EPS = 1e-6  # the latent and query norms' epsilon in the reference (not config.json's rms_norm_eps)
@@ -114,70 +115,19 @@ class MLAttention(nn.Module):
         return q_nope, q_rot, entry, index
 
     # ---- the forward pass -------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, meta: ForwardMeta, cache, last_only: bool = False) -> torch.Tensor:
-        batch, seq = x.shape[:2]
+    def forward(self, x: torch.Tensor, meta: ForwardMeta, backend: AttentionBackend, cache,
+                last_only: bool = False) -> torch.Tensor:
+        """Projections and RoPE here; `backend` (a latent one, for this pass's layout) writes the cache
+        entries and calls `attend` with the keys each query reads."""
         q_nope, q_rot, entry, index = self.project(x, meta.cos, meta.sin)
         if self.indexer is not None:
             self.choice.keep = []
         self._calls = 0
-        width = entry.shape[-1]
-        match meta:
-            case TeacherForced():
-                row_index = None if index is None else (index, entry[..., self.spec.latent_dim :])
-                visible = _causal(seq, x.device)[None] if meta.visible is None else meta.visible
-                out = self._attend(q_nope, q_rot, entry, visible, row_index)
-            case Packed():
-                flat = cache[0]
-                flat[meta.write_flat, 0, :width] = entry[0]
-                outs = []
-                for qn, qr, e, *idx in split_rows(meta.row_lengths, q_nope, q_rot, entry, *(index or ())):
-                    n = qn.shape[1]
-                    row_index = (tuple(idx), e[..., self.spec.latent_dim :]) if index is not None else None
-                    if last_only:  # the row's last query sees its whole row: no mask
-                        outs.append(self._attend(qn[:, -1:], qr[:, -1:], e, None, _last(row_index)))
-                    else:
-                        outs.append(self._attend(qn, qr, e, _causal(n, x.device)[None], row_index))
-                out = torch.cat([o.reshape(-1, *o.shape[2:]) for o in outs])[None]  # [1, N or rows, H, v]
-            case Decode():
-                flat = cache[0]
-                flat[meta.write_flat, 0, :width] = entry[:, 0]
-                outs = []
-                for a, b, kv, masked in meta.runs:
-                    keys = kv[self.layer][0][:, 0]  # [rows, slots, entry]
-                    mask = meta.attn_mask[a:b, :, :, : keys.shape[1]] if masked is not None else None
-                    # the indexer needs the visible keys as booleans; attention itself reads the additive mask
-                    visible = mask[:, 0] > float("-inf") if self.sparse and mask is not None else None
-                    row_index = (None if index is None else
-                                 ((index[0][a:b], index[1][a:b]), keys[..., self.spec.latent_dim :]))
-                    outs.append(self._attend(q_nope[a:b], q_rot[a:b], keys, visible, row_index, mask))
-                out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            case Paged():
-                flat = cache[0]
-                flat[meta.write_slots.reshape(-1), 0, :width] = entry.reshape(batch * seq, width)
-                keys = flat[meta.slot_table][:, :, 0]  # [B, L, entry]
-                visible = meta.attn_mask[:, 0]  # [B, T, L]
-                row_index = None if index is None else (index, keys[..., self.spec.latent_dim :])
-                out = self._attend(q_nope, q_rot, keys, visible, row_index)
-            case Extend():
-                flat = cache[0]
-                begin = meta.start + meta.cached
-                flat[begin : begin + seq, 0, :width] = entry[0]
-                keys = flat[meta.start : begin + seq, 0][None]  # [1, cached + C, entry]
-                n = keys.shape[1]
-                if meta.mask is None:
-                    visible, bias = _causal(seq, x.device, n - seq)[None], None
-                else:
-                    visible, bias = meta.mask[:, 0] > float("-inf"), meta.mask
-                row_index = None if index is None else (index, keys[..., self.spec.latent_dim :])
-                if last_only:
-                    q_nope, q_rot, visible = q_nope[:, -1:], q_rot[:, -1:], visible[:, -1:]
-                    bias = None if bias is None else bias[:, :, -1:]
-                    row_index = _last(row_index)
-                out = self._attend(q_nope, q_rot, keys, visible, row_index, bias)
+        out = backend.forward((q_nope, q_rot), entry, index, self, meta, cache, last_only)
         return self.o_proj.forward(out.flatten(-2))
 
     # ---- attention over latents -------------------------------------------------------------
-    def _attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None,
+    def attend(self, q_nope: torch.Tensor, q_rot: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None,
                 index=None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Queries [B, T, H, *] over cache entries `keys` [B, L, entry] -> [B, T, H, v]. `visible` bool
         [B or 1, T, L] (None: every key, no mask); `bias` an additive [B, 1, T or 1, L] mask (merge bias)
@@ -241,17 +191,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     pairs are first de-interleaved (x0, x2, … then x1, x3, …) as the reference does."""
     x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if interleaved else x.clone()
     return apply_rotary_(x, cos, sin, False)
-
-
-def _causal(n: int, device: torch.device, cached: int = 0) -> torch.Tensor:
-    """[n, cached + n] bool: query i (at position cached + i) sees keys 0..cached + i."""
-    keys = torch.arange(cached + n, device=device)
-    return keys[None, :] <= (torch.arange(n, device=device) + cached)[:, None]
-
-
-def _last(row_index):
-    """An indexer's (queries, weights) cut to the last query."""
-    if row_index is None:
-        return None
-    (q, weights), keys = row_index
-    return (q[:, -1:], weights[:, -1:]), keys

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashx_batch.models import cpu_decode
+from flashx_batch.backends import cpu_decode
 from flashx_batch.models.layers import GatedMLP, RMSNorm
 from flashx_batch.quant import formats as fm
 from flashx_batch.quant import row_kernel

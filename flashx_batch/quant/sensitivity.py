@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from flashx_batch.backends.attention.meta import TeacherForced
 from flashx_batch.models.decoder import DecoderModel
-from flashx_batch.models.forward import TeacherForced
 from flashx_batch.quant import formats as fm
 from flashx_batch.quant.agreement import Agreement
 from flashx_batch.quant.units import FormatSwap, Unit, available_formats

@@ -17,11 +17,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashx_batch.backends import Backend
+from flashx_batch.backends import Backend, cpu_decode
+from flashx_batch.backends.attention.meta import (
+    Decode,
+    Extend,
+    FinalLayerInputs,
+    Packed,
+    PackedTrees,
+    Paged,
+    TeacherForced,
+)
 from flashx_batch.kvcache.arena import KVArena
-from flashx_batch.models import cpu_decode
 from flashx_batch.models.decoder import DecoderModel
-from flashx_batch.models.forward import Decode, Extend, FinalLayerInputs, Packed, PackedTrees, Paged, TeacherForced
 from flashx_batch.models.layers import Linear
 from flashx_batch.quant.int8_decode import MAX_ROWS as FUSED_MAX_ROWS
 from flashx_batch.quant.int8_decode import Int8Decode, Reads

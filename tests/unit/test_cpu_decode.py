@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashx_batch.models import cpu_decode
+from flashx_batch.backends import cpu_decode
 
 
 def _stripes(dtype, rows=5, cap=40, heads=3, dim=64, slots=33, seed=0):
@@ -222,7 +222,7 @@ def test_a_second_process_loads_the_compiled_kernels_from_the_disk_cache():
     first compile, not be compiled again (~20 s for the decode kernel here; a jitted helper captured by
     a kernel's closure once made every process miss the cache, and a node added mid-job came up too
     late to get work)."""
-    probe = ("from flashx_batch.models import cpu_decode; from flashx_batch.quant import int8_decode, row_kernel; "
+    probe = ("from flashx_batch.backends import cpu_decode; from flashx_batch.quant import int8_decode, row_kernel; "
              "fused = int8_decode._kernels(); "  # None where torch's sums cannot be reproduced: nothing to load
              "kernels = [cpu_decode._kernel()[1], row_kernel.kernel()] + ([] if fused is None else "
              "[fused.norm_round, fused.residual_norm_round, fused.rope_write, fused.dequant_rows]); "

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.backends import cpu_decode
 from flashx_batch.bench.int8_cpu import quantize_all
-from flashx_batch.models import cpu_decode
 from flashx_batch.quant import formats, int8_decode, linear
 from flashx_batch.quant.int8_decode import Int8Decode, Reads
 from flashx_batch.runtime.torch_runner import TorchRunner

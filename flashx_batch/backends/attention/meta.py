@@ -1,9 +1,10 @@
-"""What a forward pass needs besides the token ids: one metadata type per kind of pass.
+"""What a forward pass needs besides the token ids: one metadata type per layout of a pass.
 
-The runner builds one per call; every layer reads it, and `Attention` dispatches on its type. None of
-them holds the KV arena: layers get their cache as plain views (`DecoderModel.hidden_states`'s
-`caches`, one `(keys, values)` pair of `[slots, kv_heads, head_dim]` per layer), and a decode step's
-read views arrive ready-made in `Decode.runs`. Flat slot numbers are the arena's addressing
+The runner builds one per call; every layer reads it, and the model's `AttentionSet` picks the attention
+backend registered for its type (`backends.attention.base`). None of them holds the KV arena:
+layers get their cache as plain views (`DecoderModel.hidden_states`'s `caches`, one `(keys, values)`
+pair of `[slots, kv_heads, head_dim]` per layer), and a decode step's read views arrive ready-made in
+`Decode.runs`. Flat slot numbers are the arena's addressing
 (glossary: docs/architecture.md).
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashx_batch.models.cpu_decode import RowExtents
+from flashx_batch.backends.cpu_decode import RowExtents
 
 
 def split_rows(lengths: tuple[int, ...], *packed: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:

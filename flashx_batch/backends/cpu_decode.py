@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-log = logging.getLogger("flashx_batch.models.cpu_decode")
+log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
