@@ -86,6 +86,8 @@ ENGINE_ONLY = {  # knob -> the job key that sets it instead (None: no job key; e
     # Not a job key, as before: a job always sorts a shard's rows by length (True); the plan has already
     # bucketed rows by length into shards, and there is no job-level reason to turn it off.
     "sort_by_length": None,
+    # A research switch of the Python API (the fused int8 decode step's A / B): a job always fuses where it can.
+    "fused_int8_decode": None,
 }
 
 JOB_ONLY_RUNTIME: list[tuple[str, Any, Any]] = [

@@ -66,20 +66,21 @@ def main() -> int:
     common = dict(backend="cpu", dtype="float32", max_batch_size=8, max_input_len=512, max_output_len=96,
                   num_threads=args.threads)
     reuse = prefix_reuse_options(512) or {}
-    engines = {sharing: Engine.from_pretrained(model_dir, **common, **(reuse if sharing else {}))
-               for sharing in (False, True)}
+    # one engine per (prefix sharing, fused step): the switch is a constructor option, never flipped on a live runner
+    engines = {(sharing, fused): Engine.from_pretrained(model_dir, **common, **(reuse if sharing else {}),
+                                                        fused_int8_decode=fused)
+               for sharing in (False, True) for fused in (False, True)}
     for engine in engines.values():
         quantize_all(engine)
     result: dict = {"model": args.shape or "bundled", "threads": args.threads, "repeats": args.repeats, "step": {},
                     "workloads": {}}
 
-    engine = engines[False]
     rng = random.Random(0)
     for rows in map(int, args.rows.split(",")):
         prompts = [[rng.randrange(3, vocab) for _ in range(192)] for _ in range(rows)]
 
         def step(fused: bool, prompts=prompts) -> tuple[float, list]:
-            engine.runner.fuse_int8_decode = fused
+            engine = engines[(False, fused)]
             took = {}
             for n in (1, 49):
                 start = time.perf_counter()
@@ -93,12 +94,11 @@ def main() -> int:
     workloads = {"W1": mixed_intake(FULL, vocab, 0), "W2": equal_lengths(FULL, vocab, 0),
                  "W3": few_shot(FULL, vocab, 0)}
     for name, w in workloads.items():
-        engine = engines[name == "W3"]
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in w.max_new_tokens]
         fresh = iter(range(1000))
 
-        def whole(fused: bool, w=w, engine=engine, params=params, name=name, fresh=fresh) -> tuple[float, list]:
-            engine.runner.fuse_int8_decode = fused
+        def whole(fused: bool, w=w, params=params, name=name, fresh=fresh) -> tuple[float, list]:
+            engine = engines[(name == "W3", fused)]
             # W3: prefixes no run has seen (a cached prefix would favour whichever path goes second)
             run = w.with_fresh_prefixes(next(fresh)) if name == "W3" else w
             start = time.perf_counter()

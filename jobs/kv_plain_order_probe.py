@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     for first in range(0, len(prompts), 4):
         batch = prompts[first : first + 4]
         starts = [k * (args.prompt_len + 64) for k in range(len(batch))]  # inside the arena, apart
-        _, scores, probe = runner.prefill_packed_at(batch, starts, observe=settings.window, surprisal=True)
+        _, scores, kept = runner.passes.prefill_packed_at(batch, starts, observe=settings.window, keep_final=True)
+        probe = runner.scorer.probe(kept)
         every = probe.tokens([torch.arange(len(p)) for p in batch])
         for prompt, row_scores, surprisal in zip(batch, scores, every, strict=True):
             row_scores = row_scores.cpu()

@@ -114,7 +114,7 @@ def main() -> int:
         totals = {p: [0.0, 0] for p in policies}
         for index, ex in enumerate(examples):
             n = len(ex.context)
-            _, scores = runner.extend(ex.context, 0, 0, 0, observe=32)
+            _, scores = runner.passes.extend(ex.context, 0, 0, 0, observe=32)
             surprisal = runner.prompt_surprisal(ex.context)
             means = surprisal[: n // 4 * 4].view(-1, 4).mean(-1).tolist()
             for g, value in enumerate(means[1:-8], start=1):  # clear of the first token and the window
@@ -125,7 +125,7 @@ def main() -> int:
             for policy in policies:
                 plan, rerotate = plan_for(policy, n, args.saved, scores, surprisal, engine.merge.protect_nats,
                                           vocab, seed * 100003 + index)
-                runner.extend(ex.context, 0, 0, 0)
+                runner.passes.extend(ex.context, 0, 0, 0)
                 used = n if plan is None else apply_plan(engine.runner.arena, 0, n, 0, plan,
                                                          rotary=runner.model.rotary if rerotate else None)
                 score, _, _ = K._score(engine, args.task, ex, used, n)

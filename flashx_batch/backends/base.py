@@ -75,6 +75,9 @@ class Backend:
     # growing refilled batches keep each row in a KV extent of its own (`runtime.layouts.extents.ExtentLayout`):
     # attention then runs once per run of rows, which a CPU pays in microseconds and a GPU in launches
     prefers_row_extents: bool = False
+    # tensors live in host memory and the numba kernels serve them (`backends.cpu_decode`, the fused int8
+    # decode step): decode reads rows in extents in one call, logits are computed in cache-sized chunks
+    host_kernels: bool = False
     torch_runtime: bool = True  # False: the torch `Engine` cannot run on it (the ONNX Runtime path)
     # the collective library tensor-parallel ranks talk through (`backends.distributed`); None: no tensor parallelism
     collective: str | None = "gloo"
@@ -99,6 +102,10 @@ class Backend:
 
     def synchronize(self) -> None:
         """Wait for queued device work, so wall-clock timings are honest."""
+
+    def warm_up_kernels(self) -> None:
+        """Compile (or load from a disk cache) this backend's own kernels now, when a runner is built,
+        not in the first step that needs them."""
 
     def setup_threads(self, num_threads: int) -> None:
         """Host threads for this process's kernels (CPU: intra-op threads, `EngineOptions.cpu_threads`).

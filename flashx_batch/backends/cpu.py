@@ -20,6 +20,7 @@ class CpuBackend(Backend):
     # measurements: docs/architecture.md, "How the runtime works")
     attention_split_min_bytes = 256 << 10
     prefers_row_extents = True
+    host_kernels = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -27,6 +28,11 @@ class CpuBackend(Backend):
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
+
+    def warm_up_kernels(self) -> None:
+        from flashx_batch.backends import cpu_decode
+
+        cpu_decode.warm_up()
 
     def setup_threads(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)

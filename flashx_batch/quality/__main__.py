@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("evict share %s: %s", share, r)
 
     long_windows = token_windows(engine.tokenizer, long_len + args.cont_len + 1, max(4, args.samples // 3))
-    engine.runner.merge = settings
-    long_input = long_input_quality(engine, long_windows, long_len, args.prompt_len)
+    long_input = long_input_quality(engine, long_windows, long_len, args.prompt_len, settings)
 
     result = {
         "model": str(args.model or bundled_model_dir()), "targets": TARGETS, "chosen_fraction": float(chosen),

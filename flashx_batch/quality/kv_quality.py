@@ -17,7 +17,7 @@ from flashx_batch.runtime.kv_merge import MergeSettings, apply_plan
 
 
 def _full_logits(engine: Engine, tokens: list[int], from_position: int) -> torch.Tensor:
-    logits, _ = engine.runner.extend(tokens, 0, 0, 0, all_logits=True)
+    logits, _ = engine.runner.passes.extend(tokens, 0, 0, 0, all_logits=True)
     return logits[from_position:]
 
 
@@ -42,16 +42,16 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int,
         prompt, cont = window[:prompt_len], window[prompt_len:-1]
         targets = torch.tensor(window[prompt_len + 1 :])
         reference = _full_logits(engine, prompt + cont, prompt_len)
-        _, scores = runner.extend(prompt, 0, 0, 0, observe=observe_window)
+        _, scores = runner.passes.extend(prompt, 0, 0, 0, observe=observe_window)
         for run, (settings, policies) in runs.items():
             rotary = runner.model.rotary if settings.rerotate else None
             for name in policies:
                 plan, with_bias, merge_rotary = policy_plan(name, prompt_len, settings, scores, index, rotary)
-                runner.extend(prompt, 0, 0, 0)  # fresh prompt KV: the previous policy rewrote it
+                runner.passes.extend(prompt, 0, 0, 0)  # fresh prompt KV: the previous policy rewrote it
                 used = apply_plan(arena, 0, prompt_len, 0, plan, rotary=merge_rotary)
                 if not with_bias:  # the no-bias ablation: merged slots attended without their log-count bias
                     arena.bias[:used] = 0.0
-                logits, _ = runner.extend(cont, 0, used, prompt_len, all_logits=True)
+                logits, _ = runner.passes.extend(cont, 0, used, prompt_len, all_logits=True)
                 results[run][name].add(reference, logits, targets)
                 slots[run][name] += used
     return {run: {name: {**agg.summary(), "kv_bytes_ratio": slots[run][name] / (prompt_len * len(windows))}
@@ -59,16 +59,17 @@ def policy_quality(engine: Engine, windows: list[list[int]], prompt_len: int,
 
 
 def long_input_quality(engine: Engine, windows: list[list[int]], prompt_len: int,
-                       budget: int) -> dict[str, dict[str, float]]:
-    """A prompt longer than `budget`: rolling merge (history folded into `budget` slots) versus
-    truncate (keep the last `budget` tokens, positions restarting at 0), both against the full prompt."""
+                       budget: int, merge: MergeSettings | None = None) -> dict[str, dict[str, float]]:
+    """A prompt longer than `budget`: rolling merge (history folded into `budget` slots, under `merge`;
+    None: the engine's settings) versus truncate (keep the last `budget` tokens, positions restarting
+    at 0), both against the full prompt."""
     results = {"rolling_merge": Agreement(), "truncate": Agreement()}
     for window in windows:
         prompt, cont = window[:prompt_len], window[prompt_len:-1]
         targets = torch.tensor(window[prompt_len + 1 :])
         reference = _full_logits(engine, prompt + cont, prompt_len)
-        _, used = engine.runner.compress.rolling_prefill(prompt, 0, budget)
-        logits, _ = engine.runner.extend(cont, 0, used, prompt_len, all_logits=True)
+        _, used = engine.runner.compress.rolling_prefill(prompt, 0, budget, merge)
+        logits, _ = engine.runner.passes.extend(cont, 0, used, prompt_len, all_logits=True)
         results["rolling_merge"].add(reference, logits, targets)
         tail = prompt[-budget:]
         truncated = _full_logits(engine, tail + cont, budget)

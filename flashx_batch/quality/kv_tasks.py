@@ -19,7 +19,7 @@ cache must still hold:
   score = accuracy (argmax of the summed log-probabilities).
 
 Every task compresses all of its prompt but the last token; that token and everything after it
-run through the compressed cache (`runner.extend` after `kv_merge.apply_plan`), so every scored
+run through the compressed cache (`runner.passes.extend` after `kv_merge.apply_plan`), so every scored
 prediction reads the compressed KV.
 
 Policies, each at `--saved` fractions of the prompt's slots freed (default 25 / 50 / 75 %):
@@ -238,14 +238,14 @@ def _score(engine: Engine, task: str, ex: Example, used: int, n: int) -> tuple[f
     before the argmax does."""
     runner = engine.runner
     if task == "copy":
-        logits, _ = runner.extend(ex.query, 0, used, n)
+        logits, _ = runner.passes.extend(ex.query, 0, used, n)
         out = [int(logits[-1].argmax())]
         for i in range(len(ex.answer) - 1):
-            logits, _ = runner.extend(out[-1:], 0, used + len(ex.query) + i, n + len(ex.query) + i)
+            logits, _ = runner.passes.extend(out[-1:], 0, used + len(ex.query) + i, n + len(ex.query) + i)
             out.append(int(logits[-1].argmax()))
         return copy_score(out, ex.answer), 1.0, 0.0
     if task in ("mqar", "ppl"):
-        logits, _ = runner.extend(ex.query + ex.feed, 0, used, n, all_logits=True)
+        logits, _ = runner.passes.extend(ex.query + ex.feed, 0, used, n, all_logits=True)
         if task == "ppl":
             nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ex.answer), reduction="sum")
             return float(nll), float(len(ex.answer)), 0.0
@@ -254,7 +254,7 @@ def _score(engine: Engine, task: str, ex: Example, used: int, n: int) -> tuple[f
     if task == "mc":
         sums = []
         for choice in ex.choices:
-            logits, _ = runner.extend(ex.query + choice[:-1], 0, used, n, all_logits=True)
+            logits, _ = runner.passes.extend(ex.query + choice[:-1], 0, used, n, all_logits=True)
             logp = torch.log_softmax(logits.float(), -1)
             sums.append(float(logp[torch.arange(len(choice)), torch.tensor(choice)].sum()))
         return float(max(range(len(sums)), key=sums.__getitem__) == ex.label), 1.0, sums[ex.label]
@@ -269,13 +269,13 @@ def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tup
     totals = {cell: [0.0, 0.0, 0, 0, 0.0] for cell in cells}  # score sum, weight, slots used, prompt slots, aside
     for index, ex in enumerate(examples):
         n = len(ex.context)
-        _, scores = runner.extend(ex.context, 0, 0, 0, observe=window)
+        _, scores = runner.passes.extend(ex.context, 0, 0, 0, observe=window)
         surprisal = runner.prompt_surprisal(ex.context)  # what the packed prefill computes
         for cell in cells:
             policy, saved = cell
             plan, rerotate = policy_plan(policy, n, saved, scores, seed * 100003 + index, sinks, window, surprisal,
                                          engine.merge.protect_nats, evict_share)
-            runner.extend(ex.context, 0, 0, 0)  # fresh prompt KV: the previous plan rewrote it
+            runner.passes.extend(ex.context, 0, 0, 0)  # fresh prompt KV: the previous plan rewrote it
             used = n if plan is None else apply_plan(arena, 0, n, 0, plan, rotary=rotary if rerotate else None)
             score, weight, aside = _score(engine, task, ex, used, n)
             t = totals[cell]

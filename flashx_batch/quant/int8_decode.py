@@ -452,7 +452,7 @@ class Reads:
     @classmethod
     def paged(cls, table: torch.Tensor, positions: torch.Tensor) -> Reads:
         """table [B, L] flat slot of each row's position (L > every position), positions [B]: row i reads
-        its slots 0..positions[i] (the rest of its table masked, as `TorchRunner.paged` masks them)."""
+        its slots 0..positions[i] (the rest of its table masked, as `ForwardPasses.paged` masks them)."""
         index = table.to(torch.int64).contiguous().numpy()
         if index.size and index.min() < 0:
             raise ValueError("a slot table reaches before the cache")

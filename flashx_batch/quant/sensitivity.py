@@ -63,6 +63,7 @@ class WindowScorer:
         model.build_rotary(self.length)
         cos, sin = model.rotary.lookup(torch.arange(self.length, device=device)[None, :])
         self.meta = TeacherForced(cos, sin)  # teacher-forced windows: no KV cache
+        self.attention = model.attention.for_meta(self.meta)  # the layers' attention backend for such passes
         ids = torch.tensor(windows, dtype=torch.long, device=device)  # [N, T]
         self.chunks = list(ids.split(batch_size))
         self.inputs: list[list[torch.Tensor]] = []  # [chunk][layer] hidden entering that layer (L+1: the head)
@@ -84,7 +85,7 @@ class WindowScorer:
             x = torch.nn.functional.embedding(ids, self.model.embed)
             states = [x]
             for layer in self.model.layers:
-                x = layer(x, self.meta, None)
+                x = layer(x, self.meta, self.attention, None)
                 states.append(x)
             self.inputs.append(states if self.cache_layers else [])
             self.reference.append(self._head(x))
@@ -102,7 +103,7 @@ class WindowScorer:
         else:
             raise ValueError("layer inputs were not cached; build the scorer with cache_layers=True")
         for block in self.model.layers[layer:]:
-            x = block(x, self.meta, None)
+            x = block(x, self.meta, self.attention, None)
         return self._head(x)
 
     def compare(self, start_layer: int = 0) -> Agreement:

@@ -2,11 +2,13 @@
 then merged down into their stripes) and over-long prompts rolled into a row's slots
 (`long_input=rolling_merge`). Part of the torch runner: the merge needs the prefill's attention
 scores. The planning is `runtime.kv_merge`; this module decides where rows are staged and in what
-order they are merged, so that no merge overwrites a row still waiting.
+order they are merged, so that no merge overwrites a row still waiting. It runs on the forward passes
+and the scorer (`ForwardPasses`, `Scorer`), never on the runner that owns it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,16 +27,26 @@ from flashx_batch.runtime.kv_merge import (
 )
 
 if TYPE_CHECKING:
-    from flashx_batch.runtime.torch_runner import TorchRunner
+    from flashx_batch.runtime.forward_passes import ForwardPasses
+    from flashx_batch.runtime.scorer import Scorer
+
+
+@dataclass(frozen=True)
+class PrefillPolicy:
+    """How prompts go into stripes: plain, or segment-sparse (merged down after a packed prefill);
+    a prompt longer than `max_input_len` is rolled into `prompt_slots` (long_input=rolling_merge)."""
+
+    max_input_len: int
+    prompt_slots: int
+    sparse: bool
+    segment_size: int
+    max_output_len: int
+    row_capacity: int  # slots of a full-length row, whole segments
 
 
 class CompressedPrefill:
-    def __init__(self, runner: TorchRunner) -> None:
-        self.runner = runner
-
-    @property
-    def merge(self) -> MergeSettings:
-        return self.runner.merge  # read each time: the quality harness swaps the runner's settings
+    def __init__(self, passes: ForwardPasses, scorer: Scorer, policy: PrefillPolicy, merge: MergeSettings) -> None:
+        self.passes, self.scorer, self.policy, self.merge = passes, scorer, policy, merge
 
     def fill_merged(self, first: int, cap: int, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         """Segment-sparse rows into stripes first, first + 1, ...: as many rows as fit are prefilled
@@ -43,14 +55,15 @@ class CompressedPrefill:
         their stripes. Staging at the end keeps each merge's destination clear of the rows still
         waiting: see `staged_rows`."""
         last_logits, slots, done = [], [], 0
-        num_slots = self.runner.arena.num_slots
+        num_slots = self.passes.arena.num_slots
         while done < len(prompts):
             row = first + done
             lengths = [len(p) for p in prompts[done:]]
             count = staged_rows(row * cap, num_slots, cap, lengths)
             starts = (num_slots - torch.tensor(lengths[:count]).flip(0).cumsum(0).flip(0)).tolist()
-            logits, scores, probe = self.runner.prefill_packed_at(
-                prompts[done : done + count], starts, observe=self.merge.window, surprisal=self.merge.surprisal)
+            logits, scores, kept = self.passes.prefill_packed_at(
+                prompts[done : done + count], starts, observe=self.merge.window, keep_final=self.merge.surprisal)
+            probe = self.scorer.probe(kept) if kept is not None else None
             # the plans are host work on a few numbers per group: the scores come over once, not row by row
             scores = torch.cat(scores).cpu().split(lengths[:count])
             searches = [ProtectionSearch(row_scores, n, self.merge) for n, row_scores in zip(lengths, scores)]
@@ -60,34 +73,37 @@ class CompressedPrefill:
                 for search, groups, values in zip(searches, wanted, surprisal, strict=True):
                     if groups:
                         search.feed(groups, values.view(-1, GROUP).sum(-1))
-            del probe  # the final layer's kept inputs: not held through the next packed prefill
+            del probe, kept  # the final layer's kept inputs: not held through the next packed prefill
             jobs = []
             for j, (n, src, search) in enumerate(zip(lengths, starts, searches)):
                 merge, evict = search.plan()
                 plan = plan_groups(n, merge, evict=evict)
                 jobs.append((src, n, (row + j) * cap, plan))
-            slots += apply_plans(self.runner.arena, jobs, rotary=self.rotary)  # reads every row before writing
+            # reads every row before writing
+            slots += apply_plans(self.passes.arena, jobs, rotary=self.rotary(self.merge))
             last_logits.append(logits)
             done += count
         return torch.cat(last_logits), slots
 
-    @property
-    def rotary(self) -> RotaryTable | None:
+    def rotary(self, merge: MergeSettings) -> RotaryTable | None:
         """The RoPE table merges re-rotate keys with (None: average rotated keys as they are)."""
-        return self.runner.model.rotary if self.merge.rerotate else None
+        return self.passes.model.rotary if merge.rerotate else None
 
-    def rolling_prefill(self, prompt: list[int], start: int, budget: int) -> tuple[torch.Tensor, int]:
+    def rolling_prefill(self, prompt: list[int], start: int, budget: int, merge: MergeSettings | None = None
+                        ) -> tuple[torch.Tensor, int]:
         """long_input=rolling_merge: prefill segment by segment; before a segment would overflow
         `budget` slots, fold the oldest slots 4:1 (again and again for the oldest history).
 
         Returns the last position's logits and the slots the row now holds at flat slot `start`
-        (also the quality harness's entry point)."""
-        chunk = min(self.runner.policy.segment_size, budget - self.merge.sinks - self.merge.window)
+        (also the quality harness's entry point, which passes `merge` settings of its own; None: the
+        engine's)."""
+        merge = merge or self.merge
+        chunk = min(self.policy.segment_size, budget - merge.sinks - merge.window)
         if chunk < 1:
-            raise ConfigError(f"max_input_len={self.runner.policy.max_input_len} leaves no room to roll a long prompt "
-                              f"past {self.merge.sinks} sink and {self.merge.window} window tokens; raise it.")
+            raise ConfigError(f"max_input_len={self.policy.max_input_len} leaves no room to roll a long prompt "
+                              f"past {merge.sinks} sink and {merge.window} window tokens; raise it.")
         # positions run on past the slots: the RoPE table must cover the true token count
-        self.runner.model.build_rotary(len(prompt) + self.runner.policy.max_output_len)
+        self.passes.model.build_rotary(len(prompt) + self.policy.max_output_len)
         counts: list[int] = []
         positions: list[float] = []
         logits = None
@@ -95,14 +111,14 @@ class CompressedPrefill:
             piece = prompt[begin : begin + chunk]
             overflow = len(counts) + len(piece) - budget
             if overflow > 0:
-                plan = plan_oldest(counts, positions, overflow, self.merge)
+                plan = plan_oldest(counts, positions, overflow, merge)
                 if plan.num_slots + len(piece) > budget:
                     raise ConfigError(f"rolling merge cannot fit a {len(prompt)}-token prompt into {budget} slots; "
                                       "raise max_input_len or shorten the prompt.")
-                apply_plan(self.runner.arena, start, len(counts), start, plan, rotary=self.rotary,
+                apply_plan(self.passes.arena, start, len(counts), start, plan, rotary=self.rotary(merge),
                            src_positions=positions)
                 counts, positions = plan.counts, plan.positions
-            logits, _ = self.runner.extend(piece, start, len(counts), begin)
+            logits, _ = self.passes.extend(piece, start, len(counts), begin)
             counts += [1] * len(piece)
             positions += [float(p) for p in range(begin, begin + len(piece))]
         return logits, len(counts)

@@ -48,7 +48,7 @@ import torch
 from flashx_batch.backends import Backend, GraphReplay, get_backend
 
 if TYPE_CHECKING:
-    from flashx_batch.runtime.torch_runner import TorchRunner
+    from flashx_batch.runtime.forward_passes import ForwardPasses
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ class DecodeGraphs:
     `backend` captures the graphs (`Backend.capture_graph`); None: the cuda backend, looked up at the
     first capture."""
 
-    def __init__(self, runner: TorchRunner, capture: bool = True, backend: Backend | None = None) -> None:
-        self.runner = runner
+    def __init__(self, passes: ForwardPasses, capture: bool = True, backend: Backend | None = None) -> None:
+        self.passes = passes
         self.capture = capture
         self.backend = backend
         self.failed = False  # a capture failed: every step runs eagerly, unpadded, from then on
@@ -106,17 +106,17 @@ class DecodeGraphs:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
                write_slots: torch.Tensor | None, cap: int, stripes: int) -> torch.Tensor | None:
-        """`TorchRunner.decode` for rows 0..B-1 of `stripes` stripes of `cap` slots (no groups): logits
+        """`ForwardPasses.decode` for rows 0..B-1 of `stripes` stripes of `cap` slots (no groups): logits
         [B, V], or None when the step should run eagerly at its own shape (a capture failed, or
         MAX_GRAPHS are held and this shape is new)."""
-        runner = self.runner
+        passes = self.passes
         rows = len(tokens)
         padded, slots = rows_bucket(rows, stripes), slots_bucket(kv_len, cap)
         key = (padded, cap, slots)
         if self.capture:
-            if self.rotary is not runner.model.rotary:  # a rebuilt RoPE table: old graphs read the freed one
+            if self.rotary is not passes.model.rotary:  # a rebuilt RoPE table: old graphs read the freed one
                 self.graphs.clear()
-                self.rotary = runner.model.rotary
+                self.rotary = passes.model.rotary
             if self.failed or (key not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
                 return None
         if padded > rows:  # padding rows: token 0 at slot 0 of their own free stripe
@@ -124,12 +124,12 @@ class DecodeGraphs:
             tokens, positions = torch.cat((tokens, pad)), torch.cat((positions, pad))
             if write_slots is not None:
                 write_slots = torch.cat((write_slots, pad))
-        mask = runner.stripe_mask(positions, write_slots, slots, cap)
-        write_flat = runner.stripe_starts(cap, padded) + (positions if write_slots is None else write_slots)
+        mask = passes.stripe_mask(positions, write_slots, slots, cap)
+        write_flat = passes.stripe_starts(cap, padded) + (positions if write_slots is None else write_slots)
         inputs = (tokens, positions, write_flat, mask)
         runs = ((0, padded, 0, cap, slots, False),)
         if not self.capture:
-            hidden = runner.step_hidden(*inputs, runs)
+            hidden = passes.step_hidden(*inputs, runs)
         else:
             captured = self.graphs.get(key)
             if captured is None:
@@ -146,7 +146,7 @@ class DecodeGraphs:
         self.padding_rows += padded - rows
         # the LM head outside the graph, on the live rows only: no vocab-wide logits for padding rows,
         # and no vocab-wide static output per graph (a graph keeps only [rows, hidden])
-        return runner.model.logits(hidden[:rows])
+        return passes.model.logits(hidden[:rows])
 
     def _capture_or_none(self, key: tuple[int, int, int], inputs: tuple[torch.Tensor, ...], runs: tuple
                          ) -> _Captured | None:
@@ -170,5 +170,5 @@ class DecodeGraphs:
         static = tuple(t.clone() for t in inputs)  # outside the pool: no graph's temporaries overlap them
         if self.backend is None:
             self.backend = get_backend("cuda")
-        graph, hidden, self.pool = self.backend.capture_graph(lambda: self.runner.step_hidden(*static, runs), self.pool)
+        graph, hidden, self.pool = self.backend.capture_graph(lambda: self.passes.step_hidden(*static, runs), self.pool)
         return _Captured(graph, static, hidden)

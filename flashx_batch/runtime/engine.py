@@ -151,11 +151,12 @@ class Engine:
             self.backend.prepare_model(model)
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
-        runner = TorchRunner(model, arena, self.backend, policy, merge, pad_id=cfg.pad_token_id or 0)
         eager_only = cfg.sliding_window is not None or cfg.moe is not None or cfg.mla is not None or shard is not None
+        graphs = None
         if o.cuda_graphs != "off" and self.backend.supports_graphs and not eager_only:
-            runner.graphs = DecodeGraphs(runner, backend=self.backend)
-        return runner
+            graphs = lambda passes: DecodeGraphs(passes, backend=self.backend)  # noqa: E731
+        return TorchRunner(model, arena, self.backend, policy, merge, pad_id=cfg.pad_token_id or 0,
+                           fuse_int8_decode=o.fused_int8_decode, graphs=graphs)
 
     def _scheduler_config(self) -> SchedulerConfig:
         o, arena_free = self.options, not self.runner.traits.kv_arena

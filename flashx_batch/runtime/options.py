@@ -88,6 +88,8 @@ class EngineOptions:
                           KV_LAYOUTS)
     cuda_graphs: str = knob("auto", "striped decode steps replayed from CUDA graphs: auto (where the backend "
                                     "captures them: cuda), on (an error elsewhere), off (eager steps)", CUDA_GRAPHS)
+    fused_int8_decode: bool = knob(True, "an all-int8 model's CPU decode steps in a few compiled calls a layer "
+                                         "(false: module by module, the same tokens; for A / B measurements)")
     tensor_parallel_size: int = knob(1, "ranks one model replica is split over (attention heads, MLP columns, "
                                         "vocabulary); each rank drives one device and holds 1/N of the weights")
 

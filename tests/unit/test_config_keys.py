@@ -23,6 +23,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 ENGINE_ONLY_FIELDS = {
     "dtype": "model.dtype",  # the model section names the weights' dtype, next to model.path
     "sort_by_length": None,  # not a job key: a job always sorts a shard's rows by length (pinned True)
+    "fused_int8_decode": None,  # not a job key: the fused int8 decode step's A / B switch (default True)
 }
 # runtime.* keys that are no EngineOptions knob: how the job cuts its input, not how an engine runs
 JOB_ONLY_KEYS = {"shard_size", "bucket_edges"}

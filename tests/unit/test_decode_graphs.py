@@ -41,15 +41,15 @@ def test_padded_static_steps_give_the_eager_tokens(arch, policy, tiny_models, on
     expected = [(o.token_ids, o.finish_reason) for o in eager.generate(prompts, params)]
     graphed = _engine(model_dir, cache_policy=policy)
     runner = graphed.runner
-    runner.graphs = DecodeGraphs(runner, capture=False)
+    runner.passes.graphs = DecodeGraphs(runner.passes, capture=False)
     shapes = []
-    step = runner.step_hidden
+    step = runner.passes.step_hidden
 
     def recording(tokens, positions, write_flat, mask, runs):
         shapes.append((len(tokens), mask.shape[-1], runs, int(positions.max()) + 1))
         return step(tokens, positions, write_flat, mask, runs)
 
-    runner.step_hidden = recording
+    runner.passes.step_hidden = recording
     got = [(o.token_ids, o.finish_reason) for o in graphed.generate(prompts, params)]
     assert got == expected
     assert graphed.last_stats.decode_steps == eager.last_stats.decode_steps == len(shapes)
@@ -127,7 +127,7 @@ class _StandInBackend(CpuBackend):
 def _with_stand_in_graphs(engine, fail_after: int | None = None):
     """Give `engine` capturing DecodeGraphs whose backend captures stand-in graphs."""
     backend = _StandInBackend(engine.runner, fail_after)
-    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, capture=True, backend=backend)
+    graphs = engine.runner.passes.graphs = DecodeGraphs(engine.runner.passes, capture=True, backend=backend)
     return graphs
 
 
@@ -207,6 +207,6 @@ def test_a_backend_without_graphs_leaves_steps_to_the_eager_path(tiny_models, on
     prompts, params = _workload()
     expected = [o.token_ids for o in _engine(model_dir).generate(prompts, params)]
     engine = _engine(model_dir)
-    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, backend=CpuBackend())
+    graphs = engine.runner.passes.graphs = DecodeGraphs(engine.runner.passes, backend=CpuBackend())
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
     assert graphs.failed and graphs.replays == graphs.steps == 0

@@ -11,7 +11,7 @@ from flashx_batch.backends import cpu_decode
 from flashx_batch.bench.int8_cpu import quantize_all
 from flashx_batch.quant import formats, int8_decode, linear
 from flashx_batch.quant.int8_decode import Int8Decode, Reads
-from flashx_batch.runtime.torch_runner import TorchRunner
+from flashx_batch.runtime.forward_passes import ForwardPasses
 
 pytestmark = pytest.mark.skipif(int8_decode._kernels() is None, reason="the fused kernels cannot serve this machine")
 
@@ -35,8 +35,8 @@ def _prepacked(monkeypatch) -> None:
     monkeypatch.setattr(int8_decode, "INT_MM_MAX_ROWS", 0)
 
 
-def _written(runner: TorchRunner, slots: torch.Tensor) -> list[torch.Tensor]:
-    return [part[slots].clone() for layer in runner.caches for part in layer]
+def _written(passes: ForwardPasses, slots: torch.Tensor) -> list[torch.Tensor]:
+    return [part[slots].clone() for layer in passes.caches for part in layer]
 
 
 @pytest.mark.parametrize("kernel", ["int_mm", "prepacked"])
@@ -47,7 +47,7 @@ def test_each_fused_step_gives_the_modules_hidden_states_and_cache_bit_for_bit(t
         _prepacked(monkeypatch)
     engine = _engine(tiny_models["llama"][0])
     runner, steps = engine.runner, []
-    step_hidden = TorchRunner.step_hidden
+    step_hidden = ForwardPasses.step_hidden
 
     def both(self, tokens, positions, write_flat, mask, runs, extents=None):
         assert extents is not None, "the engine's CPU decode steps read rows in extents"
@@ -61,36 +61,36 @@ def test_each_fused_step_gives_the_modules_hidden_states_and_cache_bit_for_bit(t
         steps.append(len(tokens))
         return plain
 
-    monkeypatch.setattr(TorchRunner, "step_hidden", both)
+    monkeypatch.setattr(ForwardPasses, "step_hidden", both)
     out = engine.generate(_prompts(4), SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert all(len(o.token_ids) == 12 for o in out) and len(steps) >= 11
-    gemms = [g for b in runner._fused[1]._steps.values() for g in (b.qkv, b.o, b.gate_up, b.down)]
+    gemms = [g for b in runner.passes._fused[1]._steps.values() for g in (b.qkv, b.o, b.gate_up, b.down)]
     assert gemms and all(g.int_mm == (kernel == "int_mm") for g in gemms)
 
 
 def test_each_fused_paged_step_gives_the_modules_logits_bit_for_bit(tiny_models, monkeypatch):
     """The same for a paged batch (rows reading shared prefix segments through slot tables)."""
     engine = _engine(tiny_models["llama"][0], segment_size=8, prefix_cache_tokens=32)
-    paged_step, steps = TorchRunner._paged_step, []
+    paged_decode, steps = ForwardPasses.paged_decode, []
 
-    def both(self, d):
-        writes = self.live.table.gather(1, torch.tensor(d.positions)[:, None])[:, 0]
+    def both(self, tokens, positions, table, kv_len):
+        writes = table.gather(1, positions)[:, 0]
         self.fuse_int8_decode = True
-        fused = paged_step(self, d)
+        fused = paged_decode(self, tokens, positions, table, kv_len)
         written = _written(self, writes)
         self.fuse_int8_decode = False
-        plain = paged_step(self, d)
+        plain = paged_decode(self, tokens, positions, table, kv_len)
         assert torch.equal(fused, plain), (fused - plain).abs().max()
         assert all(torch.equal(a, b) for a, b in zip(written, _written(self, writes), strict=True))
-        steps.append(len(d.positions))
+        steps.append(len(positions))
         return plain
 
-    monkeypatch.setattr(TorchRunner, "_paged_step", both)
+    monkeypatch.setattr(ForwardPasses, "paged_decode", both)
     prompts = _prompts(3)
     prompts += [prompts[2][:18] + [7, 9, 11], prompts[2][:18] + [13]]  # share whole segments with a batch-mate
     engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert steps, "no paged decode step ran"
-    assert engine.runner._fused[1] is not None
+    assert engine.runner.passes._fused[1] is not None
 
 
 @pytest.mark.parametrize("options", [{}, dict(segment_size=8, prefix_cache_tokens=32)])
@@ -100,11 +100,10 @@ def test_fused_and_layer_by_layer_decoding_give_the_same_tokens(tiny_models, opt
     prompts += [prompts[2][:18] + [7, 9, 11], prompts[2][:18] + [13]]
     tokens = {}
     for fused in (True, False):
-        engine = _engine(tiny_models["llama"][0], **options)
-        engine.runner.fuse_int8_decode = fused
+        engine = _engine(tiny_models["llama"][0], fused_int8_decode=fused, **options)
         tokens[fused] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=16,
                                                                                       ignore_eos=True))]
-        assert (engine.runner._fused is not None and engine.runner._fused[1] is not None) == fused
+        assert (engine.runner.passes._fused is not None and engine.runner.passes._fused[1] is not None) == fused
     assert tokens[True] == tokens[False]
 
 
@@ -131,41 +130,40 @@ def test_models_it_cannot_run_exactly_keep_the_modules(tiny_models, arch):
     """q / k norms (Qwen3) and interleaved RoPE (GLM) are not what the fused step computes: no fused step,
     and decoding goes on layer by layer."""
     engine = _engine(tiny_models[arch][0])
-    assert int8_decode._why_not(engine.runner.model, engine.runner.caches) is not None
+    assert int8_decode._why_not(engine.runner.model, engine.runner.passes.caches) is not None
     out = engine.generate(_prompts(2), SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert all(len(o.token_ids) == 4 for o in out)
-    assert engine.runner._fused is not None and engine.runner._fused[1] is None
+    assert engine.runner.passes._fused is not None and engine.runner.passes._fused[1] is None
 
 
 def test_a_float_or_partly_float_model_keeps_the_modules(tiny_models):
     engine = Engine.from_pretrained(tiny_models["llama"][0], backend="cpu", dtype="float32", max_batch_size=4,
                                     max_input_len=96, max_output_len=16)
     runner = engine.runner
-    assert "int8_dynamic" in (int8_decode._why_not(runner.model, runner.caches) or "")
+    assert "int8_dynamic" in (int8_decode._why_not(runner.model, runner.passes.caches) or "")
     quantize_all(engine, keep=("layers.1.mlp.down",))
-    assert "int8_dynamic" in (int8_decode._why_not(runner.model, runner.caches) or "")
-    assert Int8Decode.build(runner.model, runner.caches) is None
+    assert "int8_dynamic" in (int8_decode._why_not(runner.model, runner.passes.caches) or "")
+    assert Int8Decode.build(runner.model, runner.passes.caches) is None
 
 
 def test_turning_it_off_survives_a_reset(tiny_models):
-    """`fuse_int8_decode = False` is a setting: a runner reset (after a failed step) keeps it."""
-    engine = _engine(tiny_models["llama"][0])
-    engine.runner.fuse_int8_decode = False
+    """`fused_int8_decode=False` is a setting: a runner reset (after a failed step) keeps it."""
+    engine = _engine(tiny_models["llama"][0], fused_int8_decode=False)
     engine.runner.reset()
-    assert engine.runner.fuse_int8_decode is False and engine.runner._int8_decode() is None
+    assert engine.runner.passes.fuse_int8_decode is False and engine.runner.passes.int8_decode() is None
 
 
 def test_a_step_it_does_not_serve_is_refused(tiny_models):
     engine = _engine(tiny_models["llama"][0])
     runner = engine.runner
-    fused = Int8Decode.build(runner.model, runner.caches)
+    fused = Int8Decode.build(runner.model, runner.passes.caches)
     assert fused is not None
     rows = int8_decode.MAX_ROWS + 1
     tokens, positions = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
     extents = Reads.extents(cpu_decode.row_extents(positions, positions + 1))
     with pytest.raises(ValueError, match="serves"):
         fused.hidden(tokens, positions, positions, extents)
-    slots = runner.caches[0][0].shape[0]
+    slots = runner.passes.caches[0][0].shape[0]
     far = Reads.extents(cpu_decode.row_extents(torch.tensor([slots]), torch.tensor([1])))
     with pytest.raises(ValueError, match="outside the cache"):
         fused.hidden(tokens[:1], positions[:1], positions[:1], far)

@@ -248,7 +248,8 @@ def test_packed_prefill_surprisal_is_the_models_next_token_loss(llama_dir):
     runner = engine.runner
     prompts = _prompts((40, 17, 33))
     starts = [0, 64, 128]
-    _, _, probe = runner.prefill_packed_at(prompts, starts, surprisal=True)
+    _, _, kept = runner.passes.prefill_packed_at(prompts, starts, keep_final=True)
+    probe = runner.scorer.probe(kept)
     surprisal = probe.tokens([torch.arange(len(p)) for p in prompts])
     # asked for a few tokens, out of order: the same numbers as asking for all of them
     some = [torch.tensor([9, 3, 0, 39]), torch.tensor([], dtype=torch.long), torch.tensor([16, 1])]
@@ -271,7 +272,8 @@ def test_packed_surprisal_of_rows_sharing_lengths_interleaved(llama_dir):
     runner = engine.runner
     prompts = _prompts((40, 17, 40, 33, 17, 40))
     starts = [0, 48, 96, 144, 192, 240]
-    _, _, probe = runner.prefill_packed_at(prompts, starts, surprisal=True)
+    _, _, kept = runner.passes.prefill_packed_at(prompts, starts, keep_final=True)
+    probe = runner.scorer.probe(kept)
     every = probe.tokens([torch.arange(len(p)) for p in prompts])
     some = [torch.arange(0, 40, 3), torch.tensor([16]), torch.tensor([38, 5]),
             torch.tensor([32, 1, 20]), torch.arange(17), torch.tensor([0])]
@@ -406,13 +408,13 @@ def test_a_moved_row_does_not_inherit_the_finished_rows_merge_bias(llama_dir):
 def test_evict_only_rows_decode_without_a_mask_and_the_same_tokens(llama_dir, monkeypatch):
     """Evicting leaves no merge bias, so aligned rows step with no mask at all; a bias in the arena
     (a merge) brings the mask back, and the tokens do not change."""
-    from flashx_batch.runtime.torch_runner import TorchRunner
+    from flashx_batch.runtime.forward_passes import ForwardPasses
 
     engine = _engine(llama_dir, cache_policy="segment_sparse", kv_observe_window=8)
     prompts, params = _prompts((96,) * 4, seed=11), SamplingParams(max_new_tokens=16, ignore_eos=True)
     masks = []
-    original = TorchRunner.stripe_mask
-    monkeypatch.setattr(TorchRunner, "stripe_mask", lambda self, *a: masks.append(a) or original(self, *a))
+    original = ForwardPasses.stripe_mask
+    monkeypatch.setattr(ForwardPasses, "stripe_mask", lambda self, *a: masks.append(a) or original(self, *a))
     unmasked = engine.generate(prompts, params)
     assert engine.last_stats.kv_bytes_peak < engine.last_stats.kv_bytes_static_peak  # the rows were compressed
     assert not engine.runner.arena.has_merge_bias and not masks
@@ -474,10 +476,10 @@ def test_packed_merged_fill_equals_filling_row_by_row(llama_dir, monkeypatch):
         logits, used = [], []
         for i, prompt in enumerate(rows):
             start = (first + i) * capacity
-            last, scores = self.runner.extend(prompt, start, 0, 0, observe=self.merge.window)
-            merge, evict = choose_compression(scores, len(prompt), self.merge, self.runner.prompt_surprisal(prompt))
+            last, scores = self.passes.extend(prompt, start, 0, 0, observe=self.merge.window)
+            merge, evict = choose_compression(scores, len(prompt), self.merge, self.scorer.prompt_surprisal(prompt))
             plan = plan_groups(len(prompt), merge, evict=evict)
-            used.append(apply_plan(self.runner.arena, start, len(prompt), start, plan, rotary=self.rotary))
+            used.append(apply_plan(self.passes.arena, start, len(prompt), start, plan, rotary=self.rotary(self.merge)))
             logits.append(last[-1])
         return torch.stack(logits), used
 

@@ -9,9 +9,9 @@ from parity_support import assert_batch_and_position_independent, cpu_engine, hf
 
 from flashx_batch import SamplingParams
 from flashx_batch.errors import ConfigError
+from flashx_batch.runtime.forward_passes import ForwardPasses
 from flashx_batch.runtime.layouts.extents import extent_runs
 from flashx_batch.runtime.layouts.stripes import attention_groups
-from flashx_batch.runtime.torch_runner import TorchRunner
 
 NEW_TOKENS = 32
 
@@ -101,12 +101,12 @@ def test_last_token_only_prefills_give_the_full_forward_last_logits(arch, tiny_m
     runner = engine.runner
     for lengths in ((12, 12, 12), (5, 30, 17)):
         prompts = _prompts(4, lengths)
-        packed = runner.prefill_packed(prompts)
+        packed = runner.passes.prefill_packed(prompts)
         for i, prompt in enumerate(prompts):
             with torch.no_grad():
                 ref = hf(torch.tensor([prompt])).logits[0, -1].float()
             assert (packed[i] - ref).abs().max().item() <= 1e-4
-            alone, scores = runner.extend(prompt, 0, 0, 0, observe=4)
+            alone, scores = runner.passes.extend(prompt, 0, 0, 0, observe=4)
             assert alone.shape == (1, ref.shape[0]) and scores.shape == (len(prompt),)
             assert (alone[0] - ref).abs().max().item() <= 1e-4
 
@@ -358,13 +358,13 @@ def test_split_decode_attention_gives_the_same_tokens(arch, policy, tiny_models,
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 25, 20, 6, 28, 9, 14, 22, 5, 16, 8)]
     params[2] = SamplingParams(max_new_tokens=25, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
     split_steps = []
-    decode = TorchRunner.decode
+    decode = ForwardPasses.decode
 
     def counting(self, *args, groups=None, **kw):
         split_steps.append(groups is not None)
         return decode(self, *args, groups=groups, **kw)
 
-    monkeypatch.setattr(TorchRunner, "decode", counting)
+    monkeypatch.setattr(ForwardPasses, "decode", counting)
     runs = {}
     for threshold in (None, 0):  # never split, split whenever a slot is saved
         split_steps.clear()

@@ -54,13 +54,13 @@ def test_prefill_logits_and_last_token_prefills_match(arch, windowed):
     model_dir, hf = windowed[arch]
     engine = _engine(model_dir)
     prompts = _prompts(3, (9, 40, 64))
-    packed = engine.runner.prefill_packed(prompts)  # last-token-only final layer, packed rows
+    packed = engine.runner.passes.prefill_packed(prompts)  # last-token-only final layer, packed rows
     for i, (prompt, logits) in enumerate(zip(prompts, engine.score(prompts))):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()
         assert (logits - ref).abs().max().item() <= 1e-4
         assert (packed[i] - ref[-1]).abs().max().item() <= 1e-4
-        alone, _ = engine.runner.extend(prompt, 0, 0, 0)
+        alone, _ = engine.runner.passes.extend(prompt, 0, 0, 0)
         assert (alone[0] - ref[-1]).abs().max().item() <= 1e-4
 
 
@@ -89,6 +89,6 @@ def test_a_window_no_row_can_outgrow_is_full_attention(windowed):
     model as full attention and allows what a window refuses (segment-sparse here)."""
     model_dir, hf = windowed["mistral"]
     engine = _engine(model_dir, max_input_len=8, max_output_len=8, cache_policy="segment_sparse")
-    assert engine.config.sliding_window is None and engine.runner.window is None
+    assert engine.config.sliding_window is None and engine.runner.passes.window is None
     prompt = _prompts(9, (8,))[0]
     assert engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].num_generated_tokens == 8
