@@ -82,6 +82,24 @@ def for_device(device: torch.device | str) -> Backend:
                       "run `python -m flashx_batch.doctor` to see why.")
 
 
+def device_traits(device: torch.device | str) -> type[Backend]:
+    """The backend class whose tensors live on `device`'s type: what the model and quantization layers
+    ask about the device a tensor is on (`host_kernels`, `int8_kernel`, `int4_kernel`) instead of
+    comparing device-type strings. A `cuda` device is the cuda backend's (a ROCm build's too: its
+    kernels are probed before use); a type no backend claims gets the base class's answers (no host
+    kernels, no packed kernels)."""
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":", 1)[0]
+    for cls in BACKENDS.values():
+        if cls.device_type == kind and cls.torch_runtime:
+            return cls
+    return Backend
+
+
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` lives where the host kernels run (numba, oneDNN packing, the fused int8 step)."""
+    return device_traits(tensor.device).host_kernels
+
+
 def check_known(name: str) -> None:
     """ConfigError unless `name` is `auto` or a registered backend (available here or not)."""
     if name != "auto" and name not in BACKENDS:
@@ -101,5 +119,5 @@ def get_backend(name: str = "auto") -> Backend:
     return backend()
 
 
-__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "GraphReplay", "check_known", "cluster_offers", "for_device",
-           "get_backend", "ray_accelerator_ids", "resolve_for_ray", "resolve_name"]
+__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "GraphReplay", "check_known", "cluster_offers", "device_traits",
+           "for_device", "get_backend", "on_host", "ray_accelerator_ids", "resolve_for_ray", "resolve_name"]

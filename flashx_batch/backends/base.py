@@ -79,12 +79,21 @@ class Backend:
     # decode step): decode reads rows in extents in one call, logits are computed in cache-sized chunks
     host_kernels: bool = False
     torch_runtime: bool = True  # False: the torch `Engine` cannot run on it (the ONNX Runtime path)
+    # weight-only int4 through torch's packed kernel on this device (`quant.linear`, probed before use);
+    # None: dequantize per call
+    int4_kernel: str | None = None
     # the collective library tensor-parallel ranks talk through (`backends.distributed`); None: no tensor parallelism
     collective: str | None = "gloo"
 
     @classmethod
     def is_available(cls) -> bool:
         return False
+
+    @classmethod
+    def int8_kernel(cls, dtype: torch.dtype) -> str:
+        """The `quant.linear` kernel int8 weights run with activations in `dtype` on this device (probed
+        before use): here none, so each call dequantizes."""
+        return "dequant"
 
     def device_string(self, index: int = 0) -> str:
         return f"{self.device_type}:{index}"

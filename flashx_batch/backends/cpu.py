@@ -21,10 +21,18 @@ class CpuBackend(Backend):
     attention_split_min_bytes = 256 << 10
     prefers_row_extents = True
     host_kernels = True
+    int4_kernel = "int4pack_mm_cpu"
 
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    @classmethod
+    def int8_kernel(cls, dtype: torch.dtype) -> str:
+        # float32: dynamic int8 activations through oneDNN / `_int_mm`; half: torch's weight-only kernel
+        if dtype == torch.float32:
+            return "int8_dynamic"
+        return "int8pack_mm" if dtype in (torch.bfloat16, torch.float16) else "dequant"
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

@@ -19,6 +19,11 @@ class CudaBackend(Backend):
     ray_noset_env = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
     supports_graphs = True
     collective = "nccl"  # RCCL under the same name on ROCm builds of torch
+    int4_kernel = "int4pack_mm_cuda"
+
+    @classmethod
+    def int8_kernel(cls, dtype: torch.dtype) -> str:
+        return "int8pack_mm" if dtype in (torch.bfloat16, torch.float16) else "dequant"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from flashx_batch.backends import for_device
+from flashx_batch.backends import device_traits, for_device
 from flashx_batch.backends.cpu import onednn_linear, onednn_pack, onednn_packs
 from flashx_batch.bench.models import moe_shape
 from flashx_batch.bench.workloads import Workload
@@ -78,7 +78,7 @@ def measure_matmul(device: torch.device | str = "cpu", n: int = 1024, dtype: tor
     b = torch.randn(n, n, dtype=dtype, device=device)
     c = torch.empty(n, n, dtype=dtype, device=device)  # no allocation inside the timing
     best = _best(lambda: torch.mm(a, b, out=c), device, repeats)
-    if device.type == "cpu" and onednn_packs(dtype):
+    if device_traits(device).host_kernels and onednn_packs(dtype):
         packed = onednn_pack(b)
         best = min(best, _best(lambda: onednn_linear(a, packed), device, repeats))
     return 2 * n**3 / best
@@ -106,7 +106,7 @@ def measure_machine(device: str = "cpu", matmul_n: int = 1024, matmul_dtype: tor
     """Both probes on `device` with the current torch thread setting."""
     backend = for_device(device)
     return Machine(
-        device=(f"cpu ({os.cpu_count()} cores visible)" if backend.device_type == "cpu"
+        device=(f"cpu ({os.cpu_count()} cores visible)" if backend.host_kernels
                 else backend.device_name(torch.device(device).index or 0)),
         threads=torch.get_num_threads(),
         mem_bandwidth_gb_s=measure_bandwidth(device, nbytes) / 1e9,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashx_batch.backends import on_host
 from flashx_batch.backends.cpu import onednn_linear, onednn_pack
 from flashx_batch.models.config import RopeConfig
 
@@ -167,7 +168,7 @@ class Linear(nn.Module):
     @property
     def pack_dtype(self) -> torch.dtype | None:
         """The dtype `pack` would pack (None off the CPU: nothing to pack there)."""
-        return self.weight.dtype if self.weight.device.type == "cpu" else None
+        return self.weight.dtype if on_host(self.weight) else None
 
     def pack(self) -> None:
         """Keep a copy of the weight in oneDNN's own blocked layout and multiply through oneDNN's linear
@@ -202,7 +203,7 @@ class GatedMLP(nn.Module):
         self.down = Linear(hidden, intermediate, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or x.device.type != "cpu":  # no shape guard for a compiler to record
+        if torch.compiler.is_compiling() or not on_host(x):  # no shape guard for a compiler to record
             return self._rows(x)
         rows = x.numel() // x.shape[-1]
         chunk = self.chunk_rows(x.element_size())

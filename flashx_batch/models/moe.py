@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashx_batch.backends import on_host
 from flashx_batch.backends.cpu import onednn_linear, onednn_pack
 from flashx_batch.models.config import MoESpec
 from flashx_batch.models.layers import GatedMLP, Linear
@@ -43,7 +44,7 @@ class SparseMoE(nn.Module):
     @property
     def pack_dtype(self) -> torch.dtype | None:
         """The dtype `pack` would pack (None off the CPU)."""
-        return self.experts_gate_up.dtype if self.experts_gate_up.device.type == "cpu" else None
+        return self.experts_gate_up.dtype if on_host(self.experts_gate_up) else None
 
     def pack(self) -> None:
         """Keep each expert's two weights in oneDNN's layout as well and multiply through oneDNN's linear

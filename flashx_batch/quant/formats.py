@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flashx_batch.backends import on_host
 from flashx_batch.quant import row_kernel
 
 FLOAT_FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -216,7 +217,7 @@ def quantize_rows(rows: torch.Tensor, steps: float = 127.0, padded: int | None =
     where it serves (the same bits)."""
     count, width = rows.shape
     padded = count if padded is None else padded
-    fused = row_kernel.kernel() if (count * width <= _SMALL_ROWS and rows.device.type == "cpu"
+    fused = row_kernel.kernel() if (count * width <= _SMALL_ROWS and on_host(rows)
                                     and rows.dtype == torch.float32) else None
     if fused is not None:
         codes, peak, codes_out, peak_out = _row_buffers(count, width, padded)
@@ -394,6 +395,25 @@ def has_vnni() -> bool:
 def onednn_int8_available() -> bool:
     """Whether this torch build has oneDNN's prepacked int8 linear (x86 builds with mkldnn)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+@functools.cache
+def int_mm_matches_packed() -> bool:
+    """Whether `int8_dynamic_matmul` (`torch._int_mm`) gives `PackedInt8.matmul`'s bits on this CPU, probed
+    once per process on a small weight (rows at the grid's ends, rows from 1e-3 to 1e3) at 1, 7 and 32
+    rows against one call of 70. Where it does not (some oneDNN builds scale AMX products in another
+    order), one kernel serves every call of a layer (`QuantLinear`), so that no row's bits depend on
+    which kernel its call's row count picked."""
+    if not onednn_int8_available() or not has_vnni():
+        return False
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 256, generator=g) * 0.05
+    weight[0] = 1.0
+    q, scales = quantize_int8(weight)
+    packed, q_t = PackedInt8(q, scales), q.t().contiguous()
+    x = torch.randn(70, 256, generator=g) * torch.logspace(-3, 3, 70)[:, None]
+    many = packed.matmul(x)
+    return all(torch.equal(int8_dynamic_matmul(x[a:b], q_t, scales), many[a:b]) for a, b in ((0, 1), (0, 7), (30, 62)))
 
 
 def fake_quantize_rows(x: torch.Tensor, steps: float = 127.0) -> torch.Tensor:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashx_batch.backends import cpu_decode
+from flashx_batch.backends import cpu_decode, on_host
 from flashx_batch.models.layers import GatedMLP, RMSNorm
 from flashx_batch.quant import formats as fm
 from flashx_batch.quant import row_kernel
@@ -392,7 +392,7 @@ def _why_not(model, caches) -> str | None:
     cfg = model.config
     if model.shard is not None:
         return "a tensor-parallel rank"
-    if model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
+    if model.embed.dtype != torch.float32 or not on_host(model.embed):
         return "not a float32 model on the CPU"
     if cfg.sliding_window is not None and any(cfg.window_layers):
         return "sliding-window layers"

@@ -23,8 +23,9 @@ speeds: docs/benchmarks.md, "Mixed-precision weights"):
                      prepacked kernel at a few rows, while at a prefill's many rows the prepacked one
                      is up to 3x faster. Both end in the same float products in the same order, so a
                      row's output is bit-identical whichever serves it (`formats.int8_dynamic_matmul`);
-                     where they could not be (no VNNI: the prepacked grid is 63 steps), one kernel
-                     serves every call. The kernels against float32 F.linear, per shape:
+                     where they are not (no VNNI: the prepacked grid is 63 steps; a oneDNN that scales
+                     AMX products in another order: `formats.int_mm_matches_packed`, probed once), one
+                     kernel serves every call. The kernels against float32 F.linear, per shape:
                      `jobs/int8_kernel_shapes.py` (docs/benchmarks.md, "int8 kernel per layer
                      shape"). The activation rounding is a second error beyond the
                      weight's: measurements for such an engine run this kernel itself instead of
@@ -51,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashx_batch.backends import device_traits
 from flashx_batch.quant import formats as fm
 
 log = logging.getLogger(__name__)
@@ -70,11 +72,10 @@ def _preferred_kernel(fmt: str, device: torch.device, dtype: torch.dtype, out_fe
                       group_size: int | None) -> str:
     if fmt in fm.FLOAT_FORMATS:
         return "native" if fm.FLOAT_FORMATS[fmt] == dtype else "cast"
+    traits = device_traits(device)
     if fmt == "int8":
-        if device.type == "cpu" and dtype == torch.float32:
-            return "int8_dynamic"
-        return "int8pack_mm" if device.type in ("cpu", "cuda") and dtype in _HALF else "dequant"
-    kernel = {"cpu": "int4pack_mm_cpu", "cuda": "int4pack_mm_cuda"}.get(device.type)
+        return traits.int8_kernel(dtype)
+    kernel = traits.int4_kernel
     if (kernel and group_size and dtype in _HALF
             and fm.int4_kernel_supported(kernel, out_features, in_features, group_size, dtype)):
         return kernel
@@ -170,8 +171,7 @@ class QuantLinear(nn.Module):
             if self.kernel == "int8_dynamic" and fm.onednn_int8_available():
                 self._packed = fm.PackedInt8(q, scales)
             small = self.out_features * self.in_features < INT_MM_MAX_WEIGHTS
-            if self.kernel == "int8_dynamic" and (self._packed is None or (self._packed.steps == fm.INT_MM_STEPS
-                                                                          and small)):
+            if self.kernel == "int8_dynamic" and (self._packed is None or (small and fm.int_mm_matches_packed())):
                 self.register_buffer("qweight_t", q.t().contiguous())  # `_int_mm` reads the weight as [K, N]
             elif self.kernel != "int8_dynamic":
                 self.register_buffer("qweight", q)

@@ -69,7 +69,7 @@ def _check_reserved_accelerator(engine: Any, backend: str, name: str) -> None:
 
     reserved = {k: list(v) for k, v in (ray_accelerator_ids() or {}).items() if v}
     # ONNX Runtime drives its device itself (its engine's torch device is the host's): not this check's
-    if reserved and engine.device.type == "cpu" and engine.backend.torch_runtime:
+    if reserved and engine.backend.name == "cpu":
         raise ConfigError(f"{name}: Ray gave this actor {reserved}, but runtime.backend={backend} resolved to the CPU "
                           "here (torch cannot use that device on this node); install the device's torch build on "
                           "the node (`python -m flashx_batch.doctor` there says what is missing), or set "

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashx_batch.backends import Backend, GraphReplay, get_backend
+from flashx_batch.backends import Backend, GraphReplay
 
 if TYPE_CHECKING:
     from flashx_batch.runtime.forward_passes import ForwardPasses
@@ -91,13 +91,12 @@ class DecodeGraphs:
     """Striped decode steps at bucketed static shapes, replayed from CUDA graphs (see the module doc).
 
     `capture=False` runs the padded step eagerly instead (the CPU tests' stand-in for a replay).
-    `backend` captures the graphs (`Backend.capture_graph`); None: the cuda backend, looked up at the
-    first capture."""
+    `backend` captures the graphs (`Backend.capture_graph`); None: the passes' own backend."""
 
     def __init__(self, passes: ForwardPasses, capture: bool = True, backend: Backend | None = None) -> None:
         self.passes = passes
         self.capture = capture
-        self.backend = backend
+        self.backend = backend if backend is not None else passes.backend
         self.failed = False  # a capture failed: every step runs eagerly, unpadded, from then on
         self.graphs: dict[tuple[int, int, int], _Captured] = {}
         self.pool: Any = None  # the backend's memory pool, shared by every graph
@@ -168,7 +167,5 @@ class DecodeGraphs:
 
     def _capture(self, inputs: tuple[torch.Tensor, ...], runs: tuple) -> _Captured:
         static = tuple(t.clone() for t in inputs)  # outside the pool: no graph's temporaries overlap them
-        if self.backend is None:
-            self.backend = get_backend("cuda")
         graph, hidden, self.pool = self.backend.capture_graph(lambda: self.passes.step_hidden(*static, runs), self.pool)
         return _Captured(graph, static, hidden)

@@ -262,7 +262,8 @@ class Engine:
     def lm(self) -> LogLikelihood:
         """The log-likelihood scorer (built on first use)."""
         if self._lm is None:
-            self._lm = LogLikelihood(self)
+            self._lm = LogLikelihood(self.runner, self.config, self.tokenizer, str(self.model_dir),
+                                     self.options.max_input_len)
         return self._lm
 
     def loglikelihood(self, pairs: Sequence[tuple[str | Sequence[int], str | Sequence[int]]],

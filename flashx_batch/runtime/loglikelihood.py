@@ -29,14 +29,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
+from flashx_batch.models.config import ModelConfig
 from flashx_batch.runtime.lm_requests import LMEncoder, TokenPair, fit, rolling_windows
-
-if TYPE_CHECKING:
-    from flashx_batch.runtime.engine import Engine
+from flashx_batch.runtime.runner import ModelRunner
 
 BATCH_TOKENS = 8192  # padded tokens per forward pass
 MAX_ROWS = 256
@@ -78,34 +77,36 @@ class _Row:
 
 
 class LogLikelihood:
-    """The scorer of one engine (built once by `Engine.lm`)."""
+    """The scorer of one engine (built once by `Engine.lm` from its parts: this module never imports
+    the engine).
 
-    def __init__(self, engine: Engine, batch_tokens: int = BATCH_TOKENS, max_rows: int = MAX_ROWS) -> None:
-        self.engine = engine
-        self.runner = engine.runner
+    `runner` scores the rows (`target_logprobs`, and `packed_target_logprobs` where it `packs_rows`);
+    `tokenizer` (None: token-id requests only) and `model_dir` (named when text needs a tokenizer);
+    `max_length`: tokens the model sees per request, the engine's max_input_len (lm-eval's
+    `max_length`)."""
+
+    def __init__(self, runner: ModelRunner, config: ModelConfig, tokenizer: Any, model_dir: str, max_length: int,
+                 batch_tokens: int = BATCH_TOKENS, max_rows: int = MAX_ROWS) -> None:
+        self.runner, self.config, self.tokenizer, self.model_dir = runner, config, tokenizer, model_dir
+        self.max_length = max_length
         self.batch_tokens, self.max_rows = batch_tokens, max_rows
-        self.pad_id = engine.config.pad_token_id or 0
+        self.pad_id = config.pad_token_id or 0
         self._encoder: LMEncoder | None = None
-
-    @property
-    def max_length(self) -> int:
-        """Tokens the model sees per request: the engine's max_input_len (lm-eval's `max_length`)."""
-        return self.engine.options.max_input_len
 
     @property
     def encoder(self) -> LMEncoder:
         if self._encoder is None:
-            if self.engine.tokenizer is None:
-                raise ValueError(f"{self.engine.model_dir}/tokenizer.json is missing, so text cannot be tokenized; "
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir}/tokenizer.json is missing, so text cannot be tokenized; "
                                  "pass token-id lists instead.")
-            self._encoder = LMEncoder.for_tokenizer(self.engine.tokenizer)
+            self._encoder = LMEncoder.for_tokenizer(self.tokenizer)
         return self._encoder
 
     @property
     def prefix_token_id(self) -> int:
-        if self.engine.tokenizer is not None:
+        if self.tokenizer is not None:
             return self.encoder.prefix_token_id
-        cfg = self.engine.config
+        cfg = self.config
         prefix = cfg.bos_token_id if cfg.bos_token_id is not None else (cfg.eos_token_ids or (None,))[0]
         if prefix is None:
             raise ValueError("the model names neither a BOS nor an EOS token to condition an empty context on")

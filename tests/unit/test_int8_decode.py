@@ -45,6 +45,8 @@ def test_each_fused_step_gives_the_modules_hidden_states_and_cache_bit_for_bit(t
     step's hidden states and the keys and values it wrote are the modules' exactly."""
     if kernel == "prepacked":
         _prepacked(monkeypatch)
+    elif formats.onednn_int8_available() and not formats.int_mm_matches_packed():
+        pytest.skip("`_int_mm` and the prepacked kernel differ in the last bits on this CPU: layers keep one kernel")
     engine = _engine(tiny_models["llama"][0])
     runner, steps = engine.runner, []
     step_hidden = ForwardPasses.step_hidden

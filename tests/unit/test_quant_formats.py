@@ -138,14 +138,17 @@ def test_small_int8_layers_take_int_mm_for_few_rows_with_the_same_bits(shape, mo
     """Below INT_MM_MAX_WEIGHTS a layer keeps its weight prepacked and plain: calls of at most
     INT_MM_MAX_ROWS rows go through `torch._int_mm`, larger ones through the prepacked kernel, and a
     row's output is the same bits either way (rows at the grid's ends, tiny and huge rows, a long K
-    whose int32 sums pass 2^24, a strided view, an all-zero row)."""
+    whose int32 sums pass 2^24, a strided view, an all-zero row). On a CPU whose two kernels differ in
+    the last bits (`formats.int_mm_matches_packed`), the prepacked kernel alone serves every call."""
     from flashx_batch.quant.linear import INT_MM_MAX_ROWS, INT_MM_MAX_WEIGHTS
 
     g = torch.Generator().manual_seed(15)
     w = torch.randn(*shape, generator=g) * 0.05
     w[0] = 1.0  # a row of one repeated value: every code at the grid's end, the largest int32 sums
     module = QuantLinear.from_float(w, "int8", torch.float32)
-    assert shape[0] * shape[1] < INT_MM_MAX_WEIGHTS and module._packed is not None and module.qweight_t is not None
+    both = fm.int_mm_matches_packed()
+    assert shape[0] * shape[1] < INT_MM_MAX_WEIGHTS and module._packed is not None
+    assert (module.qweight_t is not None) == both
     wide = torch.randn(90, 2 * shape[1], generator=g) * torch.logspace(-3, 3, 90)[:, None]
     wide[5] = 0.0
     wide[6] = wide[6].abs()  # all codes at +127 against the all-127 weight row: K x 127 x 127
@@ -157,10 +160,17 @@ def test_small_int8_layers_take_int_mm_for_few_rows_with_the_same_bits(shape, mo
     assert not int_mm_calls  # 90 rows: prepacked
     for part in (slice(0, 1), slice(0, INT_MM_MAX_ROWS), slice(5, 12), slice(60, 90)):
         few = module(x[part])
-        assert torch.equal(few, many[part]), part
-    assert int_mm_calls == [1, INT_MM_MAX_ROWS, 7, 30]  # every call of at most INT_MM_MAX_ROWS rows
+        if both:
+            assert torch.equal(few, many[part]), part
+        else:  # one kernel, which like float BLAS may sum a row in another order for another row count
+            assert torch.allclose(few, many[part], rtol=1e-6, atol=1e-6), part
+    # every call of at most INT_MM_MAX_ROWS rows through `_int_mm` where it gives the same bits, none elsewhere
+    assert int_mm_calls == ([1, INT_MM_MAX_ROWS, 7, 30] if both else [])
     reference = fm.fake_quantize_rows(x) @ module.reference_weight().T
-    assert ((many - reference).abs() <= 1e-4 * reference.abs() + 1e-6 * reference.abs().amax(1, keepdim=True)).all()
+    # exact int32 sums where `_int_mm` agrees; a oneDNN that scales AMX products in float may round a long
+    # K's sum to float32's precision of the row's largest value
+    spread = 1e-6 if both else 1e-4
+    assert ((many - reference).abs() <= 1e-4 * reference.abs() + spread * reference.abs().amax(1, keepdim=True)).all()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
