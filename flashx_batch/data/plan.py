@@ -12,7 +12,7 @@ import hashlib
 import logging
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from flashx_batch.config import DataSection, JobConfig
 from flashx_batch.data import openai_batch
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import Frame, InputFile
+from flashx_batch.data.refs import ROW_BITS, IdColumn, PackedRefs, Ref, RefIds
 from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.validate import (
     PROMPT_TOO_LONG,
@@ -37,10 +38,6 @@ from flashx_batch.runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 _ENCODE_CHUNK = 1024
 _SIGNATURE_BLOCKS = 64  # prefix blocks remembered per row for grouping (8 bytes each)
-
-Ref = tuple[int, int]  # (file index, row index)
-_ROW_BITS = 40  # a packed ref: file index << 40 | row index (a trillion rows a file, 8 million files)
-_ROW_MASK = (1 << _ROW_BITS) - 1
 
 
 @dataclass(frozen=True)
@@ -127,112 +124,6 @@ def bucket_edges(job: JobConfig) -> list[int]:
     edges = sorted({e for e in job.runtime.bucket_edges if e < limit}) if job.runtime.bucket_edges else [
         2**k for k in range(4, 32) if 2**k < limit]
     return [*edges, limit]
-
-
-class PackedRefs(Sequence):
-    """A shard's row refs, (file index, row index) each, packed 8 bytes a row: a million-row plan
-    holds megabytes of refs, not a Python tuple per row. Iterates, slices and compares as the
-    tuple of refs it stands for."""
-
-    __slots__ = ("codes",)
-
-    def __init__(self, refs: Iterable[Ref] | array = ()) -> None:
-        if isinstance(refs, array):
-            self.codes = refs
-        else:
-            self.codes = array("q", ((fi << _ROW_BITS) | ri for fi, ri in refs))
-
-    def __len__(self) -> int:
-        return len(self.codes)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return PackedRefs(self.codes[i])
-        c = self.codes[i]
-        return c >> _ROW_BITS, c & _ROW_MASK
-
-    def __iter__(self) -> Iterator[Ref]:
-        return ((c >> _ROW_BITS, c & _ROW_MASK) for c in self.codes)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, PackedRefs):
-            return self.codes == other.codes
-        return isinstance(other, tuple | list) and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(self.codes.tobytes())
-
-    def __add__(self, other: Iterable[Ref]) -> PackedRefs:
-        other = other if isinstance(other, PackedRefs) else PackedRefs(other)
-        return PackedRefs(self.codes + other.codes)
-
-    def __repr__(self) -> str:
-        return f"PackedRefs({tuple(self)!r})"
-
-    def __reduce__(self):  # an array pickles as its bytes
-        return PackedRefs, (self.codes,)
-
-
-class IdColumn(Sequence):
-    """Every input id in input order: 8 bytes a row for integer ids, the strings themselves otherwise."""
-
-    def __init__(self, kind: str) -> None:
-        self.values: array | list = array("q") if kind == "int" else []
-
-    def append(self, value: Any) -> None:
-        self.values.append(value)
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        return self.values[i]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.values)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, IdColumn):
-            return list(self.values) == list(other.values)
-        return isinstance(other, list | tuple) and list(self.values) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]  (mutable, like the list it stands for)
-
-    def __repr__(self) -> str:
-        return f"IdColumn({list(self.values)[:10]!r}{', ...' if len(self.values) > 10 else ''})"
-
-
-class RefIds(Mapping):
-    """ref (file index, row index) -> id, for every planned row, computed from the id column and
-    where each file's rows start (no dict of a million entries)."""
-
-    def __init__(self, ids: IdColumn, starts: list[int]) -> None:
-        self.ids, self.starts = ids, starts
-
-    def _index(self, ref: Ref) -> int | None:
-        fi, ri = ref
-        if not 0 <= fi < len(self.starts) or ri < 0:
-            return None
-        end = self.starts[fi + 1] if fi + 1 < len(self.starts) else len(self.ids)
-        g = self.starts[fi] + ri
-        return g if g < end else None
-
-    def __getitem__(self, ref: Ref) -> Any:
-        g = self._index(ref)
-        if g is None:
-            raise KeyError(ref)
-        return self.ids[g]
-
-    def __contains__(self, ref: object) -> bool:
-        return isinstance(ref, tuple) and len(ref) == 2 and self._index(ref) is not None  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[Ref]:
-        for fi, start in enumerate(self.starts):
-            end = self.starts[fi + 1] if fi + 1 < len(self.starts) else len(self.ids)
-            yield from ((fi, ri) for ri in range(end - start))
-
-    def __len__(self) -> int:
-        return len(self.ids)
 
 
 class _Rows:
@@ -384,7 +275,7 @@ def _assemble(job: JobConfig, loaded: LoadedInput, scan: _Scan) -> Plan:
         order = np.array(sorted(range(len(index)), key=lambda k: (-bucket[k], sigs[k], -length[k], index[k])),
                          dtype=np.int64)
     files = np.searchsorted(starts, index, side="right") - 1
-    codes = (files << _ROW_BITS) | (index - starts[files])
+    codes = (files << ROW_BITS) | (index - starts[files])
     shards, buckets = [], []
     useful = computed = 0
     shared = 0

@@ -187,7 +187,7 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: output.unlock(clean=not wrote))  # runs last: after Ray (and every actor) is down
         if job.executor.kind == "ray" and not output.is_finished():  # a finished job needs no Ray
-            from flashx_batch.runner.ray_executor import probe_cluster, ray_session
+            from flashx_batch.runner.ray_cluster import probe_cluster, ray_session
 
             stack.enter_context(ray_session(job, stop))
             probe_cluster(job)

@@ -28,6 +28,7 @@ from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
 from flashx_batch.models.parallel import TensorShard, rank_config
 from flashx_batch.runtime import kv_sizing
+from flashx_batch.runtime.capabilities import Capabilities, capabilities
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
 from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length, protect_nats_for
@@ -58,6 +59,8 @@ class Engine:
         self.backend: Backend = get_backend(options.backend)
         self.config = effective_config(ModelConfig.from_dir(self.model_dir), options)
         self.dtype = check_options(options, self.config, self.backend)
+        # what this model, these options and this backend can run: the runner's parts read it
+        self.capabilities: Capabilities = capabilities(self.config, options, self.backend)
         self.replica: ReplicaRank | None = None  # this engine's place in a tensor-parallel replica
         if options.tensor_parallel_size > 1:
             if rendezvous is None:  # local ranks share this machine's cores
@@ -151,12 +154,12 @@ class Engine:
             self.backend.prepare_model(model)
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
-        eager_only = cfg.sliding_window is not None or cfg.moe is not None or cfg.mla is not None or shard is not None
-        graphs = None
-        if o.cuda_graphs != "off" and self.backend.supports_graphs and not eager_only:
+        caps, graphs = self.capabilities, None
+        if o.cuda_graphs != "off" and caps.decode_graphs:
             graphs = lambda passes: DecodeGraphs(passes, backend=self.backend)  # noqa: E731
         return TorchRunner(model, arena, self.backend, policy, merge, pad_id=cfg.pad_token_id or 0,
-                           fuse_int8_decode=o.fused_int8_decode, graphs=graphs)
+                           fuse_int8_decode=bool(caps.fused_int8_decode), graphs=graphs,
+                           packed_scoring=bool(caps.packed_scoring))
 
     def _scheduler_config(self) -> SchedulerConfig:
         o, arena_free = self.options, not self.runner.traits.kv_arena

@@ -18,6 +18,7 @@ from flashx_batch.backends import Backend
 from flashx_batch.errors import ConfigError, PromptTooLongError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.parallel import rank_config
+from flashx_batch.runtime.capabilities import Capabilities, capabilities
 from flashx_batch.runtime.options import EngineOptions
 from flashx_batch.runtime.params import SamplingParams
 
@@ -39,48 +40,37 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
         if options.cache_policy != "static" or options.long_input not in ("error", "truncate"):
             raise ConfigError(f"runtime.backend=onnx supports cache_policy=static and long_input=error|truncate, "
                               f"not cache_policy={options.cache_policy} long_input={options.long_input}.")
-    if options.tensor_parallel_size > 1:
-        check_tensor_parallel(options, cfg, backend)
     if cfg is not None:
         cfg = effective_config(cfg, options)
         needed = options.max_input_len + options.max_output_len
         if needed > cfg.max_position_embeddings:
             log.warning("max_input_len + max_output_len = %d exceeds the model's max_position_embeddings=%d",
                         needed, cfg.max_position_embeddings)
-        if cfg.sliding_window is not None:
-            check_sliding_window(options, cfg.sliding_window)
-        if cfg.moe is not None:
-            check_experts(options)
-        if cfg.mla is not None:
-            check_latent_attention(options, cfg)
+    check_capabilities(options, capabilities(cfg, options, backend))
+    if options.tensor_parallel_size > 1 and cfg is not None:
+        rank_config(cfg, options.tensor_parallel_size)  # every split dimension divides, or which does not
     if backend is None:
         return None
-    if options.cuda_graphs == "on" and not backend.supports_graphs:
-        raise ConfigError(f"runtime.cuda_graphs=on needs a backend that captures CUDA graphs (cuda); this "
-                          f"engine runs on {backend.name}. Use cuda_graphs=auto (graphs where the "
-                          "backend has them) or off.")
     dtype = backend.default_dtype if options.dtype == "auto" else TORCH_DTYPES[options.dtype]
     if dtype not in backend.supported_dtypes:
         raise ConfigError(f"model.dtype={options.dtype} is not supported on {backend.name}.")
     return dtype
 
 
-def check_tensor_parallel(options: EngineOptions, cfg: ModelConfig | None, backend: Backend | None) -> None:
-    """Tensor parallelism splits our own torch decoder over ranks that talk through the backend's
-    collective library; precision maps are planned for the whole model's tensors, so they do not apply
-    to a rank's slices (yet)."""
+def check_capabilities(options: EngineOptions, caps: Capabilities) -> None:
+    """Refuse what `options` ask of a row of the capabilities record that does not hold, naming the
+    setting and the row's reason."""
     n = options.tensor_parallel_size
-    if options.backend == "onnx" or (backend is not None and (not backend.torch_runtime or backend.collective is None)):
-        raise ConfigError(f"runtime.tensor_parallel_size={n} needs a torch backend (cpu, cuda, rocm, npu), not "
-                          f"{options.backend}; set tensor_parallel_size=1 or pick a torch backend.")
-    if options.precision_map:
-        raise ConfigError(f"runtime.precision_map does not combine with tensor_parallel_size={n} yet (the map is "
-                          "planned for whole tensors, a rank holds slices); drop one of the two.")
+    if n > 1:
+        caps.require("tensor_parallel", f"runtime.tensor_parallel_size={n}")
+    if options.cache_policy == "segment_sparse" or options.long_input == "rolling_merge":
+        caps.require("merges_kv", f"runtime.cache_policy={options.cache_policy} long_input={options.long_input}")
+    if options.backend == "onnx":
+        caps.require("onnx_export", "runtime.backend=onnx")
     if options.cuda_graphs == "on":
-        raise ConfigError(f"runtime.cuda_graphs=on does not combine with tensor_parallel_size={n} (decode steps "
-                          "with collectives run eager); use cuda_graphs=auto or off.")
-    if cfg is not None:
-        rank_config(cfg, n)  # every split dimension divides evenly, or a ConfigError saying which does not
+        caps.require("decode_graphs", "runtime.cuda_graphs=on")
+    if options.precision_map:
+        caps.require("precision_map", "runtime.precision_map")
 
 
 def effective_config(cfg: ModelConfig, options: EngineOptions) -> ModelConfig:
@@ -90,48 +80,6 @@ def effective_config(cfg: ModelConfig, options: EngineOptions) -> ModelConfig:
     if window is None or options.long_input == "rolling_merge" or needed > window:
         return cfg
     return dataclasses.replace(cfg, sliding_window=None, window_layers=(False,) * cfg.num_layers)
-
-
-def check_experts(options: EngineOptions) -> None:
-    """Mixture-of-experts models: the expert loop reads each expert's token count back to the host,
-    which neither an ONNX graph nor a CUDA graph can hold, and precision maps know dense MLPs only."""
-    if options.backend == "onnx" or options.cuda_graphs == "on" or options.precision_map:
-        raise ConfigError("a mixture-of-experts model runs on a torch backend, with cuda_graphs=auto or off and "
-                          "no runtime.precision_map (its expert loop is data-dependent and precision maps cover "
-                          "dense MLPs only); drop runtime.backend=onnx, cuda_graphs=on or precision_map.")
-
-
-def check_latent_attention(options: EngineOptions, cfg: ModelConfig) -> None:
-    """Latent attention (DeepSeek-V3, GLM-5) caches one compressed entry per token, read by our own
-    latent attention: segment-sparse KV and rolling merges, which average keys and values slot by slot
-    with rotary re-alignment, are written for full keys and values (and DSA already keeps each query to
-    its top keys); the ONNX export and CUDA decode graphs carry the full-K/V attention only."""
-    name = "GLM-5 sparse (DSA) latent attention" if cfg.dsa is not None else "latent attention (MLA)"
-    if options.cache_policy == "segment_sparse" or options.long_input == "rolling_merge":
-        raise ConfigError(f"runtime.cache_policy=segment_sparse and long_input=rolling_merge merge full keys and "
-                          f"values, and this model ({cfg.architecture}) caches {name} entries instead; use "
-                          "cache_policy=static (prefix reuse works) with long_input=error or truncate.")
-    if options.backend == "onnx" or options.cuda_graphs == "on" or options.precision_map:
-        raise ConfigError(f"{cfg.architecture} ({name}) runs on a torch backend, with cuda_graphs=auto or off and "
-                          "no runtime.precision_map; drop runtime.backend=onnx, cuda_graphs=on or precision_map.")
-
-
-def check_sliding_window(options: EngineOptions, window: int) -> None:
-    """A sliding-window model (Mistral, Qwen2 with use_sliding_window) keeps every token's KV and masks
-    each sliding layer to its last `window` positions. That needs a slot per position: merged slots
-    stand for several positions at once, so segment-sparse KV and rolling merges are refused, as are the
-    ONNX graphs and CUDA graphs, which carry no window mask."""
-    where = f"the model attends through a sliding window of {window} tokens"
-    if options.cache_policy == "segment_sparse" or options.long_input == "rolling_merge":
-        raise ConfigError(f"runtime.cache_policy=segment_sparse and long_input=rolling_merge merge several positions "
-                          f"into one KV slot, and {where}, which needs one slot per position; use "
-                          "cache_policy=static with long_input=error or truncate.")
-    if options.backend == "onnx":
-        raise ConfigError(f"runtime.backend=onnx: the exported graphs have no sliding-window mask, and {where}; "
-                          "use a torch backend.")
-    if options.cuda_graphs == "on":
-        raise ConfigError(f"runtime.cuda_graphs=on: decode graphs carry no sliding-window mask, and {where}; "
-                          "use cuda_graphs=auto (eager steps for this model) or off.")
 
 
 def check_prompt_ids(index: int, ids: list[int], vocab_size: int) -> None:

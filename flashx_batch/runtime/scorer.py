@@ -19,8 +19,10 @@ from flashx_batch.runtime.forward_passes import ForwardPasses
 
 
 class Scorer:
-    def __init__(self, passes: ForwardPasses, pad_id: int = 0) -> None:
-        self.passes, self.pad_id = passes, pad_id
+    def __init__(self, passes: ForwardPasses, pad_id: int = 0, packed_scoring: bool = False) -> None:
+        """`packed_scoring`: whether `packed_target_logprobs` serves this model (the capabilities
+        record's `packed_scoring` row: our dense attention, no sliding windows)."""
+        self.passes, self.pad_id, self.packs_rows = passes, pad_id, packed_scoring
         self.model, self.device, self.window = passes.model, passes.device, passes.window
         self._bf16_head: torch.Tensor | None = None  # `_surprisal_head`, made on first use
 
@@ -75,12 +77,6 @@ class Scorer:
                 window = visible & (offset < self.window)
         hidden = self.model.hidden_states(ids, TeacherForced(cos, sin, visible=visible, window_visible=window))
         return self._picked_logprobs(hidden, pick, targets)
-
-    @property
-    def packs_rows(self) -> bool:
-        """Whether `packed_target_logprobs` serves this model: attention of our own (not MLA), no
-        sliding-window layers."""
-        return self.model.config.mla is None and not self.window
 
     @torch.inference_mode()
     def packed_target_logprobs(self, ids: torch.Tensor, row_lengths: tuple[int, ...], pick: torch.Tensor,

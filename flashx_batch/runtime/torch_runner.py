@@ -68,13 +68,14 @@ class _LiveRows:
 class TorchRunner(ModelRunner):
     def __init__(self, model: DecoderModel, arena: KVArena, backend: Backend, policy: PrefillPolicy,
                  merge: MergeSettings, pad_id: int = 0, fuse_int8_decode: bool = True,
-                 graphs: Callable[[ForwardPasses], Any] | None = None) -> None:
+                 graphs: Callable[[ForwardPasses], Any] | None = None, packed_scoring: bool = False) -> None:
         """`fuse_int8_decode` and `graphs`: see `ForwardPasses` (the A / B of `jobs/fused_int8_decode_ab.py`
-        builds one engine each way)."""
+        builds one engine each way). `packed_scoring`: see `Scorer` (the engine passes its capabilities
+        record's rows for all three)."""
         self.model, self.arena, self.backend, self.policy, self.merge = model, arena, backend, policy, merge
         self.device = model.embed.device
         self.passes = ForwardPasses(model, arena, backend, policy.row_capacity, fuse_int8_decode, graphs)
-        self.scorer = Scorer(self.passes, pad_id)
+        self.scorer = Scorer(self.passes, pad_id, packed_scoring)
         self.compress = CompressedPrefill(self.passes, self.scorer, policy, merge)
         self.live = _LiveRows(self.device)
         # a tensor-parallel rank: every rank samples from the same gathered logits, and takes rank 0's tokens

@@ -82,7 +82,7 @@ def test_buckets():
 def test_cuda_graphs_option(tiny_models):
     model_dir, _ = tiny_models["llama"]
     assert _engine(model_dir).runner.graphs is None  # auto: the CPU backend captures no graphs
-    with pytest.raises(ConfigError, match=r"runtime.cuda_graphs=on needs a backend .* runs on cpu"):
+    with pytest.raises(ConfigError, match=r"runtime.cuda_graphs=on: decode graphs need a backend .* runs on cpu"):
         _engine(model_dir, cuda_graphs="on")
     with pytest.raises(ConfigError, match="runtime.cuda_graphs='always' is not one of auto, on, off"):
         _engine(model_dir, cuda_graphs="always")

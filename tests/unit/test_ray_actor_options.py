@@ -4,7 +4,7 @@
 import pytest
 
 from flashx_batch.config import JobConfig
-from flashx_batch.runner import ray_executor
+from flashx_batch.runner import ray_cluster, ray_executor
 
 
 def _job(backend="auto", resources=None):
@@ -23,7 +23,7 @@ def worker(monkeypatch):
         def ask(options):
             asked.append(options)
             return name
-        monkeypatch.setattr(ray_executor, "_ask_worker", ask)
+        monkeypatch.setattr(ray_cluster, "_ask_worker", ask)
         return asked
     return answer
 
@@ -91,12 +91,12 @@ def test_a_reserved_accelerator_the_engine_cannot_use_is_a_bad_job(monkeypatch):
     from flashx_batch.errors import ConfigError
     from flashx_batch.runner.worker import _check_reserved_accelerator
 
-    on_cpu = types.SimpleNamespace(device=torch.device("cpu"), backend=types.SimpleNamespace(torch_runtime=True))
+    on_cpu = types.SimpleNamespace(device=torch.device("cpu"), backend=types.SimpleNamespace(name="cpu", torch_runtime=True))
     monkeypatch.setattr(backends, "ray_accelerator_ids", lambda: {"GPU": [], "NPU": ["3"]})
     with pytest.raises(ConfigError, match=r"Ray gave this actor \{'NPU': \['3'\]\}.*resolved to the CPU"):
         _check_reserved_accelerator(on_cpu, "auto", "flashx-worker-1")
     monkeypatch.setattr(backends, "ray_accelerator_ids", lambda: {"GPU": []})
     _check_reserved_accelerator(on_cpu, "auto", "flashx-worker-1")  # nothing reserved: a CPU actor
     monkeypatch.setattr(backends, "ray_accelerator_ids", lambda: {"GPU": ["0"]})
-    onnx = types.SimpleNamespace(device=torch.device("cpu"), backend=types.SimpleNamespace(torch_runtime=False))
+    onnx = types.SimpleNamespace(device=torch.device("cpu"), backend=types.SimpleNamespace(name="onnx", torch_runtime=False))
     _check_reserved_accelerator(onnx, "onnx", "flashx-worker-1")  # ONNX Runtime drives the GPU itself

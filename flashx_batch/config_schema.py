@@ -1,0 +1,180 @@
+"""The job configuration's schema: one dataclass per section (`model`, `data`, `sampling`, `runtime`,
+`executor`, `eval`, `output`, `storage`) and `JobConfig` over them. `flashx_batch.config` validates,
+composes and re-exports them; nothing here reads Hydra or a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from flashx_batch.runtime.options import EngineOptions
+from flashx_batch.storage import StorageSettings
+
+BUNDLED_PREFIX = "bundled://"
+
+
+@dataclass
+class ModelSection:
+    path: str = BUNDLED_PREFIX + "legal-tiny"  # a local HF directory, or bundled://<name>
+    dtype: str = "auto"  # EngineOptions.dtype (see ENGINE_ONLY): auto | float32 | bfloat16 | float16
+
+
+@dataclass
+class DataSection:
+    path: str = "???"  # file, directory, glob, `datasets` save_to_disk folder, or bundled://<file>
+    # auto | parquet | jsonl | csv | arrow (auto = from the suffix) | openai_batch (OpenAI Batch request lines:
+    # data/openai_batch.py sets the id, text and per-row sampling keys from them)
+    format: str = "auto"
+    id_column: str = "id"
+    prompt_column: str = "prompt"
+    messages_column: str | None = None  # chat rows; the model's chat template renders them
+    tools_column: str | None = None  # per-row tool specs (a list of JSON-schema functions, or its JSON text)
+    tools: list[Any] = field(default_factory=list)  # one tool list for every row (instead of tools_column)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
+    passthrough_columns: list[str] = field(default_factory=list)
+    prompt_prefix: str = ""  # prepended to every prompt (a shared few-shot prefix)
+    limit: int | None = None  # first N rows in input order (files sorted by path)
+    max_row_bytes: int = 1_000_000  # larger prompts become `row_too_large` error rows untokenized
+    # scoring tasks (task: loglikelihood | multiple_choice; perplexity reads prompt_column)
+    context_column: str = "context"
+    continuation_column: str = "continuation"  # task: loglikelihood
+    choices_column: str = "choices"  # task: multiple_choice: a list of strings (or its JSON text)
+    answer_column: str | None = "answer"  # task: multiple_choice: the right choice's index; null = no answers
+    target_delimiter: str = " "  # task: multiple_choice: put between the context and each choice (lm-eval's)
+
+
+@dataclass
+class SamplingSection:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # job seed; each row's seed is derived from it and the row id
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # K: per generated token its logprob and the top-K alternatives; null / 0 = off
+    n: int = 1  # samples per row, each an output row with its sample_index
+    # per-row values: sampling key -> input column (a null cell keeps the job-wide value); data/row_sampling.py
+    from_columns: dict[str, str] = field(default_factory=dict)
+
+
+# `runtime.*` = every EngineOptions knob (declared once, with its meaning, in runtime/options.py) except
+# ENGINE_ONLY, plus the job-only keys in JOB_ONLY_RUNTIME. The schema defaults are EngineOptions' defaults;
+# the presets in conf/ set the job values (legal_docs: max_output_len 64, shard_size 16).
+ENGINE_ONLY = {  # knob -> the job key that sets it instead (None: no job key; engine_options pins it)
+    # The job calls it model.dtype: how the model's weights are loaded, next to model.path.
+    "dtype": "model.dtype",
+    # Not a job key, as before: a job always sorts a shard's rows by length (True); the plan has already
+    # bucketed rows by length into shards, and there is no job-level reason to turn it off.
+    "sort_by_length": None,
+    # A research switch of the Python API (the fused int8 decode step's A / B): a job always fuses where it can.
+    "fused_int8_decode": None,
+}
+
+JOB_ONLY_RUNTIME: list[tuple[str, Any, Any]] = [
+    ("shard_size", int, field(default=64, metadata={"help": "rows per shard (the unit of commit and retry)"})),
+    ("bucket_edges", list[int], field(default_factory=list, metadata={
+        "help": "token-length bucket upper bounds; [] = powers of 2 up to max_input_len"})),
+]
+
+
+def _runtime_fields() -> list[tuple[str, Any, Any]]:
+    """RuntimeSection's fields: the job-visible EngineOptions knobs (same name, type, default, help), then JOB_ONLY."""
+    hints = get_type_hints(EngineOptions)  # evaluated annotations (int, str, bool, float, X | None): OmegaConf's types
+    engine = [(f.name, hints[f.name], field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+              for f in dataclasses.fields(EngineOptions) if f.name not in ENGINE_ONLY]
+    return engine + JOB_ONLY_RUNTIME
+
+
+RuntimeSection = dataclasses.make_dataclass(
+    "RuntimeSection", _runtime_fields(),
+    namespace={"__module__": __name__, "__doc__": "The runtime.* group of a job: EngineOptions knobs + job-only keys."})
+
+
+@dataclass
+class ExecutorSection:
+    kind: str = "ray"  # ray | local
+    address: str | None = None  # None = start a local Ray; "auto" = join a running cluster
+    num_actors: int | None = None  # None = one per accelerator (cpu: cores // cpus_per_actor)
+    cpus_per_actor: int = 1
+    resources: dict[str, float] = field(default_factory=dict)  # extra custom resources per actor
+    max_attempts: int = 3  # tries per shard before the job fails (resumable) or its rows become error rows
+    node_failure_limit: int = 3  # ray: a node where N different shards failed in a row is excluded (never the last)
+    shard_timeout_s: float | None = 3600.0  # watchdog (ray): a shard running longer has its actor killed
+    grace_period_s: float = 60.0  # after SIGINT/SIGTERM, how long in-flight shards may take to commit
+    progress_interval_s: float = 30.0  # off a TTY: a progress line this often, or each 5 % of the rows
+    # Ray runtime environment for every actor (pip / conda / env_vars / working_dir ...), passed as given;
+    # {} = the nodes' own environment (docs/cluster.md, "What every node needs")
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+    faults: list[str] = field(default_factory=list)  # fault injection for tests (runner/faults.py); [] = off
+
+
+@dataclass
+class EvalSection:
+    """Scoring against references (flashx_batch/evaluation/metrics.py): a per-row `score` column and the
+    job's mean with a bootstrap 95 % interval in job.json, _SUCCESS and report.md."""
+
+    metric: str | None = None  # exact_match | contains | regex (task=generate) | choice_accuracy (multiple_choice)
+    reference_column: str | None = None  # task=generate: the input column holding each row's reference answer
+    regex: str | None = None  # metric=regex: its first group (or the whole match) is the answer
+    resamples: int = 1000  # bootstrap resamples for the interval
+
+
+@dataclass
+class OutputSection:
+    dir: str = "outputs/job"
+    report: bool = True
+    # parquet | openai_batch: also <dir>/openai_batch_output.jsonl, every row as an OpenAI Batch output line
+    format: str = "parquet"
+
+
+@dataclass
+class StorageSection:
+    """Object-store access (flashx_batch/storage.py): unset keys fall back to the environment
+    (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, ...) and config files."""
+
+    endpoint_url: str | None = None  # an S3-compatible store: http(s)://host:port (MinIO, OSS, Ceph)
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None  # recorded as *** in job.json, never logged
+    session_token: str | None = None
+    anonymous: bool = False
+    conditional_put: bool = True  # If-None-Match manifests where the store honours them
+    lease_ttl_s: float = 60.0  # the object-store run lock's lease
+
+    def settings(self) -> StorageSettings:
+        return StorageSettings(**dataclasses.asdict(self))
+
+
+@dataclass
+class JobConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    executor: ExecutorSection = field(default_factory=ExecutorSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    storage: StorageSection = field(default_factory=StorageSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity
+    dry_run: bool = False
+    log_level: str = "INFO"
+
+    def extra_columns(self) -> list[str]:
+        """Input columns read besides the task's own: per-row sampling columns, the eval references."""
+        refs = [self.eval.reference_column] if self.eval.metric and self.eval.reference_column else []
+        # an OpenAI Batch line's own checks (data/openai_batch.py: row_problem)
+        requests = ["url", "request_error", "logprobs"] if self.data.format == "openai_batch" else []
+        return list(dict.fromkeys([*self.sampling.from_columns.values(), *refs, *requests]))
+
+    def engine_options(self, num_threads: int | None = None) -> EngineOptions:
+        """The runtime.* knobs as the engine takes them (raises ConfigError on bad values).
+
+        `num_threads` is the caller's fallback (the actor's CPUs) when runtime.num_threads is null.
+        """
+        values = {f.name: getattr(self.runtime, f.name) for f in dataclasses.fields(EngineOptions)
+                  if f.name not in ENGINE_ONLY}
+        values["num_threads"] = self.runtime.num_threads or num_threads
+        return EngineOptions(**values, dtype=self.model.dtype, sort_by_length=True)  # the ENGINE_ONLY knobs
