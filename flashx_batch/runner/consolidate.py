@@ -125,3 +125,9 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
         raise OutputDirError(f"a committed piece does not fit the output schema ({exc}); run the job into a new "
                              "output.dir.") from None
+
+
+def piece_reader(out: Any, kind: str, piece: str, committed: dict[str, dict[str, Any]]) -> Callable[[], Any]:
+    """A call that reads one committed piece's `kind` table from an output directory (local or object
+    store: anything with `read_part`), when `consolidate` asks for it."""
+    return lambda: out.read_part(kind, piece, committed=committed)

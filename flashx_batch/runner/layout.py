@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 
 from flashx_batch.job_errors import LockHeldError, OutputDirError, TornJobJsonError, ZombieAttemptError
 from flashx_batch.runner import pieces
-from flashx_batch.runner.consolidate import CONSOLIDATED, Slice, consolidate, pieces_table
+from flashx_batch.runner.consolidate import CONSOLIDATED, Slice, consolidate, piece_reader, pieces_table
+from flashx_batch.runner.durable import fsync_path, link_exclusive, write_atomic
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
@@ -39,32 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 KINDS = ("generations", "errors", "stats")
 JOB_JSON, SUCCESS, MANIFEST_DIR, ATTEMPTS_DIR, LOCK = "job.json", "_SUCCESS", "_manifest", "_attempts", "_lock"
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` so a reader sees the old or the new file, never half of one.
-
-    A failed write (a full disk) removes its temporary file, so the space it took is given back."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
 
 
 class OutputDir:
@@ -292,7 +267,7 @@ class OutputDir:
             existing = [int(m.group(1)) for f in (self.root / kind).glob("part-*.parquet")
                         if (m := CONSOLIDATED.fullmatch(f.name))]
             first = max(existing, default=-1) + 1
-            readers = [(p, _reader(self, kind, p, committed)) for p in sorted(redo)]
+            readers = [(p, piece_reader(self, kind, p, committed)) for p in sorted(redo)]
             schemas = [self._schema(kind, p, committed) for p in sorted(redo)]
             schemas += [pq.read_schema(self.root / f) for f in kept]
             new, slices = consolidate(kind, readers, first, self._sink, self._close_sink,
@@ -442,7 +417,7 @@ class OutputDir:
                 fsync_path(self.root / kind)
             if self.faults is not None:
                 self.faults.fire("before_manifest", shard_id, attempt)
-            won = _link_exclusive(staging / "manifest.json", self.manifest(shard_id))
+            won = link_exclusive(staging / "manifest.json", self.manifest(shard_id))
             fsync_path(self.root / MANIFEST_DIR)
         shutil.rmtree(staging, ignore_errors=True)
         return won
@@ -470,27 +445,3 @@ class OutputDir:
         except OSError:
             path.write_bytes(b"PAR1" + b"\0" * 64)  # what a disk that filled mid-write leaves: a torn file
             raise
-
-
-def _link_exclusive(src: Path, dst: Path) -> bool:
-    try:
-        os.link(src, dst)
-        return True
-    except FileExistsError:
-        return False
-    except OSError as exc:  # a filesystem without hard links: O_EXCL create, then write
-        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV):
-            raise
-    try:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(src.read_bytes())
-        fh.flush()
-        os.fsync(fh.fileno())
-    return True
-
-
-def _reader(out: OutputDir, kind: str, piece: str, committed: dict[str, dict[str, Any]]):
-    return lambda: out.read_part(kind, piece, committed=committed)

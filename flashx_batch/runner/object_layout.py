@@ -34,10 +34,7 @@ import contextlib
 import io
 import json
 import logging
-import os
-import socket
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -51,16 +48,15 @@ import pyarrow.parquet as pq
 from flashx_batch import storage
 from flashx_batch.job_errors import LockHeldError, OutputDirError, TornJobJsonError, ZombieAttemptError
 from flashx_batch.runner import pieces
-from flashx_batch.runner.consolidate import Slice, consolidate, pieces_table
+from flashx_batch.runner.consolidate import Slice, consolidate, piece_reader, pieces_table
 from flashx_batch.runner.layout import ATTEMPTS_DIR, JOB_JSON, KINDS, MANIFEST_DIR, SUCCESS
+from flashx_batch.runner.object_lease import LEASE, ObjectLease
 
 if TYPE_CHECKING:
     from flashx_batch.runner.faults import Faults
 
 log = logging.getLogger(__name__)
-LEASE = "_lease.json"
 COMMITTED = "_committed.json"  # a finished job's pieces and where their rows went (written just before _SUCCESS)
-_SETTLE_S = 1.0  # lease: how long a new owner waits before reading its lease back
 
 
 class ObjectAttempt:
@@ -81,7 +77,7 @@ class ObjectOutputDir:
         self.fs, self.base = storage.filesystem(self.root)
         self.faults = faults
         self.job_digest = job_digest
-        self._lease: _Lease | None = None
+        self._lease: ObjectLease | None = None
 
     # ---- paths ------------------------------------------------------------------------------
     def _path(self, rel: str) -> str:
@@ -139,7 +135,7 @@ class ObjectOutputDir:
     def lock(self) -> None:
         """Take the lease (LockHeldError while another live run holds it)."""
         try:
-            self._lease = _Lease(self)
+            self._lease = ObjectLease(self.root, self._read, self._write, self._delete)
             self._lease.acquire()
         except (LockHeldError, OutputDirError):
             raise
@@ -347,7 +343,7 @@ class ObjectOutputDir:
         where: dict[str, dict[str, list]] = {p: {} for p in committed}
         for kind in KINDS:
             mine = [p for p in sorted(committed) if kind in committed[p].get("parts", {})]
-            readers = [(p, _reader(self, kind, p, committed)) for p in mine]
+            readers = [(p, piece_reader(self, kind, p, committed)) for p in mine]
             schemas = [pq.read_schema(self._path(committed[p]["parts"][kind]), filesystem=self.fs) for p in mine]
             files[kind], slices = consolidate(kind, readers, 0, self._sink, _close_sink, empty.get(kind),
                                               schemas=schemas)
@@ -380,100 +376,3 @@ class ObjectOutputDir:
 
 def _close_sink(name: str, sink: Any) -> None:
     sink.close()  # the object appears whole when its upload completes
-
-
-def _reader(out: ObjectOutputDir, kind: str, piece: str, committed: dict[str, dict[str, Any]]):
-    return lambda: out.read_part(kind, piece, committed=committed)
-
-
-class _Lease:
-    """The single-writer lease of an object-store output directory (see the module docstring)."""
-
-    def __init__(self, out: ObjectOutputDir) -> None:
-        self.out = out
-        self.ttl = storage.settings().lease_ttl_s
-        self.owner = uuid.uuid4().hex
-        self.host, self.pid = socket.gethostname(), os.getpid()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.lost: str | None = None  # why this run no longer holds the lease (the finish refuses then)
-
-    def _record(self) -> bytes:
-        return json.dumps({"owner": self.owner, "host": self.host, "pid": self.pid,
-                           "expires_at": time.time() + self.ttl}).encode()
-
-    def _current(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.out._read(LEASE))
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
-            return None
-
-    def _held_by_other(self, lease: dict[str, Any] | None) -> bool:
-        if lease is None or lease.get("owner") == self.owner:
-            return False
-        if float(lease.get("expires_at", 0)) < time.time():
-            return False
-        if lease.get("host") == self.host and not _alive(int(lease.get("pid", 0))):
-            return False  # the same machine, and that process is gone: a crash, taken over at once
-        return True
-
-    def acquire(self) -> None:
-        lease = self._current()
-        if self._held_by_other(lease):
-            raise LockHeldError(_held_message(self.out.root, lease))
-        created = storage.put_if_absent(f"{self.out.root}/{LEASE}", self._record()) if lease is None else None
-        if created is False:  # another driver created it between our read and our put
-            raise LockHeldError(_held_message(self.out.root, self._current()))
-        if created is None:
-            self.out._write(LEASE, self._record())
-        time.sleep(_SETTLE_S)  # a racing driver's write lands in this window; whoever wrote last owns it
-        lease = self._current()
-        if lease is None or lease.get("owner") != self.owner:
-            raise LockHeldError(_held_message(self.out.root, lease))
-        self._thread = threading.Thread(target=self._renew, name="flashx-lease", daemon=True)
-        self._thread.start()
-
-    def _renew(self) -> None:
-        renewed = time.time()
-        while not self._stop.wait(self.ttl / 3):
-            try:
-                lease = self._current()
-                if lease is not None and lease.get("owner") != self.owner:
-                    self.lost = f"{lease.get('host')} pid {lease.get('pid')} took the lease"
-                    return
-                self.out._write(LEASE, self._record())
-                renewed = time.time()
-            except OSError as exc:  # a blip: the next renewal retries, until the lease would have expired
-                log.warning("could not renew the lease on %s: %s", self.out.root, exc)
-                if time.time() - renewed > self.ttl:
-                    self.lost = f"not renewed for {self.ttl:.0f} s ({exc})"
-                    return
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        with contextlib.suppress(OSError):
-            lease = self._current()
-            if lease is not None and lease.get("owner") == self.owner:
-                self.out._delete(LEASE)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _held_message(root: str, lease: dict[str, Any] | None) -> str:
-    who = f"{lease.get('host')} pid {lease.get('pid')}" if lease else "another run"
-    left = max(0.0, float(lease.get("expires_at", 0)) - time.time()) if lease else 0.0
-    return (f"another run is writing to {root} ({who} holds {root}/{LEASE}, valid {left:.0f} s more unless "
-            "renewed); try again once it has finished.")
-

@@ -16,7 +16,7 @@ from s3_support import job_record, make_bucket, objects, output_ids, s3_server, 
 
 from flashx_batch import read_output, storage
 from flashx_batch.config import compose_job, resolve_data_path
-from flashx_batch.runner import faults, object_layout, run
+from flashx_batch.runner import faults, object_lease, run
 from flashx_batch.runner.job import plan_job
 from flashx_batch.runner.worker import ShardWorker, WorkerContext
 
@@ -38,7 +38,7 @@ def bucket(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def quick_lease(monkeypatch):
-    monkeypatch.setattr(object_layout, "_SETTLE_S", 0.1)
+    monkeypatch.setattr(object_lease, "_SETTLE_S", 0.1)
 
 
 def _args(bucket: str, out: str, *extra: str) -> list[str]:

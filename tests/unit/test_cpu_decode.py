@@ -222,8 +222,8 @@ def test_a_second_process_loads_the_compiled_kernels_from_the_disk_cache():
     first compile, not be compiled again (~20 s for the decode kernel here; a jitted helper captured by
     a kernel's closure once made every process miss the cache, and a node added mid-job came up too
     late to get work)."""
-    probe = ("from flashx_batch.backends import cpu_decode; from flashx_batch.quant import int8_decode, row_kernel; "
-             "fused = int8_decode._kernels(); "  # None where torch's sums cannot be reproduced: nothing to load
+    probe = ("from flashx_batch.backends import cpu_decode; from flashx_batch.quant import int8_kernels, row_kernel; "
+             "fused = int8_kernels.compiled_kernels(); "  # None where torch cannot be reproduced: nothing to load
              "kernels = [cpu_decode._kernel()[1], row_kernel.kernel()] + ([] if fused is None else "
              "[fused.norm_round, fused.residual_norm_round, fused.rope_write, fused.dequant_rows]); "
              "print(min(sum(k.stats.cache_hits.values()) for k in kernels))")

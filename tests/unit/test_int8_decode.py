@@ -9,11 +9,12 @@ import torch
 from flashx_batch import Engine, SamplingParams
 from flashx_batch.backends import cpu_decode
 from flashx_batch.bench.int8_cpu import quantize_all
-from flashx_batch.quant import formats, int8_decode, linear
+from flashx_batch.quant import formats, int8_decode, int8_kernels, linear
 from flashx_batch.quant.int8_decode import Int8Decode, Reads
 from flashx_batch.runtime.forward_passes import ForwardPasses
 
-pytestmark = pytest.mark.skipif(int8_decode._kernels() is None, reason="the fused kernels cannot serve this machine")
+pytestmark = pytest.mark.skipif(int8_kernels.compiled_kernels() is None,
+                                reason="the fused kernels cannot serve this machine")
 
 
 def _prompts(rows: int) -> list[list[int]]:
@@ -111,7 +112,7 @@ def test_fused_and_layer_by_layer_decoding_give_the_same_tokens(tiny_models, opt
 
 def test_the_norm_sums_as_torch_does():
     """The lane count found for this machine reproduces torch's mean of squares on rows it was not probed with."""
-    kernels = int8_decode._kernels()
+    kernels = int8_kernels.compiled_kernels()
     from flashx_batch.models.layers import RMSNorm
 
     rng = np.random.default_rng(7)

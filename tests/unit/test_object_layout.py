@@ -15,7 +15,7 @@ from s3_support import make_bucket, objects, s3_server
 
 from flashx_batch import read_output, storage
 from flashx_batch.job_errors import LockHeldError, ZombieAttemptError
-from flashx_batch.runner import consolidate, object_layout
+from flashx_batch.runner import consolidate, object_layout, object_lease
 from flashx_batch.runner.object_layout import ObjectOutputDir
 from flashx_batch.runner.outputs import open_output
 
@@ -29,7 +29,7 @@ def bucket():
 @pytest.fixture(params=[True, False], ids=["conditional_put", "tie_break"])
 def out(request, bucket, monkeypatch):
     storage.configure(storage.StorageSettings(conditional_put=request.param))
-    monkeypatch.setattr(object_layout, "_SETTLE_S", 0.05)
+    monkeypatch.setattr(object_lease, "_SETTLE_S", 0.05)
     root = f"{bucket}/{request.node.name.replace('[', '-').replace(']', '')}"
     o = open_output(root, job_digest="d1")
     assert isinstance(o, ObjectOutputDir)

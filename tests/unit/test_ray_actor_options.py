@@ -91,12 +91,14 @@ def test_a_reserved_accelerator_the_engine_cannot_use_is_a_bad_job(monkeypatch):
     from flashx_batch.errors import ConfigError
     from flashx_batch.runner.worker import _check_reserved_accelerator
 
-    on_cpu = types.SimpleNamespace(device=torch.device("cpu"), backend=types.SimpleNamespace(name="cpu", torch_runtime=True))
+    on_cpu = types.SimpleNamespace(device=torch.device("cpu"),
+                                   backend=types.SimpleNamespace(name="cpu", torch_runtime=True))
     monkeypatch.setattr(backends, "ray_accelerator_ids", lambda: {"GPU": [], "NPU": ["3"]})
     with pytest.raises(ConfigError, match=r"Ray gave this actor \{'NPU': \['3'\]\}.*resolved to the CPU"):
         _check_reserved_accelerator(on_cpu, "auto", "flashx-worker-1")
     monkeypatch.setattr(backends, "ray_accelerator_ids", lambda: {"GPU": []})
     _check_reserved_accelerator(on_cpu, "auto", "flashx-worker-1")  # nothing reserved: a CPU actor
     monkeypatch.setattr(backends, "ray_accelerator_ids", lambda: {"GPU": ["0"]})
-    onnx = types.SimpleNamespace(device=torch.device("cpu"), backend=types.SimpleNamespace(name="onnx", torch_runtime=False))
+    onnx = types.SimpleNamespace(device=torch.device("cpu"),
+                                 backend=types.SimpleNamespace(name="onnx", torch_runtime=False))
     _check_reserved_accelerator(onnx, "onnx", "flashx-worker-1")  # ONNX Runtime drives the GPU itself
