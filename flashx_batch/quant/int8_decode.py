@@ -140,15 +140,9 @@ class _Step:
         self.no_codes = b.no_codes
 
 
-def _why_not(model, caches) -> str | None:
-    """Why the fused step cannot serve this model exactly (None: it can)."""
-    from flashx_batch.models.decoder import Attention  # the decoder imports this module's users
-
-    cfg = model.config
-    if model.shard is not None:
-        return "a tensor-parallel rank"
-    if model.embed.dtype != torch.float32 or not on_host(model.embed):
-        return "not a float32 model on the CPU"
+def config_why_not(cfg) -> str | None:
+    """Why the fused step cannot serve any model of config `cfg` (None: a loaded model may still fail
+    `_why_not`); the capabilities record's `fused_int8_decode` row reads it."""
     if cfg.sliding_window is not None and any(cfg.window_layers):
         return "sliding-window layers"
     if cfg.rope.interleaved:
@@ -157,6 +151,21 @@ def _why_not(model, caches) -> str | None:
         return f"a rotary width of {cfg.rotary_dim} for heads of {cfg.head_dim}"
     if cfg.num_heads % cfg.num_kv_heads:
         return "query heads not a multiple of the KV heads"
+    return None
+
+
+def _why_not(model, caches) -> str | None:
+    """Why the fused step cannot serve this model exactly (None: it can): the config's reasons, then the
+    loaded modules' and caches' (checked here too, so no caller builds a step that is not exact)."""
+    from flashx_batch.models.decoder import Attention  # the decoder imports this module's users
+
+    cfg = model.config
+    if model.shard is not None:
+        return "a tensor-parallel rank"
+    if model.embed.dtype != torch.float32 or not on_host(model.embed):
+        return "not a float32 model on the CPU"
+    if (reason := config_why_not(cfg)) is not None:
+        return reason
     ref = model.layers[0]
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp

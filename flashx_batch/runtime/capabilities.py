@@ -8,8 +8,9 @@ it holds and, where it does not, why in words a user can act on. A new capabilit
 and its rule in `capabilities`; no caller tests model families or device kinds for it again.
 
 What is decided elsewhere, on purpose: the fused int8 decode step also needs every layer quantized
-to int8 (`quant.int8_decode`, read from the loaded modules, which a config does not know); this
-record holds the half a config and a backend decide (`fused_int8_decode`).
+to int8 (`quant.int8_decode._why_not`, read from the loaded modules, which a config does not know);
+this record holds the half a config and a backend decide (`fused_int8_decode`, from the same
+`int8_decode.config_why_not`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, fields
 from flashx_batch.backends import Backend
 from flashx_batch.errors import ConfigError
 from flashx_batch.models.config import ModelConfig
+from flashx_batch.quant import int8_decode
 from flashx_batch.runtime.options import EngineOptions
 
 
@@ -144,8 +146,8 @@ def capabilities(cfg: ModelConfig | None, options: EngineOptions, backend: Backe
     elif backend is not None and not backend.host_kernels:
         fused_int8_decode = Capability(False, f"the fused step runs on the host kernels, and this engine runs on "
                                               f"{backend.name}")
-    elif window and any(cfg.window_layers):
-        fused_int8_decode = Capability(False, "sliding-window layers")
+    elif cfg is not None and (reason := int8_decode.config_why_not(cfg)) is not None:
+        fused_int8_decode = Capability(False, reason)
 
     return Capabilities(merges_kv=merges_kv, onnx_export=onnx_export, decode_graphs=decode_graphs,
                         precision_map=precision_map, tensor_parallel=tensor_parallel, packed_scoring=packed_scoring,

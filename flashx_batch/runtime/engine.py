@@ -55,7 +55,9 @@ class Engine:
         `rendezvous`: this engine is one rank of a tensor-parallel replica whose ranks meet there (Ray
         actors); None with tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks."""
         started = time.perf_counter()
-        self.model_dir, self.options = Path(model_dir), options
+        # `options`: as the caller gave them, never replaced. `run_options`: what this engine runs with, the
+        # same but for what it derives: max_batch_size from kv_budget_mb, a local rank's share of threads
+        self.model_dir, self.options, self.run_options = Path(model_dir), options, options
         self.backend: Backend = get_backend(options.backend)
         self.config = effective_config(ModelConfig.from_dir(self.model_dir), options)
         self.dtype = check_options(options, self.config, self.backend)
@@ -64,7 +66,7 @@ class Engine:
         self.replica: ReplicaRank | None = None  # this engine's place in a tensor-parallel replica
         if options.tensor_parallel_size > 1:
             if rendezvous is None:  # local ranks share this machine's cores
-                options = self.options = local_thread_share(options)
+                options = self.run_options = local_thread_share(options)
             self.replica = ReplicaRank.start(self.model_dir, options, onnx_cache_dir, rendezvous)
         try:
             self._build(onnx_cache_dir)
@@ -86,7 +88,7 @@ class Engine:
                  time.perf_counter() - started)
 
     def _build(self, onnx_cache_dir: Path | None) -> None:
-        options = self.options
+        options = self.run_options
         self.backend.setup_threads(options.cpu_threads())
         assigned = lambda: self.backend.assigned_device_index(ray_accelerator_ids())  # noqa: E731
         index = self.replica.device_index(assigned) if self.replica is not None else assigned()
@@ -100,7 +102,8 @@ class Engine:
         # the arena's geometry (rows, slots) from the bytes one slot takes on this device: a tensor-parallel
         # rank's share of the KV heads (the same on every rank, so every rank plans the same slots)
         local = rank_config(self.config, self.replica.size) if self.replica is not None else self.config
-        options = self.options = kv_sizing.rows_for_budget(options, slot_bytes(local.cache_spec(), self.dtype.itemsize))
+        slot = slot_bytes(local.cache_spec(), self.dtype.itemsize)
+        options = self.run_options = kv_sizing.rows_for_budget(options, slot)
         merge = MergeSettings(options.merge_fraction, sinks=4, window=options.kv_observe_window,
                               evict_share=options.evict_share, protect_nats=protect_nats_for(self.config.vocab_size))
         # the most slots a prompt holds once in the cache (what a rolling merge folds a long one into)
@@ -142,7 +145,7 @@ class Engine:
         self.close()
 
     def _torch_runner(self, merge: MergeSettings) -> TorchRunner:
-        o, cfg = self.options, self.config
+        o, cfg = self.run_options, self.config
         shard = TensorShard(self.replica.rank, self.replica.size, self.replica.comm) if self.replica else None
         model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg, shard)
         if o.precision_map:
@@ -162,7 +165,7 @@ class Engine:
                            packed_scoring=bool(caps.packed_scoring))
 
     def _scheduler_config(self) -> SchedulerConfig:
-        o, arena_free = self.options, not self.runner.traits.kv_arena
+        o, arena_free = self.run_options, not self.runner.traits.kv_arena
         return SchedulerConfig(
             max_input_len=o.max_input_len, prompt_slots=self.prompt_slots,
             refill=o.refill and not arena_free, sort_by_length=o.sort_by_length, batch_growth=o.batch_growth,
@@ -192,16 +195,16 @@ class Engine:
 
     @property
     def grows_batches(self) -> bool:
-        return kv_sizing.grows_batches(self.options) and self.runner.traits.kv_arena
+        return kv_sizing.grows_batches(self.run_options) and self.runner.traits.kv_arena
 
     @property
     def uses_extents(self) -> bool:
-        return (kv_sizing.uses_extents(self.options, self.backend.prefers_row_extents)
+        return (kv_sizing.uses_extents(self.run_options, self.backend.prefers_row_extents)
                 and self.runner.traits.kv_arena)
 
     def layout_for(self, slots: int) -> tuple[int, int]:
         """(stripe capacity, rows) for rows of at most `slots` KV slots each (see `ArenaGeometry`)."""
-        return self.geometry.layout_for(slots, self.options.batch_growth)
+        return self.geometry.layout_for(slots, self.run_options.batch_growth)
 
     # ---- public API -------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -221,8 +224,9 @@ class Engine:
         whose params ask for n > 1 samples gives n consecutive outputs (sample_index 0..n-1), each a
         row of its own seeded by `SamplingParams.sample_seed` (prefix reuse computes their shared
         prompt once; without it each sample prefills its own copy)."""
-        params = per_row_params(sampling, len(prompts), self.options.max_output_len)
-        token_lists, truncated = fit_prompts([self.encode(p) for p in prompts], self.options, self.config.vocab_size)
+        params = per_row_params(sampling, len(prompts), self.run_options.max_output_len)
+        token_lists, truncated = fit_prompts([self.encode(p) for p in prompts], self.run_options,
+                                             self.config.vocab_size)
         rows, owners = [], []  # owners[i]: (prompt index, sample index) of rows[i]
         for i, (ids, p, cut) in enumerate(zip(token_lists, params, truncated)):
             for s in range(p.n):
@@ -266,7 +270,7 @@ class Engine:
         """The log-likelihood scorer (built on first use)."""
         if self._lm is None:
             self._lm = LogLikelihood(self.runner, self.config, self.tokenizer, str(self.model_dir),
-                                     self.options.max_input_len)
+                                     self.run_options.max_input_len)
         return self._lm
 
     def loglikelihood(self, pairs: Sequence[tuple[str | Sequence[int], str | Sequence[int]]],

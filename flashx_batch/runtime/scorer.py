@@ -64,11 +64,7 @@ class Scorer:
         ids = ids.to(self.device)
         width = ids.shape[1]
         pos = self.passes.arange(width)[None, :] if positions is None else positions.to(self.device)
-        needed = width if positions is None else int(pos.max()) + 1
-        if needed > self.model.rotary.max_positions:
-            raise ValueError(f"positions up to {needed} exceed the rotary table ({self.model.rotary.max_positions}); "
-                             "lower max_length or raise max_input_len + max_output_len")
-        cos, sin = self.model.rotary.lookup(pos)
+        cos, sin = self._rotary(pos, width if positions is None else int(pos.max()) + 1)
         window = None
         if visible is not None:
             visible = visible.to(self.device)
@@ -87,14 +83,18 @@ class Scorer:
         row r the next `row_lengths[r]` tokens, `pick` flat indices into N, `trees[r]` the row's
         non-causal queries (`PackedTrees`). Only where `packs_rows`."""
         pos = positions.to(self.device)[None]
-        if int(pos.max()) + 1 > self.model.rotary.max_positions:
-            raise ValueError(f"positions up to {int(pos.max()) + 1} exceed the rotary table "
-                             f"({self.model.rotary.max_positions}); lower max_length or raise max_input_len + "
-                             "max_output_len")
-        cos, sin = self.model.rotary.lookup(pos)
+        cos, sin = self._rotary(pos, int(pos.max()) + 1)
         trees = tuple(None if t is None else (t[0].to(self.device), t[1].to(self.device)) for t in trees)
         hidden = self.model.hidden_states(ids.to(self.device)[None], PackedTrees(cos, sin, row_lengths, trees))
         return self._picked_logprobs(hidden, pick, targets)
+
+    def _rotary(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables at `positions`, refused where they reach past the table (`needed`: one past the
+        largest position): scoring requests are sized by the caller, not by the engine's limits."""
+        if needed > self.model.rotary.max_positions:
+            raise ValueError(f"positions up to {needed} exceed the rotary table ({self.model.rotary.max_positions}); "
+                             "lower max_length or raise max_input_len + max_output_len")
+        return self.model.rotary.lookup(positions)
 
     def _picked_logprobs(self, hidden: torch.Tensor, pick: torch.Tensor, targets: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ def test_the_budget_decides_the_rows_and_bounds_the_arena():
     for rows in (1, 3, 7):
         budget = (rows * one_row + one_row // 2) / 2**20  # room for rows and a half: rounds down
         engine = Engine.from_pretrained(None, kv_budget_mb=budget, max_batch_size=99, **OPTS)
-        assert engine.options.max_batch_size == rows == engine.admitted_batch_size
+        assert engine.run_options.max_batch_size == rows == engine.admitted_batch_size
+        assert engine.options.max_batch_size == 99  # what the caller set stays as set
         assert engine.runner.kv_bytes <= budget * 2**20
 
 
@@ -23,7 +24,7 @@ def test_the_prefix_cache_comes_out_of_the_budget():
     one_row = Engine.from_pretrained(None, max_batch_size=1, **OPTS).runner.kv_bytes
     budget = 4 * one_row / 2**20
     engine = Engine.from_pretrained(None, kv_budget_mb=budget, prefix_cache_tokens=128, **OPTS)
-    assert engine.runner.kv_bytes <= budget * 2**20 and engine.options.max_batch_size == 3
+    assert engine.runner.kv_bytes <= budget * 2**20 and engine.run_options.max_batch_size == 3
 
 
 def test_segment_sparse_admits_more_rows_in_the_same_budget():
