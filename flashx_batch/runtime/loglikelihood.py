@@ -3,7 +3,7 @@
 Who calls it: `Engine.loglikelihood`, `Engine.loglikelihood_rolling`, `Engine.choice_logprobs` /
 `multiple_choice`, and the job workers of `task: loglikelihood | multiple_choice | perplexity`.
 Requests are encoded by lm-evaluation-harness's rules (`runtime.lm_requests`) and scored by the
-runner's teacher-forced pass (`TorchRunner.target_logprobs`: no KV cache, float32 log_softmax of the
+runner's teacher-forced pass (`Scorer.target_logprobs`: no KV cache, float32 log_softmax of the
 picked positions only).
 
 How requests become forward passes:
