@@ -3,6 +3,8 @@ continuation, and the check that a row's tokens do not depend on its batch or po
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from flashx_batch import Engine, SamplingParams
@@ -18,6 +20,26 @@ def cpu_engine(model_dir, **kw) -> Engine:
     """The float32 CPU engine the parity tests run: batch 4, rows of up to 64 + 48 tokens."""
     opts = dict(backend="cpu", dtype="float32", max_batch_size=4, max_input_len=64, max_output_len=48, segment_size=16)
     return Engine.from_pretrained(model_dir, **{**opts, **kw})
+
+
+@contextlib.contextmanager
+def stable_topk():
+    """`torch.Tensor.topk` with ties taken in index order (the earliest first) inside the block: the tie
+    rule of our DSA indexer (`models.mla.top_keys`), for `transformers`' GLM-5 as a reference. Plain
+    `topk` leaves ties to the kernel, whose CPU choice depends on the row's width, so `transformers`'
+    cached and uncached forwards pick different keys at the indexer's ReLU zeros; with this rule they
+    agree (docs/architecture.md, "DSA: the indexer's semantics")."""
+    plain = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        values, indices = self.sort(dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = plain
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:

@@ -131,12 +131,26 @@ def _read_mla(raw: dict[str, Any], arch: str, source: str, rotary: RopeConfig) -
 def _read_dsa(raw: dict[str, Any], arch: str, num_layers: int, source: str) -> DSASpec | None:
     if arch != "GlmMoeDsaForCausalLM":
         return None
-    kinds = raw.get("indexer_types") or ["full"] * num_layers  # transformers writes the resolved list
+    kinds = raw.get("indexer_types") or _indexer_types(raw, num_layers)
     if len(kinds) != num_layers or kinds[0] != "full" or set(kinds) - {"full", "shared"}:
         raise ModelLoadError(f"{source}: indexer_types {kinds} must list 'full' or 'shared' for each of the "
                              f"{num_layers} layers, the first one 'full' (a shared layer reuses an earlier choice).")
     return DSASpec(int(raw.get("index_topk", 2048)), int(raw.get("index_n_heads", 32)),
                    int(raw.get("index_head_dim", 128)), tuple(k == "full" for k in kinds))
+
+
+def _indexer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
+    """Each layer's indexer ("full": its own, "shared": the last full layer's choice) where config.json
+    does not list them, as transformers' GlmMoeDsaConfig derives them: from `index_topk_pattern` ("F" /
+    "S" per layer, or a list), else from `index_topk_freq` (default 1) and `index_skip_topk_offset`
+    (default 2): layer i is full iff max(i - offset + 1, 0) % freq == 0 (with the defaults, every layer)."""
+    pattern = raw.get("index_topk_pattern")
+    if pattern is not None:
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+        return kinds
+    freq = max(int(raw.get("index_topk_freq", 1)), 1)
+    offset = int(raw.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
 
 
 def _read_moe(raw: dict[str, Any], arch: str, num_layers: int) -> MoESpec | None:

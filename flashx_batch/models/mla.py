@@ -42,6 +42,20 @@ class IndexerChoice:
         self.keep: list[torch.Tensor | None] = []
 
 
+def top_keys(index: torch.Tensor, k: int) -> torch.Tensor:
+    """index [..., L] -> bool [..., L]: the k best keys of each query, ties at the k-th score taken in key
+    order (the earliest first). `torch.topk` leaves ties to the kernel, and on a CPU the keys it picks
+    among equal scores depend on the row's width: a prefill row (L columns, -inf past the query) and
+    the same query at decode (its own length) then keep different keys. The indexer ties often —
+    every key whose heads' ReLU all read 0 scores exactly 0 — so the choice must not depend on the
+    layout (docs/architecture.md, "DSA: the indexer's semantics")."""
+    kth = index.topk(k, dim=-1).values[..., -1:]  # the k-th best score of each query
+    above = index > kth
+    tied = index == kth
+    need = k - above.sum(-1, keepdim=True)  # slots left for keys at the k-th score
+    return above | (tied & (tied.cumsum(-1) <= need))
+
+
 class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -51,7 +65,9 @@ class Indexer(nn.Module):
         self.wk = Linear(dsa.head_dim, cfg.hidden_size, False, dtype, device)
         self.k_norm = nn.LayerNorm(dsa.head_dim, eps=1e-6, dtype=dtype, device=device)
         self.k_norm.requires_grad_(False)
-        self.weights_proj = Linear(dsa.heads, cfg.hidden_size, False, dtype, device)
+        # float32 whatever the model's dtype, as the reference keeps it (transformers' _keep_in_fp32_modules):
+        # the head weights scale every score the top-k compares
+        self.weights_proj = Linear(dsa.heads, cfg.hidden_size, False, torch.float32, device)
 
     def project(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +76,7 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk.forward(x))[:, :, None]
         q = torch.cat((_rotate(q[..., : self.rope], cos, sin), q[..., self.rope :]), dim=-1)
         k = torch.cat((_rotate(k[..., : self.rope], cos, sin), k[..., self.rope :]), dim=-1)[:, :, 0]
-        weights = self.weights_proj.forward(x).float() * self.heads**-0.5
+        weights = self.weights_proj.forward(x.float()) * self.heads**-0.5
         return q, k, weights
 
     def choose(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
@@ -72,8 +88,7 @@ class Indexer(nn.Module):
         scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5
         index = torch.matmul(weights.unsqueeze(-2), F.relu(scores)).squeeze(-2)  # [B, T, L]
         index = index.masked_fill(~visible, float("-inf"))
-        best = index.topk(self.topk, dim=-1).indices
-        return torch.zeros_like(visible).scatter_(-1, best, True) & visible
+        return top_keys(index, self.topk) & visible
 
 
 class MLAttention(nn.Module):

@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 from model_factory import MLA_ARCHS, build
-from parity_support import assert_batch_and_position_independent, cpu_engine, hf_greedy, prompts
+from parity_support import assert_batch_and_position_independent, cpu_engine, hf_greedy, prompts, stable_topk
 
 from flashx_batch import SamplingParams
 from flashx_batch.errors import ConfigError
-from flashx_batch.models.mla import MLAttention
+from flashx_batch.models.mla import MLAttention, top_keys
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 17, 9, 30, 12)  # GLM-5's index_topk (8) is below most of them
@@ -35,13 +35,15 @@ def _assert_matches_transformers(model_dir, hf, lengths=PROMPT_LENGTHS, seed=1):
     engine = cpu_engine(model_dir)
     rows = prompts(seed, lengths)
     outs = engine.generate(rows, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    for prompt, out in zip(rows, outs):
-        assert len(set(out.token_ids)) >= 8
-        assert out.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
-    for prompt, logits in zip(rows, engine.score(rows)):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0].float()
-        assert (logits - ref).abs().max().item() <= 1e-4
+    # `transformers` with the indexer's tie rule ours follows (its own topk breaks ties by row width)
+    with stable_topk():
+        for prompt, out in zip(rows, outs):
+            assert len(set(out.token_ids)) >= 8
+            assert out.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+        for prompt, logits in zip(rows, engine.score(rows)):
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt])).logits[0].float()
+            assert (logits - ref).abs().max().item() <= 1e-4
     return engine
 
 
@@ -54,6 +56,36 @@ def test_greedy_tokens_and_prefill_logits_match_transformers(name, mla_models):
     indexers = [a.indexer is not None for a in attn]
     expected = {"deepseek_v3": [False] * 3, "glm_moe_dsa_shared": [True, False, False]}.get(name, [True] * 3)
     assert indexers == expected
+
+
+def test_top_keys_takes_ties_in_key_order_whatever_the_row_width():
+    row = torch.tensor([1.0, 0, 0, 3, 0, 0, 2, 0])
+    kept = top_keys(row[None], 4)[0]
+    assert kept.nonzero().flatten().tolist() == [0, 1, 3, 6]  # 3, 2, 1, then the earliest of the zeros
+    padded = top_keys(torch.cat((row, torch.full((40,), float("-inf"))))[None], 4)[0]
+    assert torch.equal(padded[:8], kept) and not padded[8:].any()
+    assert top_keys(torch.tensor([[0.5, float("-inf"), float("-inf")]]), 2)[0].sum() == 2  # k kept, always
+
+
+def test_indexer_ties_keep_the_same_keys_in_prefill_and_decode(tmp_path):
+    """Every indexer score tied (index queries zeroed, two index heads: each key scores exactly 0):
+    decode steps keep the keys the prefill keeps, so greedy tokens are the argmax of the teacher-forced
+    logits of the same text, and `transformers` with the same tie rule gives the same tokens."""
+    from model_factory import build
+
+    hf = build("glm_moe_dsa", tmp_path / "ties", seed=5, index_n_heads=2)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if getattr(layer.self_attn, "indexer", None) is not None:
+                layer.self_attn.indexer.wq_b.weight.zero_()
+    hf.save_pretrained(tmp_path / "ties")
+    engine = cpu_engine(tmp_path / "ties")
+    rows = prompts(2, (17, 30, 12))
+    outs = engine.generate(rows, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for prompt, out, logits in zip(rows, outs, engine.score([p + o.token_ids for p, o in zip(rows, outs)])):
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == out.token_ids
+        with stable_topk():
+            assert hf_greedy(hf, prompt, 12) == out.token_ids
 
 
 def test_the_indexer_changes_attention_only_past_index_topk(mla_models):
