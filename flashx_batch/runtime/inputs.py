@@ -63,8 +63,11 @@ def check_capabilities(options: EngineOptions, caps: Capabilities) -> None:
     n = options.tensor_parallel_size
     if n > 1:
         caps.require("tensor_parallel", f"runtime.tensor_parallel_size={n}")
-    if options.cache_policy == "segment_sparse" or options.long_input == "rolling_merge":
-        caps.require("merges_kv", f"runtime.cache_policy={options.cache_policy} long_input={options.long_input}")
+    merging = [f"runtime.{key}={value}" for key, value, merges in (
+        ("cache_policy", options.cache_policy, options.cache_policy == "segment_sparse"),
+        ("long_input", options.long_input, options.long_input == "rolling_merge")) if merges]
+    if merging:
+        caps.require("merges_kv", " and ".join(merging))
     if options.backend == "onnx":
         caps.require("onnx_export", "runtime.backend=onnx")
     if options.cuda_graphs == "on":
