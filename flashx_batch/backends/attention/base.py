@@ -1,5 +1,5 @@
-"""The attention seam: what an attention backend is, and the registry that picks one per
-(layout, device, attention kind).
+"""The attention seam: what an attention backend is, and how one registers for a (layout, device,
+attention kind); `backends.attention.registry` picks among the registered.
 
 A *layout* is one metadata type of `backends.attention.meta` (a decode step over stripes or extents,
 a packed prefill, a paged batch, ...); the runner builds one per forward pass. An attention *kind* is
