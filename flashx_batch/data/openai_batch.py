@@ -10,7 +10,8 @@ so they are validated like the job-wide `sampling.*` and a bad one is a `bad_sam
 A line that is not a request this runner serves — unknown fields, another method or endpoint, `n` other
 than 1, logprobs the job was not asked for — is a `bad_request` error row with the reason; a line that
 is not JSON at all stops the job (the file is corrupt). One endpoint per job, as OpenAI's batches have:
-the first line's `url` (`endpoint_of`); lines for the other endpoint are `bad_request` rows.
+the `url` of the first line that names an endpoint (`endpoint_of`); lines for the other endpoint are
+`bad_request` rows. Every value a line's body gives is read by `data.row_values`: none ends the job.
 
 The output side (`output.format=openai_batch`) is `runner.openai_output`.
 """
@@ -19,14 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from flashx_batch.config import JobConfig
 from flashx_batch.data.jsonl import json_lines
+from flashx_batch.data.row_values import INT64, as_int, describe
 from flashx_batch.data.validate import RowProblem
-from flashx_batch.job_errors import InputError
 
 log = logging.getLogger(__name__)
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -64,27 +64,35 @@ def endpoint(job: JobConfig) -> str:
     return CHAT if job.data.messages_column else COMPLETIONS
 
 
-def endpoint_of(path: str) -> str:
-    """A batch's endpoint: its first request's `url` (CHAT when that names neither endpoint)."""
+def endpoint_of(paths: list[str]) -> str:
+    """A batch's endpoint: the `url` of its first request line (over `paths` in order) that names one of
+    the two endpoints; CHAT when none does. Lines before it that are not JSON objects or name another url
+    decide nothing (they are `bad_request` rows, or a corrupt file the parse refuses), so one bad first
+    line cannot turn every good line away. Reads only as far as that line."""
+    for path in paths:
+        for line in _lines(path):
+            try:
+                record = json.loads(line.decode("utf-8", errors="surrogateescape").lstrip("\ufeff"))
+            except (ValueError, RecursionError):
+                continue
+            url = record.get("url") if isinstance(record, dict) else None
+            if url in (CHAT, COMPLETIONS):
+                return url
+    return CHAT
+
+
+def _lines(path: str) -> Iterator[bytes]:
+    """The non-blank lines of a file, streamed (a batch file may be gigabytes)."""
     from flashx_batch import storage
 
     fs, inner = storage.filesystem(path)
-    head = b""
-    with fs.open_input_stream(inner) as fh:  # up to the end of the first non-blank line, however long
+    rest = b""
+    with fs.open_input_stream(inner) as fh:
         while chunk := fh.read(1 << 20):
-            head += chunk
-            if b"\n" in head.lstrip():
-                break
-    for raw in head.splitlines():
-        if raw.strip():
-            try:
-                record = json.loads(raw.decode("utf-8", errors="surrogateescape").lstrip("\ufeff"))
-            except ValueError:
-                raise InputError(f"{path}: its first line is not valid JSON; an openai_batch file holds one JSON "
-                                 "request per line.") from None
-            url = record.get("url") if isinstance(record, dict) else None
-            return COMPLETIONS if url == COMPLETIONS else CHAT
-    return CHAT
+            *whole, rest = (rest + chunk).split(b"\n")
+            yield from (line for line in whole if line.strip())
+    if rest.strip():
+        yield rest
 
 
 def parse(path: str, data: bytes) -> dict[str, list[Any]]:
@@ -92,14 +100,16 @@ def parse(path: str, data: bytes) -> dict[str, list[Any]]:
     not a request this runner serves (None: it is)."""
     columns: dict[str, list[Any]] = {c: [] for c in COLUMNS}
     for lineno, record in json_lines(path, data):
-        row = _row(record, lineno, Path(path).name)
+        row = _row(record, lineno, path)
         for c in COLUMNS:
             columns[c].append(row.get(c))
     return columns
 
 
 def _row(record: Any, lineno: int, file: str) -> dict[str, Any]:
-    where = f"({file} line {lineno})"  # the id of a line without a usable custom_id
+    # the id of a line without a usable custom_id: the file's path as given, which no other file shares
+    # (two directories' requests.jsonl), and no custom_id can take (ids are checked for duplicates)
+    where = f"({file} line {lineno})"
     if not isinstance(record, dict):
         return {"custom_id": where, "request_error": f"line {lineno} is a JSON {type(record).__name__}, not a "
                                                      "request object"}
@@ -147,6 +157,9 @@ def _body_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
     n = body.get("n", 1)
     if n != 1:
         return f"n={n!r}: one choice per request line here; send a line per sample (with its own seed)"
+    problem = _logprobs_problem(body, endpoint)
+    if problem is not None:
+        return problem
     if endpoint == CHAT and "messages" not in body:
         return "body.messages is missing"
     if endpoint == COMPLETIONS and not isinstance(body.get("prompt"), str):
@@ -154,15 +167,33 @@ def _body_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
     return None
 
 
-def _logprobs_asked(body: Mapping[str, Any], endpoint: str) -> int | None:
-    """The top-K logprobs a line asks for (0: the chosen tokens' only), None when it asks for none."""
+def _logprobs_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
+    """Why a line's logprobs fields are not a request this runner can honour (None: they are). Chat:
+    `logprobs` true or false, `top_logprobs` an integer >= 0 and only with `logprobs: true` (alone it
+    would be served without logprobs). Completions: `logprobs` an integer >= 0 (the top K) or null."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if endpoint == CHAT:
-        if not body.get("logprobs"):
-            return None
-        top = body.get("top_logprobs")
-        return int(top) if isinstance(top, int) and not isinstance(top, bool) else 0
-    value = body.get("logprobs")
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+        if logprobs is not None and not isinstance(logprobs, bool):
+            return f"logprobs is {describe(logprobs)}; chat requests take true or false (top_logprobs: how many)"
+        if top is not None and as_int(top, 0, INT64) is None:
+            return f"top_logprobs is {describe(top)}; expected an integer >= 0"
+        if top is not None and not logprobs:
+            return "top_logprobs without logprobs: true (it would be served without logprobs); add logprobs: true"
+        return None
+    if logprobs is not None and as_int(logprobs, 0, INT64) is None:
+        return (f"logprobs is {describe(logprobs)}; completions requests take the number of top logprobs "
+                "(an integer >= 0) or null")
+    if top is not None:
+        return "top_logprobs is a chat field; completions requests give the number as logprobs"
+    return None
+
+
+def _logprobs_asked(body: Mapping[str, Any], endpoint: str) -> int | None:
+    """The top-K logprobs a line asks for (0: the chosen tokens' only), None when it asks for none (its
+    fields already checked by `_logprobs_problem`)."""
+    if endpoint == CHAT:
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    return body.get("logprobs")
 
 
 def row_problem(job: JobConfig, columns: Mapping[str, list[Any]], i: int) -> RowProblem | None:
@@ -172,8 +203,8 @@ def row_problem(job: JobConfig, columns: Mapping[str, list[Any]], i: int) -> Row
     if error is not None:
         return RowProblem(BAD_REQUEST, error)
     if columns["url"][i] != endpoint(job):
-        return RowProblem(BAD_REQUEST, f"url {columns['url'][i]!r} in a batch for {endpoint(job)} (its first line's): "
-                                       "one endpoint per batch")
+        return RowProblem(BAD_REQUEST, f"url {columns['url'][i]!r} in a batch for {endpoint(job)} (the first "
+                                       "request line's that names an endpoint): one endpoint per batch")
     asked, job_k = columns["logprobs"][i], job.sampling.logprobs or 0
     if asked is not None and (not job_k or asked > job_k):
         return RowProblem(BAD_REQUEST, f"asks for logprobs (top {asked}), and this job produces "

@@ -9,12 +9,12 @@ a null cell takes the job-wide `sampling.<key>`. The values are checked as the j
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from flashx_batch.config import SAMPLING_COLUMN_KEYS as COLUMN_KEYS
 from flashx_batch.config import SamplingSection
+from flashx_batch.data.row_values import INT64, as_float, as_int, as_strings, describe
 from flashx_batch.data.validate import RowProblem
 from flashx_batch.errors import ConfigError
 from flashx_batch.runtime.params import SamplingParams
@@ -36,8 +36,8 @@ def row_params(sampling: SamplingSection, columns: Mapping[str, list[Any]], row:
             continue
         value = _parse(COLUMN_KEYS[key], raw)
         if value is None:
-            return RowProblem(BAD_SAMPLING_PARAM, f"sampling.{key} from column {column!r} is {raw!r} "
-                                                  f"({type(raw).__name__}); expected {_EXPECTED[COLUMN_KEYS[key]]}")
+            return RowProblem(BAD_SAMPLING_PARAM, f"sampling.{key} from column {column!r} is {describe(raw)}; "
+                                                  f"expected {_EXPECTED[COLUMN_KEYS[key]]}")
         values[key] = value
         where = f"column(s) {', '.join(map(repr, sampling.from_columns.values()))}"
     try:
@@ -50,28 +50,16 @@ def row_params(sampling: SamplingSection, columns: Mapping[str, list[Any]], row:
     return params
 
 
-_EXPECTED = {"int": "an integer", "float": "a finite number", "seed": "an integer in [0, 2**63)",
+_EXPECTED = {"int": "an integer in int64's range", "float": "a finite number", "seed": "an integer in [0, 2**63)",
              "stop": "a string or a list of strings", "bool": "true or false"}
 
 
 def _parse(kind: str, raw: Any) -> Any:
-    """A cell as the key's type, or None when it is not one."""
+    """A cell as the key's type (`data.row_values`), or None when it is not one."""
     if kind == "bool":
         return raw if isinstance(raw, bool) else None
-    if isinstance(raw, bool):
-        return None
     if kind == "stop":
-        if isinstance(raw, str):
-            return (raw,)
-        if isinstance(raw, list | tuple) and all(isinstance(s, str) for s in raw):
-            return tuple(raw)
-        return None
+        return as_strings(raw)
     if kind == "float":
-        return float(raw) if isinstance(raw, int | float) and math.isfinite(raw) else None
-    if isinstance(raw, float) and math.isfinite(raw) and raw.is_integer():  # an int column with nulls, read as floats
-        raw = int(raw)
-    if not isinstance(raw, int):
-        return None
-    if kind == "seed" and not 0 <= raw < 2**63:
-        return None
-    return raw
+        return as_float(raw)
+    return as_int(raw, 0, INT64) if kind == "seed" else as_int(raw)

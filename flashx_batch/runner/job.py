@@ -102,8 +102,8 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     storage.configure(job.storage.settings())
     faults.load(job.executor.faults, quiet=True)  # a malformed fault spec: a bad job (exit 2) before anything runs
     if job.data.format == "openai_batch":  # the data keys point at the columns its requests read as
-        first = resolve_inputs(resolve_data_path(job.data.path), "openai_batch")[0]
-        openai_batch.configure(job, openai_batch.endpoint_of(first.path))
+        files = resolve_inputs(resolve_data_path(job.data.path), "openai_batch")
+        openai_batch.configure(job, openai_batch.endpoint_of([f.path for f in files]))
     problem = reserved_column_problem(list(job.data.passthrough_columns))
     if problem:
         raise ConfigError(problem)

@@ -1,0 +1,143 @@
+"""Bad inputs on the newer data paths (OpenAI Batch files, per-row sampling), each a user's data that
+once ended a job or turned good rows away: every value a row gives is read by one parser
+(`data.row_values`) that makes anything unrepresentable that row's error, and a row-value fuzz run
+proves no value ends a job."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pyarrow.parquet as pq
+from batch_support import overrides, tiny_model_dir
+from row_value_cases import HUGE
+from row_value_cases import line as _line
+from row_value_cases import values as _values
+
+from flashx_batch.config import SAMPLING_COLUMN_KEYS, SamplingSection, compose_job
+from flashx_batch.data import openai_batch
+from flashx_batch.data.row_sampling import row_params
+from flashx_batch.data.row_values import as_float, as_int, describe
+from flashx_batch.data.validate import RowProblem
+from flashx_batch.runner import run
+from flashx_batch.runtime.params import SamplingParams
+
+
+def _write(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def _run(path, out, *extra):
+    return run(compose_job(overrides(tiny_model_dir(), path, out, "data.format=openai_batch", "executor.kind=local",
+                                     "runtime.max_output_len=16", "sampling.max_new_tokens=3", *extra)))
+
+
+def _errors(out):
+    files = sorted((out / "errors").glob("*.parquet"))
+    rows = [r for f in files for r in pq.read_table(f).to_pylist()]
+    return {r["id"]: (r["error_code"], r["error_message"]) for r in rows}
+
+
+def _generated(out):
+    files = sorted((out / "generations").glob("*.parquet"))
+    return Counter(r["id"] for f in files for r in pq.read_table(f).to_pylist())
+
+
+def test_huge_integers_where_numbers_belong_are_error_rows(tmp_path):
+    """A 400-digit integer as temperature, top_p, max_tokens, top_k or logprobs once ended the job (exit 1,
+    OverflowError): now each is that line's error row, naming the field, and the good line runs."""
+    lines = [_line("t", temperature=HUGE), _line("p", top_p=HUGE), _line("m", max_tokens=HUGE),
+             _line("k", top_k=HUGE), _line("l", logprobs=HUGE), _line("s", seed=[1, 2]), _line("ok")]
+    out = tmp_path / "out"
+    assert _run(_write(tmp_path / "big.jsonl", lines), out) == 0
+    errors = _errors(out)
+    assert sorted(errors) == ["k", "l", "m", "p", "s", "t"] and _generated(out) == Counter(["ok"])
+    for cid, field in (("t", "temperature"), ("p", "top_p"), ("m", "max_new_tokens"), ("k", "top_k")):
+        code, message = errors[cid]
+        assert code == "bad_sampling_param" and field in message and "401 digits" in message, message
+    assert errors["l"][0] == "bad_request" and "logprobs" in errors["l"][1] and "401 digits" in errors["l"][1]
+
+
+def test_a_bad_first_line_does_not_decide_the_endpoint(tmp_path):
+    """A first line with a mistyped url (or not an object) once made the batch a chat batch and turned
+    every good completions line away: the endpoint is the first line's that names one."""
+    for first in (_line("typo", url="/v1/completion"), "[1, 2, 3]"):
+        lines = [first, *(_line(f"g{i}") for i in range(5))]
+        out = tmp_path / f"out-{len(str(first))}"
+        assert _run(_write(tmp_path / f"f{len(str(first))}.jsonl", lines), out) == 0
+        assert _generated(out) == Counter(f"g{i}" for i in range(5))
+        assert len(_errors(out)) == 1
+
+
+def test_lines_without_ids_in_two_files_of_one_name_do_not_collide(tmp_path):
+    """x/requests.jsonl and y/requests.jsonl, each with a line missing custom_id: two bad_request rows,
+    not a duplicated-id refusal."""
+    root = tmp_path / "in"
+    for sub in ("x", "y"):
+        (root / sub).mkdir(parents=True)
+        _write(root / sub / "requests.jsonl", [{"method": "POST", "url": openai_batch.COMPLETIONS,
+                                                  "body": {"prompt": "hi"}}, _line(f"ok-{sub}")])
+    out = tmp_path / "out"
+    assert _run(root, out) == 0
+    errors = _errors(out)
+    assert len(errors) == 2 and all(code == "bad_request" for code, _ in errors.values())
+    assert {i.split(" line")[0].rsplit("/", 2)[-2] for i in errors} == {"x", "y"}
+    assert _generated(out) == Counter(["ok-x", "ok-y"])
+
+
+def test_logprobs_fields_that_would_be_served_without_logprobs_are_refused():
+    raw = "\n".join(json.dumps(x) for x in [
+        _line("a", url=openai_batch.CHAT, top_logprobs=2),  # without logprobs: true
+        _line("b", logprobs=True),  # completions: a count, not a flag
+        _line("c", url=openai_batch.CHAT, logprobs=True, top_logprobs=-1),
+        _line("d", url=openai_batch.CHAT, logprobs=True, top_logprobs=2),
+        _line("e", logprobs=2),
+    ]).encode()
+    cols = openai_batch.parse("f.jsonl", raw)
+    problems = dict(zip(cols["custom_id"], cols["request_error"]))
+    assert "without logprobs: true" in problems["a"] and "number of top logprobs" in problems["b"]
+    assert "integer >= 0" in problems["c"] and problems["d"] is None and problems["e"] is None
+    assert dict(zip(cols["custom_id"], cols["logprobs"]))["d"] == 2
+
+
+# ---- the row-value fuzz: every value a row can give (`row_value_cases.values`), through every per-row reader
+
+def test_no_row_value_ends_a_job():
+    """Every value above, in every sampling column and every OpenAI body field: the per-row readers give
+    parameters or a row error, never an exception; `describe` prints each; the parameters that pass
+    are valid `SamplingParams` within int64 and float range (what Arrow and torch take)."""
+    rng = random.Random(0)
+    values = _values(rng)
+    keys = tuple(SAMPLING_COLUMN_KEYS)
+    sampling = SamplingSection(from_columns={k: k for k in keys})
+    examples, kinds = 0, Counter()
+    for value in values:
+        assert isinstance(describe(value), str)
+        assert as_int(value) is None or -(2**63) <= as_int(value) < 2**63
+        assert as_float(value) is None or abs(as_float(value)) < float("inf")
+        for key in keys:
+            columns = {k: [value if k == key else None] for k in keys}
+            got = row_params(sampling, columns, 0, 7, 64)
+            examples += 1
+            assert isinstance(got, RowProblem | SamplingParams)
+            if isinstance(got, RowProblem):
+                kinds[got.code] += 1
+            else:
+                assert abs(got.temperature) < float("inf") and got.top_k < 2**63 and got.max_new_tokens <= 64
+        for field in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs", "top_logprobs",
+                      "prompt", "messages", "tools", "model", "stream"):
+            for url in (openai_batch.CHAT, openai_batch.COMPLETIONS):
+                try:  # a value JSON cannot write (past Python's 4,300 digits) never reaches a line
+                    text = json.dumps(_line("x", url=url, **{field: value}))
+                except ValueError:
+                    continue
+                cols = openai_batch.parse("f.jsonl", text.encode("utf-8", errors="surrogatepass"))
+                examples += 1
+                assert len(cols["custom_id"]) == 1
+                problem = cols["request_error"][0]
+                kinds["bad_request"] += problem is not None
+                if problem is None:  # what reaches the sampling columns is read by row_params above
+                    assert cols["custom_id"] == ["x"]
+    assert examples > 7_500 and set(kinds) == {"bad_sampling_param", "bad_request"}
