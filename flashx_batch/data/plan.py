@@ -234,7 +234,7 @@ def _build_score_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer)
         for start in range(0, len(pending), _ENCODE_CHUNK):
             chunk = pending[start : start + _ENCODE_CHUNK]
             encoded = encode_score_rows(job.task, [r for _, r in chunk], encoder, job.runtime.max_input_len,
-                                        data.target_delimiter)
+                                        data.target_delimiter, job.runtime.long_input)
             for (i, _), enc in zip(chunk, encoded, strict=True):
                 if isinstance(enc, RowProblem):
                     scan.errors.append(RowError((fi, offset + i), fr.columns[data.id_column][i], enc.code,

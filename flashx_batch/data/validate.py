@@ -353,12 +353,16 @@ class EncodedRow:
     pairs: tuple[tuple[list[int], list[int]], ...] = ()
     tokens: tuple[int, ...] = ()
     length: int = 0
+    truncated: bool = False  # the context was cut to its last tokens to fit max_input_len (`long_input=truncate`)
 
 
 def encode_score_rows(task: str, rows: list[ScoreRow], encoder: LMEncoder, max_len: int,
-                      delimiter: str = " ") -> list[EncodedRow | RowProblem]:
+                      delimiter: str = " ", long_input: str = "truncate") -> list[EncodedRow | RowProblem]:
     """Encode checked scoring rows as the engine will score them; rows that cannot be scored (a context or
-    continuation with no tokens, a continuation longer than max_len tokens) become problems."""
+    continuation with no tokens, a continuation longer than max_len tokens) become problems. A context
+    too long for max_len with its continuation (lm-eval scores such a pair on its last tokens) is a
+    `prompt_too_long` problem under `long_input=error`, else scored so and flagged `truncated`.
+    Perplexity never cuts: a text is scored in disjoint windows."""
     if task == "perplexity":
         out: list[EncodedRow | RowProblem] = []
         for ids in encoder.encode([r.text for r in rows]):
@@ -376,11 +380,12 @@ def encode_score_rows(task: str, rows: list[ScoreRow], encoder: LMEncoder, max_l
     for n in sizes:
         pairs = encoded[o : o + n]
         o += n
-        out.append(_encoded(task, pairs, max_len))
+        out.append(_encoded(task, pairs, max_len, long_input == "error"))
     return out
 
 
-def _encoded(task: str, pairs: list[tuple[list[int], list[int]]], max_len: int) -> EncodedRow | RowProblem:
+def _encoded(task: str, pairs: list[tuple[list[int], list[int]]], max_len: int, cut_is_error: bool
+             ) -> EncodedRow | RowProblem:
     what = "the continuation" if task == "loglikelihood" else "choice {j}"
     for j, (ctx, cont) in enumerate(pairs):
         if not ctx:
@@ -392,9 +397,17 @@ def _encoded(task: str, pairs: list[tuple[list[int], list[int]]], max_len: int) 
         if len(cont) > max_len:
             return RowProblem(CONTINUATION_TOO_LONG, f"{what.format(j=j)} has {len(cont)} tokens, more than "
                                                      f"runtime.max_input_len={max_len}")
+    # the model reads ctx + cont minus its last token: past max_len, lm-eval's `fit` keeps the last max_len
+    longest = max(len(ctx) + len(cont) - 1 for ctx, cont in pairs)
+    if longest > max_len and cut_is_error:
+        pair = "its continuation" if task == "loglikelihood" else "a choice"
+        return RowProblem(PROMPT_TOO_LONG, f"the context with {pair} is {longest} tokens, more than "
+                                           f"runtime.max_input_len={max_len} "
+                                           "(runtime.long_input=error); raise max_input_len, or set "
+                                           "long_input=truncate to score it on its last tokens (flagged truncated)")
     if task == "loglikelihood":
         ctx, cont = pairs[0]
         length = min(len(ctx) + len(cont) - 1, max_len)
     else:
         length = len(pairs[0][0]) + sum(len(c) - 1 for _, c in pairs)
-    return EncodedRow(pairs=tuple(pairs), length=length)
+    return EncodedRow(pairs=tuple(pairs), length=length, truncated=longest > max_len)

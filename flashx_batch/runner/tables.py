@@ -20,13 +20,15 @@ STATS_COLUMNS = ("shard_id", "bucket_min_len", "bucket_max_len", "rows", "rows_f
                  "total_tok_per_s", "kv_bytes_peak", "cache_policy", "batch_size", "device", "attempt")
 # The result rows of the scoring tasks (`task`), written to generations/ like a generate job's rows.
 SCORE_COLUMNS = {
-    "loglikelihood": ("id", "logprob", "num_tokens", "is_greedy", "shard_id"),
-    "multiple_choice": ("id", "choice_logprobs", "choice_logprobs_norm", "pred", "pred_norm", "correct", "shard_id"),
+    "loglikelihood": ("id", "logprob", "num_tokens", "is_greedy", "truncated", "shard_id"),
+    "multiple_choice": ("id", "choice_logprobs", "choice_logprobs_norm", "pred", "pred_norm", "correct", "truncated",
+                        "shard_id"),
     "perplexity": ("id", "logprob", "num_tokens", "perplexity", "shard_id"),
 }
 _SCORE_TYPES = {"logprob": pa.float64(), "num_tokens": pa.int32(), "is_greedy": pa.bool_(),
                 "choice_logprobs": pa.list_(pa.float64()), "choice_logprobs_norm": pa.list_(pa.float64()),
-                "pred": pa.int32(), "pred_norm": pa.int32(), "correct": pa.bool_(), "perplexity": pa.float64()}
+                "pred": pa.int32(), "pred_norm": pa.int32(), "correct": pa.bool_(), "perplexity": pa.float64(),
+                "truncated": pa.bool_()}
 # written with `eval.metric`: each row's score against its reference (null: the row could not be scored)
 EVAL_COLUMNS = ("score",)
 # Columns we write into the row tables: no user-supplied column may take one of these names

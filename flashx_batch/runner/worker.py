@@ -286,7 +286,8 @@ class ShardWorker:
             for c in extra:
                 extra[c].append(fr.columns[c][k])
         passthrough = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
-        encoded = encode_score_rows(task, rows, lm.encoder, lm.max_length, job.data.target_delimiter)
+        encoded = encode_score_rows(task, rows, lm.encoder, lm.max_length, job.data.target_delimiter,
+                                    job.runtime.long_input)
         bad = next((e for e in encoded if isinstance(e, RowProblem)), None)
         if bad is not None:
             raise RuntimeError(f"shard {spec.shard_id}: {bad.message}; the input or tokenizer changed after planning")
@@ -295,7 +296,8 @@ class ShardWorker:
         values: dict[str, list[Any]] = {}
         if task == "loglikelihood":
             logprobs, greedy = lm.score_pairs([e.pairs[0] for e in encoded])
-            values = {"logprob": logprobs, "num_tokens": [len(e.pairs[0][1]) for e in encoded], "is_greedy": greedy}
+            values = {"logprob": logprobs, "num_tokens": [len(e.pairs[0][1]) for e in encoded], "is_greedy": greedy,
+                      "truncated": [e.truncated for e in encoded]}
         elif task == "perplexity":
             logprobs = lm.score_rolling([list(e.tokens) for e in encoded])
             counts = [len(e.tokens) for e in encoded]
@@ -310,7 +312,8 @@ class ShardWorker:
             pred = [_first_max(v) for v in raw]
             values = {"choice_logprobs": raw, "choice_logprobs_norm": norm, "pred": pred,
                       "pred_norm": [_first_max(v) for v in norm],
-                      "correct": [None if r.answer is None else p == r.answer for p, r in zip(pred, rows, strict=True)]}
+                      "correct": [None if r.answer is None else p == r.answer for p, r in zip(pred, rows, strict=True)],
+                      "truncated": [e.truncated for e in encoded]}
         if self.faults is not None:
             self.faults.fire("after_generate", spec.shard_id, attempt, ids)
         wall = time.perf_counter() - started

@@ -161,6 +161,22 @@ def test_job_loglikelihood_rows_and_error_rows(engine, tmp_path):
         assert gen[r["id"]]["is_greedy"] == greedy and gen[r["id"]]["num_tokens"] >= 1
 
 
+def test_a_scoring_context_past_max_input_len_is_an_error_row_or_flagged(engine, tmp_path):
+    """A context too long for max_input_len with its continuation was once scored on its last tokens
+    silently, even under long_input=error: now it is a prompt_too_long error row there, and under
+    long_input=truncate it is scored so with truncated=true (the short row: false)."""
+    rows = [{"id": 0, "context": " the licence" * 400, "continuation": " is void"},
+            {"id": 1, "context": "The licence ", "continuation": "is void"}]
+    (tmp_path / "error").mkdir()
+    (tmp_path / "truncate").mkdir()
+    code, out = _run_job(tmp_path / "error", rows, "task=loglikelihood", "runtime.long_input=error")
+    gen, err = _tables(out)
+    assert code == 0 and err == {0: "prompt_too_long"} and list(gen) == [1] and gen[1]["truncated"] is False
+    code, out = _run_job(tmp_path / "truncate", rows, "task=loglikelihood", "runtime.long_input=truncate")
+    gen, err = _tables(out)
+    assert code == 0 and not err and gen[0]["truncated"] is True and gen[1]["truncated"] is False
+
+
 def test_job_multiple_choice_equals_per_choice_loglikelihood(engine, tmp_path):
     rows = [{"id": "q0", "context": "Permission is hereby", "choices": ["granted", "denied", "x"], "answer": 0},
             {"id": "q1", "context": "The GNU General Public", "choices": ["License", "Library"], "answer": 1},
