@@ -64,8 +64,29 @@ def model_file_stats(model_dir: Path, cache: dict[str, Any] | None) -> dict[str,
     return file_hashes(model_dir, names, cache)
 
 
-def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[str, Any]:
-    """The fingerprint as a flat dict of dotted keys (so a diff names fields directly)."""
+# keys compared only when both records hold them: jobs written before they existed, and a finished job
+# rerun without a cluster to resolve `auto` on, still resume
+RESOLVED_KEYS = ("runtime.resolved",)
+
+
+def resolved(backend: str, dtype: str) -> str:
+    """`backend/dtype` as the job's engines run: `runtime.backend` with `auto` resolved (by this host, or
+    by the Ray cluster's probe) and `model.dtype` with `auto` resolved to that backend's default. A job
+    started where `auto` meant the CPU (float32) and resumed where it means a GPU (bfloat16) would mix
+    two precisions in one output: the fingerprint holds what they resolved to, so such a resume is
+    refused (exit 2), and every worker checks its engine against it (`runner.worker`)."""
+    from flashx_batch.backends import BACKENDS, resolve_name
+
+    name = resolve_name(backend)
+    if dtype == "auto":
+        dtype = str(BACKENDS[name].default_dtype).removeprefix("torch.") if name in BACKENDS else dtype
+    return f"{name}/{dtype}"
+
+
+def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_as: str | None = None
+            ) -> dict[str, Any]:
+    """The fingerprint as a flat dict of dotted keys (so a diff names fields directly); `resolved_as`
+    (`resolved`), where known."""
     weights = {n: v[2] for n, v in model_stats.items() if n not in TOKENIZER_FILES}
     tokenizer = {n: v[2] for n, v in model_stats.items() if n in TOKENIZER_FILES}
     r, d = job.runtime, job.data
@@ -93,6 +114,8 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list]) -> dict[st
     }
     if engine:  # only here: static jobs written before this key existed still resume
         fp["runtime.kv_evict_share"] = engine.evict_share
+    if resolved_as is not None:
+        fp["runtime.resolved"] = resolved_as
     # logprobs / n / from_columns only when set: jobs written before these keys existed still resume
     optional = {"logprobs": (None, 0), "n": (1,), "from_columns": ({},)}
     fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items() if v not in optional.get(k, ())})
@@ -116,6 +139,8 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Fields that differ, each as `key: old -> new` (digests shortened)."""
     out = []
     for key in sorted(set(old) | set(new)):
+        if key in RESOLVED_KEYS and (key not in old or key not in new):
+            continue
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if a != b:
             out.append(f"{key}: {_short(a)} -> {_short(b)}")
@@ -123,8 +148,9 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def digest(fp: dict[str, Any]) -> str:
-    """A short digest of a whole fingerprint: stamped on each manifest, so pieces of another job are told apart."""
-    return _digest(sorted(fp.items(), key=lambda kv: kv[0]))
+    """A short digest of a whole fingerprint (its `RESOLVED_KEYS` aside: a rerun that could not resolve them
+    is the same job): stamped on each manifest, so pieces of another job are told apart."""
+    return _digest(sorted((kv for kv in fp.items() if kv[0] not in RESOLVED_KEYS), key=lambda kv: kv[0]))
 
 
 def _digest(value: Any) -> str:

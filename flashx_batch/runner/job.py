@@ -183,15 +183,18 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
     wrote = False
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: output.unlock(clean=not wrote))  # runs last: after Ray (and every actor) is down
+        resolved_as = None  # backend/dtype as the engines will run (unknown for a finished Ray job: no cluster)
         if job.executor.kind == "ray" and not output.is_finished():  # a finished job needs no Ray
             from flashx_batch.runner.ray_cluster import probe_cluster, ray_session
 
             stack.enter_context(ray_session(job, stop))
-            probe_cluster(job)
+            resolved_as = fingerprint.resolved(probe_cluster(job), job.model.dtype)
+        elif job.executor.kind != "ray":
+            resolved_as = fingerprint.resolved(job.runtime.backend, job.model.dtype)
         output.lock()
         previous, committed = _open_previous(output)
         model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
-        fp = fingerprint.compute(job, plan, model_stats)
+        fp = fingerprint.compute(job, plan, model_stats, resolved_as)
         differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []
         if previous is not None and not differences and _already_done(previous, committed, plan, output):
             log.info("%s: already done (_SUCCESS); nothing to run, nothing rewritten", output.root)
@@ -272,7 +275,8 @@ def _execute(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, o
         output.prepare()
         output.clean_orphans(committed)
         output.write_job(record)
-        return _run_pending(job, plan, loaded, model_dir, output, model_stats, finish, on_dispatch, stop)
+        return _run_pending(job, plan, loaded, model_dir, output, model_stats, finish, on_dispatch, stop,
+                            fp.get("runtime.resolved"))
     except BaseException as exc:  # whatever ends the run, job.json says how, with its accounting
         with contextlib.suppress(OSError):
             output.unmark_finished()  # a half-written success is no success
@@ -300,7 +304,8 @@ def _status_of(exc: BaseException) -> tuple[str, dict[str, Any]]:
 
 
 def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Path, output: Output,
-                 model_stats: dict, finish: Callable[..., None], on_dispatch: Callable | None, stop: StopFlag) -> int:
+                 model_stats: dict, finish: Callable[..., None], on_dispatch: Callable | None, stop: StopFlag,
+                 resolved_as: str | None = None) -> int:
     committed = output.committed()
     # A shard split by an earlier run (poison-row isolation) resumes as its uncommitted pieces only.
     pending = [p for s in plan.shards for p in pieces.uncovered(s, committed)]
@@ -314,7 +319,7 @@ def _run_pending(job: JobConfig, plan: Plan, loaded: LoadedInput, model_dir: Pat
                         job.executor.progress_interval_s, metrics=metrics)
     ctx = WorkerContext(str(model_dir), str(output.root), loaded.files, loaded.id_kind,
                         _passthrough_types(job, loaded), faults=faults.load(job.executor.faults),
-                        job_digest=output.job_digest, model_files=model_stats)
+                        job_digest=output.job_digest, model_files=model_stats, resolved=resolved_as)
     result = _dispatch(job, ctx, pending, stop, progress, on_dispatch, FailedRows(output, plan.ref_ids,
                                                                                    plan.id_kind))
     progress.close()

@@ -81,11 +81,12 @@ def _init_ray(ray: Any, address: str | None) -> None:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
 
 
-def probe_cluster(job: JobConfig) -> None:
+def probe_cluster(job: JobConfig) -> str:
     """Before the output directory is touched: does the cluster offer what one actor needs, and does
     the backend work there? One task with the actor's resources runs `get_backend` on a worker node
     (after, for `auto` on a cluster with devices, one that resolves it there: `resolve_for_ray`);
-    a refusal there is a bad job (ConfigError, exit 2), never an actor that dies at load."""
+    a refusal there is a bad job (ConfigError, exit 2), never an actor that dies at load. Returns the
+    backend the actors run (`auto` resolved by the cluster)."""
     import ray
 
     resources = ray.cluster_resources()
@@ -103,6 +104,7 @@ def probe_cluster(job: JobConfig) -> None:
     failure = _run_on_worker(ray, ref, "backend probe")
     if failure is not None:
         raise ConfigError(f"runtime.backend={job.runtime.backend} cannot run on the Ray workers: {failure}")
+    return _backend_name(job, resources)
 
 
 def _check_replica_fits(ray: Any, job: JobConfig, bundle: dict[str, float], tp: int) -> None:

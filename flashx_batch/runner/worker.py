@@ -59,6 +59,7 @@ class WorkerContext:
     faults: Faults | None = None  # armed fault hooks (tests only); None in production
     job_digest: str | None = None  # the job's fingerprint digest, stamped on every manifest committed
     model_files: dict[str, list] = field(default_factory=dict)  # name -> [size, mtime_ns, sha256] as fingerprinted
+    resolved: str | None = None  # backend/dtype the job's fingerprint holds (`fingerprint.resolved`); None: unchecked
 
 
 def _check_reserved_accelerator(engine: Any, backend: str, name: str) -> None:
@@ -74,6 +75,17 @@ def _check_reserved_accelerator(engine: Any, backend: str, name: str) -> None:
                           "here (torch cannot use that device on this node); install the device's torch build on "
                           "the node (`python -m flashx_batch.doctor` there says what is missing), or set "
                           "runtime.backend=cpu to run on CPUs on purpose.")
+
+
+def _check_resolved(engine: Any, expected: str | None, name: str) -> None:
+    """This engine runs the backend and dtype the job's fingerprint holds: one that resolved `auto`
+    otherwise (a node with another device, a resume on another machine) would mix precisions in one
+    output, so it is a bad job (exit 2) before it runs a row."""
+    here = f"{engine.backend.name}/{str(engine.dtype).removeprefix('torch.')}"
+    if expected is not None and here != expected:
+        raise ConfigError(f"{name}: this engine runs as {here}, and the job's rows so far were computed as {expected} "
+                          "(runtime.backend / model.dtype `auto` resolved differently here); set runtime.backend and "
+                          "model.dtype explicitly, or run the job into a new output.dir.")
 
 
 def row_seed(job_seed: int, row_id: Any) -> int:
@@ -123,6 +135,7 @@ class ShardWorker:
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)
         self.engine = Engine(Path(self.ctx.model_dir), options, rendezvous=self.rendezvous)
         _check_reserved_accelerator(self.engine, self.job.runtime.backend, self.name)
+        _check_resolved(self.engine, self.ctx.resolved, self.name)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)  # not replaced while it loaded
         if self.engine.tokenizer is None:
             raise RuntimeError(f"{self.ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")

@@ -141,3 +141,30 @@ def test_no_row_value_ends_a_job():
                 if problem is None:  # what reaches the sampling columns is read by row_params above
                     assert cols["custom_id"] == ["x"]
     assert examples > 7_500 and set(kinds) == {"bad_sampling_param", "bad_request"}
+
+
+def test_a_resume_where_auto_resolves_to_another_dtype_is_refused(tmp_path, monkeypatch, caplog):
+    """A job started where `model.dtype=auto` meant float32, resumed where it means bfloat16 (a GPU host,
+    simulated by the CPU backend's default): refused with exit 2 naming the resolved precision, never a
+    second precision mixed into the output. A worker whose engine resolved otherwise refuses too."""
+    import types
+
+    import pytest
+    import torch
+
+    from flashx_batch.backends.cpu import CpuBackend
+    from flashx_batch.errors import ConfigError
+    from flashx_batch.runner.worker import _check_resolved
+
+    data = _write(tmp_path / "in.jsonl", [_line(f"r{i}") for i in range(4)])
+    out = tmp_path / "out"
+    assert _run(data, out, "runtime.backend=auto", "model.dtype=auto") == 0
+    assert json.loads((out / "job.json").read_text())["fingerprint"]["runtime.resolved"] == "cpu/float32"
+    monkeypatch.setattr(CpuBackend, "default_dtype", torch.bfloat16)
+    assert _run(data, out, "runtime.backend=auto", "model.dtype=auto") == 2
+    assert "runtime.resolved: 'cpu/float32' -> 'cpu/bfloat16'" in caplog.text
+    engine = types.SimpleNamespace(backend=types.SimpleNamespace(name="cpu"), dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="runs as cpu/bfloat16.*computed as cpu/float32"):
+        _check_resolved(engine, "cpu/float32", "worker-1")
+    _check_resolved(engine, "cpu/bfloat16", "worker-1")
+    _check_resolved(engine, None, "worker-1")  # a job that could not resolve it: nothing to hold it to
