@@ -92,6 +92,11 @@ def validate(job: JobConfig) -> None:
          f"output.format={job.output.format!r} is not one of parquet, openai_batch"),
         (job.output.format != "openai_batch" or job.task == "generate",
          f"output.format=openai_batch writes completions: it needs task=generate, not {job.task}"),
+        # an OpenAI response carries the choices its request asked for: one (lines asking n > 1 are refused)
+        ("openai_batch" not in (job.data.format, job.output.format) or job.sampling.n == 1,
+         f"sampling.n={job.sampling.n} with OpenAI Batch files would give every response {job.sampling.n} choices "
+         "where each request asked for one; keep sampling.n=1 (a request's own n is read from its line: "
+         "lines asking for n > 1 are bad_request rows, send one line per sample with its own seed)"),
         (job.data.limit is None or job.data.limit >= 1, f"data.limit must be >= 1 or null, got {job.data.limit}"),
         (job.data.max_row_bytes >= 1, f"data.max_row_bytes must be >= 1, got {job.data.max_row_bytes}"),
         (all(e >= 1 for e in job.runtime.bucket_edges), "runtime.bucket_edges must be positive token counts"),

@@ -39,19 +39,44 @@ def run_job(config: JobConfig | Sequence[str], data: Any = None, staging_dir: st
     `config`: a `JobConfig` or Hydra overrides as on the command line (`["conf=legal_docs",
     "output.dir=out/x"]`). `data`: rows to run instead of `data.path` — a pyarrow Table, a pandas
     DataFrame, a `datasets.Dataset`, a Ray Dataset or a dict of equal-length columns, with the columns
-    the job reads (`data.id_column`, `data.prompt_column`, ...)."""
-    from flashx_batch.runner.job import run
+    the job reads (`data.id_column`, `data.prompt_column`, ...). A config or data that can never run
+    (a column Arrow cannot hold, a bad override) is exit 2 with the reason logged, as from the command
+    line; rows that cannot run are error rows, as from a file."""
+    from flashx_batch.runner.job import EXIT_BAD_JOB, run
 
-    if isinstance(config, JobConfig):
-        job = config
-    else:  # with data, a preset without data.path composes too (the user's overrides come after and win)
-        job = compose_job((["data.path=in-memory"] if data is not None else []) + list(config))
-    if data is not None:
-        # schema metadata (pandas' records its own version) is no part of the rows: equal rows, equal digest
-        table = as_arrow(data).replace_schema_metadata(None)
-        uri = stage_table(table, staging_dir or _default_staging(job), job)
-        job.data.path, job.data.format = uri, "parquet"
+    try:
+        if isinstance(config, JobConfig):
+            job = config
+        else:  # with data, a preset without data.path composes too (the user's overrides come after and win)
+            job = compose_job((["data.path=in-memory"] if data is not None else []) + list(config))
+        if data is not None:
+            # schema metadata (pandas' records its own version) is no part of the rows: equal rows, equal digest
+            table = as_arrow(data).replace_schema_metadata(None)
+            uri = stage_table(table, staging_dir or _default_staging(job), job)
+            job.data.path, job.data.format = uri, "parquet"
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_BAD_JOB
     return run(job)
+
+
+_ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError,
+                 ValueError)
+
+
+def _column_error(kind: str, columns: Mapping[str, list], exc: Exception) -> ConfigError:
+    """The ConfigError for rows Arrow cannot take: the first column that will not convert, with the value
+    types it mixes (the same data as a JSONL file names the column too)."""
+    for name, values in columns.items():
+        try:
+            pa.array(values)
+        except _ARROW_ERRORS as err:
+            types = sorted({type(v).__name__ for v in values})
+            return ConfigError(f"run_job(data=<{kind}>): column {name!r} holds values of types {', '.join(types)}, "
+                               f"which one Arrow column cannot hold ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0][:160]}); give the column one type (e.g. cast it to str).")
+    return ConfigError(f"run_job(data=<{kind}>): the rows cannot be read as one Arrow table "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}).")
 
 
 def as_arrow(data: Any) -> pa.Table:
@@ -62,7 +87,10 @@ def as_arrow(data: Any) -> pa.Table:
         return pa.Table.from_batches([data])
     kind = f"{type(data).__module__}.{type(data).__name__}"
     if kind.startswith("pandas.") and hasattr(data, "columns"):
-        return pa.Table.from_pandas(data, preserve_index=False)
+        try:
+            return pa.Table.from_pandas(data, preserve_index=False)
+        except _ARROW_ERRORS as exc:
+            raise _column_error(kind, {c: data[c].tolist() for c in data.columns}, exc) from None
     if kind.startswith("datasets.") and hasattr(data, "with_format"):
         return data.with_format("arrow")[:]  # respects a select / shuffle / filter's index mapping
     if kind.startswith("ray.data.") and hasattr(data, "to_arrow_refs"):
@@ -71,7 +99,10 @@ def as_arrow(data: Any) -> pa.Table:
         tables = ray.get(data.to_arrow_refs())  # in the dataset's block order (its rows' order)
         return pa.concat_tables(tables) if tables else pa.table({})
     if isinstance(data, Mapping):
-        return pa.table(dict(data))
+        try:
+            return pa.table(dict(data))
+        except _ARROW_ERRORS as exc:
+            raise _column_error(kind, {str(c): list(v) for c, v in data.items()}, exc) from None
     raise ConfigError(f"run_job(data=...) takes a pyarrow Table, pandas DataFrame, datasets.Dataset, Ray Dataset or "
                       f"a dict of columns, not {kind}.")
 

@@ -168,3 +168,33 @@ def test_a_resume_where_auto_resolves_to_another_dtype_is_refused(tmp_path, monk
         _check_resolved(engine, "cpu/float32", "worker-1")
     _check_resolved(engine, "cpu/bfloat16", "worker-1")
     _check_resolved(engine, None, "worker-1")  # a job that could not resolve it: nothing to hold it to
+
+
+def test_run_job_with_a_dataframe_arrow_cannot_hold_is_exit_2_naming_the_column(tmp_path, caplog):
+    """A DataFrame column of mixed Python types once raised pyarrow's own error out of `run_job`; now
+    it is exit 2 naming the column and its types, as the same data in a file is."""
+    import pandas as pd
+
+    from flashx_batch.runner.in_memory import run_job
+
+    args = overrides(tiny_model_dir(), "unused", tmp_path / "out", "executor.kind=local")
+    args = [a for a in args if not a.startswith("data.path=")]
+    for frame, column in ((pd.DataFrame({"id": [1, 2, 3], "prompt": ["a", 2, "c"]}), "prompt"),
+                          (pd.DataFrame({"id": [1, "b", 3], "prompt": ["a", "b", "c"]}), "id"),
+                          ({"id": [1, 2], "prompt": ["a", HUGE]}, "prompt")):
+        caplog.clear()
+        assert run_job(args, data=frame, staging_dir=str(tmp_path / "stage")) == 2
+        assert f"column {column!r} holds values of types" in caplog.text and "Traceback" not in caplog.text
+    assert not (tmp_path / "out").exists()
+
+
+def test_job_wide_n_with_openai_batch_files_is_refused_before_the_output():
+    """sampling.n=2 once gave every OpenAI response two choices though each request asked for one, while
+    the one line asking n: 2 was refused: now the job is refused (exit 2) before it writes anything."""
+    import pytest
+
+    from flashx_batch.errors import ConfigError
+
+    for fmt in ("data.format=openai_batch", "output.format=openai_batch"):
+        with pytest.raises(ConfigError, match="sampling.n=2 with OpenAI Batch files"):
+            compose_job(overrides(tiny_model_dir(), "in.jsonl", None, fmt, "sampling.n=2", "sampling.temperature=0.7"))
