@@ -36,7 +36,7 @@ from flashx_batch.config_schema import (  # noqa: F401
 )
 from flashx_batch.errors import ConfigError
 from flashx_batch.runtime.options import bundled_model_dir
-from flashx_batch.storage import is_remote
+from flashx_batch.storage import is_remote, normalize
 
 PRIMARY_CONFIG = "flashx_job"
 SCHEMA_NAME = "flashx_job_schema"
@@ -67,7 +67,12 @@ def resolve_data_path(path: str) -> str:
 
 
 def validate(job: JobConfig) -> None:
-    """Semantic checks the types cannot express; raises ConfigError naming the key."""
+    """Semantic checks the types cannot express; raises ConfigError naming the key. Also puts the
+    object-store URIs of `data.path` and `output.dir` in their one spelling (`storage.normalize`), so
+    every reader, writer and lock the job builds from them names each object one way."""
+    out = normalize(job.output.dir)
+    # a directory: `s3://b/out/` and `s3://b/out` are one output (one lease, one set of manifests)
+    job.data.path, job.output.dir = normalize(job.data.path), (out.rstrip("/") if out.count("/") > 2 else out)
     for key, value in _float_settings(job):
         if not math.isfinite(value):  # nan passes every `>=` check by failing none of the `<`s we forgot
             raise ConfigError(f"{key}={value} is not a finite number; give a real value.")

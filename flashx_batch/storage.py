@@ -90,6 +90,35 @@ def scheme_of(path: str) -> str | None:
     return None
 
 
+def normalize(uri: str) -> str:
+    """A remote URI in its one spelling: empty path components and `.` dropped, `..` resolved, at most
+    one trailing slash (kept: it says "a directory"); local paths, `file://` and `bundled://` as given.
+    Every reader, writer, lease and manifest name a job builds derives from the configured paths, so
+    normalising them once (`config.validate`) gives one key per object: a lease written through one
+    client under `./out/_lease.json` and read back through another as `out/_lease.json` once made
+    every run see "another run" (exit 75, retried forever). ConfigError for a URI that names no bucket
+    or climbs above it."""
+    scheme = scheme_of(uri)
+    if scheme in (None, "file", "bundled"):
+        return uri
+    parsed = urlparse(uri)
+    if not parsed.netloc:
+        raise ConfigError(f"{uri}: no bucket (or host) after {scheme}://; write {scheme}://<bucket>/<path>.")
+    parts: list[str] = []
+    for part in parsed.path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                raise ConfigError(f"{uri}: '..' climbs above the bucket {parsed.netloc!r}; write the path without it.")
+            parts.pop()
+            continue
+        parts.append(part)
+    path = "/".join(parts) + ("/" if parts and parsed.path.endswith("/") else "")
+    tail = (f"?{parsed.query}" if parsed.query else "") + (f"#{parsed.fragment}" if parsed.fragment else "")
+    return f"{scheme}://{parsed.netloc}/{path}{tail}" if path else f"{scheme}://{parsed.netloc}{tail}"
+
+
 def is_remote(path: str) -> bool:
     """Any URI but file:// (and bundled://, which the config resolves to a local path first)."""
     return scheme_of(path) not in (None, "file", "bundled")

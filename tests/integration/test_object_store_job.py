@@ -16,6 +16,7 @@ from s3_support import job_record, make_bucket, objects, output_ids, s3_server, 
 
 from flashx_batch import read_output, storage
 from flashx_batch.config import compose_job, resolve_data_path
+from flashx_batch.errors import ConfigError
 from flashx_batch.runner import faults, object_lease, run
 from flashx_batch.runner.job import plan_job
 from flashx_batch.runner.worker import ShardWorker, WorkerContext
@@ -193,3 +194,15 @@ def test_a_job_on_an_fsspec_filesystem_uses_the_tie_break(tmp_path):
     finally:
         mem.rm("fx-mem", recursive=True)
         storage.configure(None)
+
+
+def test_object_store_paths_in_any_spelling_name_one_output(bucket):
+    """`s3://b//x` once ended in a double traceback (exit 1) and `s3://b/./x` in exit 75 on every try (a
+    lease written under `./x/_lease.json`, read back as `x/_lease.json`): every spelling is the one
+    normalised URI, and a path above the bucket is refused before anything is written (exit 2)."""
+    for spelling in (f"{bucket}//spelled", f"{bucket}/./spelled", f"{bucket}/spelled/sub/../"):
+        assert run(compose_job(_args(bucket, spelling, "executor.kind=local"))) == 0, spelling
+    assert not [o for o in objects(bucket) if o.startswith((".", "/")) or "/./" in o or "//" in o]
+    _assert_exactly_once(f"{bucket}/spelled")
+    with pytest.raises(ConfigError, match="climbs above the bucket"):  # the command line: exit 2
+        compose_job(_args(bucket, f"{bucket}/../elsewhere", "executor.kind=local"))
