@@ -157,6 +157,10 @@ def _body_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
     n = body.get("n", 1)
     if n != 1:
         return f"n={n!r}: one choice per request line here; send a line per sample (with its own seed)"
+    both = (body.get("max_tokens"), body.get("max_completion_tokens"))
+    if None not in both and both[0] != both[1]:
+        return (f"max_tokens={describe(both[0])} and max_completion_tokens={describe(both[1])} disagree; give one "
+                "(they are one setting here)")
     problem = _logprobs_problem(body, endpoint)
     if problem is not None:
         return problem

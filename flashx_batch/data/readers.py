@@ -104,8 +104,10 @@ def _resolve_remote(path: str, fmt: str) -> list[InputFile]:
                 found = [(path, info)]
             else:
                 base = path.rstrip("/")
-                found = [(u, i) for u, i in storage.list_files(base) if Path(u).suffix.lower() in SUFFIX_FORMATS
-                         and not any(part.startswith((".", "_")) for part in u[len(base) + 1:].split("/"))]
+                listed = [(u, i) for u, i in storage.list_files(base)
+                          if not any(part.startswith((".", "_")) for part in u[len(base) + 1:].split("/"))]
+                found = [(u, i) for u, i in listed if Path(u).suffix.lower() in SUFFIX_FORMATS]
+                _log_skipped(path, [u for u, _ in listed if Path(u).suffix.lower() not in SUFFIX_FORMATS])
                 if not found:
                     raise InputError(f"data.path={path!r}: no such object, and no .parquet / .jsonl / .csv / .arrow "
                                      "objects under that prefix.")
@@ -118,6 +120,16 @@ def _resolve_remote(path: str, fmt: str) -> list[InputFile]:
             raise InputError(f"{uri}: empty object (0 bytes); remove it or regenerate it.")
         out.append(InputFile(uri, _format_of(Path(uri), fmt), info.size, _sha256(uri), info.mtime_ns or 0))
     return out
+
+
+def _log_skipped(path: str, skipped: list[str]) -> None:
+    """A directory's files of no format we read (`.jsonl.gz`, `.txt`, `.tsv`, ...) are not input: say so,
+    naming a few, rather than leave a user wondering where their rows went."""
+    if skipped:
+        kinds = sorted({"".join(Path(f).suffixes).lower() or "(no suffix)" for f in skipped})
+        log.warning("data.path=%s: %d file(s) skipped, of no format read here (%s; read: %s): %s%s", path,
+                    len(skipped), ", ".join(kinds), " ".join(sorted(set(SUFFIX_FORMATS))),
+                    ", ".join(skipped[:3]), ", ..." if len(skipped) > 3 else "")
 
 
 def read_verified(file: InputFile) -> bytes:
@@ -179,7 +191,9 @@ def _dir_files(d: Path) -> list[Path]:
         if missing:
             raise InputError(f"{d}/state.json lists missing data files: {', '.join(missing)}.")
         return files
-    files = sorted(f for f in d.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIX_FORMATS and not _hidden(f, d))
+    listed = sorted(f for f in d.rglob("*") if f.is_file() and not _hidden(f, d))
+    files = [f for f in listed if f.suffix.lower() in SUFFIX_FORMATS]
+    _log_skipped(str(d), [str(f) for f in listed if f.suffix.lower() not in SUFFIX_FORMATS])
     if not files:
         raise InputError(f"data.path={str(d)!r}: the directory holds no .parquet / .jsonl / .csv / .arrow files.")
     return files

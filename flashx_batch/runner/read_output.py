@@ -18,6 +18,7 @@ from flashx_batch.errors import ConfigError
 from flashx_batch.runner.consolidate import pieces_table
 from flashx_batch.runner.layout import KINDS
 from flashx_batch.runner.outputs import open_output
+from flashx_batch.runner.tables import errors_table
 
 
 def read_output(uri: str | Path, kind: str = "generations",
@@ -37,7 +38,12 @@ def read_output(uri: str | Path, kind: str = "generations",
     if done is not None and "files" in done:  # finished: the consolidated files, a plain glob as well
         return _dataset([f"{out.base}/{name}" for name in done["files"].get(kind, [])], out.fs)
     # running or stopped: each committed piece's rows, wherever they are now
-    table = pieces_table(out, kind, out.committed())
+    committed = out.committed()
+    table = pieces_table(out, kind, committed)
+    if table is None and kind == "errors":  # none yet: the columns error rows have, as a finished job gives
+        generated = pieces_table(out, "generations", committed)
+        id_kind = "int" if generated is not None and pa.types.is_integer(generated.schema.field("id").type) else "str"
+        table = errors_table([], id_kind, [], [], [])
     return ds.dataset(table) if table is not None else ds.dataset([], schema=pa.schema([]))
 
 

@@ -198,3 +198,34 @@ def test_job_wide_n_with_openai_batch_files_is_refused_before_the_output():
     for fmt in ("data.format=openai_batch", "output.format=openai_batch"):
         with pytest.raises(ConfigError, match="sampling.n=2 with OpenAI Batch files"):
             compose_job(overrides(tiny_model_dir(), "in.jsonl", None, fmt, "sampling.n=2", "sampling.temperature=0.7"))
+
+
+def test_the_smaller_cases(tmp_path, caplog):
+    """max_tokens and max_completion_tokens that disagree are refused (which would win was undocumented);
+    a directory's files of no format we read are named in a warning, not skipped silently; the errors of
+    a job not yet finished with no error rows have the error columns, as a finished job's do."""
+    import logging
+
+    from flashx_batch import read_output
+    from flashx_batch.data.readers import resolve_inputs
+
+    cols = openai_batch.parse("f.jsonl", "\n".join(json.dumps(x) for x in [
+        _line("a", max_tokens=3, max_completion_tokens=4), _line("b", max_tokens=3, max_completion_tokens=3)]).encode())
+    problems = dict(zip(cols["custom_id"], cols["request_error"]))
+    assert "disagree" in problems["a"] and problems["b"] is None
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    _write(folder / "rows.jsonl", [{"id": 1, "prompt": "the licence"}])
+    for name in ("more.jsonl.gz", "notes.txt", "table.tsv"):
+        (folder / name).write_bytes(b"x")
+    with caplog.at_level(logging.WARNING):
+        files = resolve_inputs(str(folder), "auto")
+    assert [f.path.rsplit("/", 1)[-1] for f in files] == ["rows.jsonl"]
+    assert "3 file(s) skipped" in caplog.text and ".jsonl.gz" in caplog.text and ".tsv" in caplog.text
+
+    out = tmp_path / "out"
+    assert _run(_write(tmp_path / "ok.jsonl", [_line("x"), _line("y")]), out) == 0
+    (out / "_SUCCESS").unlink()  # as a job still running reads
+    errors = read_output(out, "errors").to_table()
+    assert errors.num_rows == 0 and errors.column_names == ["id", "error_code", "error_message", "stage"]
