@@ -1,5 +1,6 @@
 """Row values through the per-row readers, counting what each gives: parameters, a row error, or an
-exception (which would end the job). The values and the line shape are the default suite's
+exception (which would end the job): sampling columns, OpenAI Batch lines and scoring columns. The values and
+the line shape are the default suite's
 (`tests/integration/test_bad_row_values.py`); this counts instead of asserting, so it runs on any
 checkout: `PYTHONPATH=<checkout> python jobs/fuzz_row_values.py --out DIR`.
 """
@@ -24,13 +25,15 @@ def main() -> None:
     from row_value_cases import line as _line
     from row_value_cases import values as _values
 
-    from flashx_batch.config import SAMPLING_COLUMN_KEYS, SamplingSection
+    from flashx_batch.config import SAMPLING_COLUMN_KEYS, DataSection, SamplingSection
     from flashx_batch.data import openai_batch
     from flashx_batch.data.row_sampling import row_params
+    from flashx_batch.data.validate import score_row
 
     values = _values(random.Random(0))
     keys = tuple(SAMPLING_COLUMN_KEYS)
     sampling = SamplingSection(from_columns={k: k for k in keys})
+    data = DataSection(answer_column="answer", prompt_column="text")
     outcomes: Counter = Counter()
     for value in values:
         for key in keys:
@@ -51,8 +54,16 @@ def main() -> None:
                     outcomes["batch line: " + ("bad_request" if cols["request_error"][0] else "request")] += 1
                 except Exception as exc:
                     outcomes[f"batch line: {type(exc).__name__}"] += 1
-    exceptions = sorted(k for k in outcomes if not k.endswith(("parameters", "request", "bad_request",
-                                                               "bad_sampling_param")))
+        for task, column in (("multiple_choice", "answer"), ("multiple_choice", "choices"),
+                             ("multiple_choice", "context"), ("loglikelihood", "continuation"), ("perplexity", "text")):
+            columns = {"context": ["the licence"], "continuation": [" is void"], "choices": [["a", "b"]],
+                       "answer": [0], "text": ["the licence"], column: [value]}
+            try:
+                got = score_row(task, data, columns, 0)
+                outcomes["score row: " + (got.code if hasattr(got, "code") else "row")] += 1
+            except Exception as exc:
+                outcomes[f"score row: {type(exc).__name__}"] += 1
+    exceptions = sorted(k for k in outcomes if k.split(": ")[1][0].isupper())  # exception class names
     result = {"examples": sum(outcomes.values()), "outcomes": dict(sorted(outcomes.items())),
               "exception_kinds": exceptions}
     args.out.mkdir(parents=True, exist_ok=True)

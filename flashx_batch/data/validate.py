@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashx_batch.config import DataSection
+from flashx_batch.data.row_values import describe
 from flashx_batch.runtime.lm_requests import LMEncoder
 from flashx_batch.runtime.tokenizer import Tokenizer
 
@@ -339,8 +340,8 @@ def score_row(task: str, data: DataSection, columns: Mapping[str, list[Any]], ro
             return RowProblem(BAD_TYPE, f"answer (column {data.answer_column!r}) is a {type(answer).__name__}, "
                                         "expected the index of the right choice (an integer)")
         if not 0 <= answer < len(checked):
-            return RowProblem(ANSWER_OUT_OF_RANGE, f"answer (column {data.answer_column!r}) is {answer}, outside "
-                                                   f"0..{len(checked) - 1} for {len(checked)} choices")
+            return RowProblem(ANSWER_OUT_OF_RANGE, f"answer (column {data.answer_column!r}) is {describe(answer)}, "
+                                                   f"outside 0..{len(checked) - 1} for {len(checked)} choices")
     return ScoreRow(context=context, choices=tuple(checked), answer=answer)
 
 

@@ -15,11 +15,11 @@ from row_value_cases import HUGE
 from row_value_cases import line as _line
 from row_value_cases import values as _values
 
-from flashx_batch.config import SAMPLING_COLUMN_KEYS, SamplingSection, compose_job
+from flashx_batch.config import SAMPLING_COLUMN_KEYS, DataSection, SamplingSection, compose_job
 from flashx_batch.data import openai_batch
 from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.row_values import as_float, as_int, describe
-from flashx_batch.data.validate import RowProblem
+from flashx_batch.data.validate import RowProblem, ScoreRow, score_row
 from flashx_batch.runner import run
 from flashx_batch.runtime.params import SamplingParams
 
@@ -112,6 +112,7 @@ def test_no_row_value_ends_a_job():
     values = _values(rng)
     keys = tuple(SAMPLING_COLUMN_KEYS)
     sampling = SamplingSection(from_columns={k: k for k in keys})
+    data = DataSection(answer_column="answer", prompt_column="text")
     examples, kinds = 0, Counter()
     for value in values:
         assert isinstance(describe(value), str)
@@ -140,7 +141,16 @@ def test_no_row_value_ends_a_job():
                 kinds["bad_request"] += problem is not None
                 if problem is None:  # what reaches the sampling columns is read by row_params above
                     assert cols["custom_id"] == ["x"]
-    assert examples > 7_500 and set(kinds) == {"bad_sampling_param", "bad_request"}
+        for task, column in (("multiple_choice", "answer"), ("multiple_choice", "choices"),
+                             ("multiple_choice", "context"), ("loglikelihood", "continuation"), ("perplexity", "text")):
+            columns = {"context": ["the licence"], "continuation": [" is void"], "choices": [["a", "b"]],
+                       "answer": [0], "text": ["the licence"], column: [value]}
+            got = score_row(task, data, columns, 0)
+            examples += 1
+            assert isinstance(got, RowProblem | ScoreRow)
+            if isinstance(got, RowProblem):
+                kinds["score row"] += 1
+    assert examples > 8_500 and set(kinds) == {"bad_sampling_param", "bad_request", "score row"}
 
 
 def test_a_resume_where_auto_resolves_to_another_dtype_is_refused(tmp_path, monkeypatch, caplog):
