@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -50,10 +51,15 @@ def run_job(config: JobConfig | Sequence[str], data: Any = None, staging_dir: st
         else:  # with data, a preset without data.path composes too (the user's overrides come after and win)
             job = compose_job((["data.path=in-memory"] if data is not None else []) + list(config))
         if data is not None:
-            # schema metadata (pandas' records its own version) is no part of the rows: equal rows, equal digest
-            table = as_arrow(data).replace_schema_metadata(None)
-            uri = stage_table(table, staging_dir or _default_staging(job), job)
-            job.data.path, job.data.format = uri, "parquet"
+            where = staging_dir or _default_staging(job)
+            try:
+                # schema metadata (pandas' records its own version) is no part of the rows: equal rows, equal digest
+                table = as_arrow(data).replace_schema_metadata(None)
+                job.data.path, job.data.format = stage_table(table, where, job), "parquet"
+            except MixedColumns as mixed:  # what a file of these rows would be: JSON Lines, validated row by row
+                log.warning("%s: staged as JSON Lines, read as a .jsonl file is (a value of the wrong type is its "
+                            "row's error row, mixed ids refuse the job)", mixed)
+                job.data.path, job.data.format = stage_lines(mixed.records, where, job), "jsonl"
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_BAD_JOB
@@ -64,19 +70,53 @@ _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError
                  ValueError)
 
 
-def _column_error(kind: str, columns: Mapping[str, list], exc: Exception) -> ConfigError:
-    """The ConfigError for rows Arrow cannot take: the first column that will not convert, with the value
-    types it mixes (the same data as a JSONL file names the column too)."""
+class MixedColumns(ConfigError):
+    """Rows whose columns one Arrow table cannot hold (a column of mixed Python types, an integer past
+    int64): `run_job` stages them as JSON Lines instead, so they meet a file's validation (`records`:
+    the rows as dicts). Raised by `as_arrow`; a ConfigError for any other caller."""
+
+    def __init__(self, message: str, records: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.records = records
+
+
+def _mixed(kind: str, columns: Mapping[str, list], exc: Exception) -> MixedColumns:
+    """The first column that will not convert, with the value types it mixes."""
+    message = (f"run_job(data=<{kind}>): the rows cannot be one Arrow table ({type(exc).__name__}: "
+               f"{str(exc).splitlines()[0][:160]})")
     for name, values in columns.items():
         try:
             pa.array(values)
-        except _ARROW_ERRORS as err:
+        except _ARROW_ERRORS:
             types = sorted({type(v).__name__ for v in values})
-            return ConfigError(f"run_job(data=<{kind}>): column {name!r} holds values of types {', '.join(types)}, "
-                               f"which one Arrow column cannot hold ({type(err).__name__}: "
-                               f"{str(err).splitlines()[0][:160]}); give the column one type (e.g. cast it to str).")
-    return ConfigError(f"run_job(data=<{kind}>): the rows cannot be read as one Arrow table "
-                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}).")
+            message = f"run_job(data=<{kind}>): column {name!r} holds values of types {', '.join(types)}"
+            break
+    names = list(columns)
+    return MixedColumns(message, [dict(zip(names, row)) for row in zip(*columns.values())])
+
+
+def _jsonable(value: Any) -> Any:
+    """A cell as JSON writes it: numpy scalars as Python numbers, a float NaN (pandas' missing value) as null."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def stage_lines(records: list[dict[str, Any]], staging_dir: str, job: JobConfig | None = None) -> str:
+    """Write rows as `<staging_dir>/input-<digest>.jsonl` unless that file exists (as `stage_table`)."""
+    if not records:
+        raise ConfigError("run_job(data=...): the table has no rows.")
+    try:
+        data = "".join(json.dumps(_jsonable(r), default=str) + "\n" for r in records).encode()
+    except ValueError as exc:  # an integer past Python's 4,300 printable digits
+        raise ConfigError(f"run_job(data=...): a value cannot be written as JSON ({exc}).") from None
+    return _stage_bytes(data, f"input-{hashlib.sha256(data).hexdigest()[:32]}.jsonl", staging_dir, job)
 
 
 def as_arrow(data: Any) -> pa.Table:
@@ -90,7 +130,7 @@ def as_arrow(data: Any) -> pa.Table:
         try:
             return pa.Table.from_pandas(data, preserve_index=False)
         except _ARROW_ERRORS as exc:
-            raise _column_error(kind, {c: data[c].tolist() for c in data.columns}, exc) from None
+            raise _mixed(kind, {str(c): data[c].tolist() for c in data.columns}, exc) from None
     if kind.startswith("datasets.") and hasattr(data, "with_format"):
         return data.with_format("arrow")[:]  # respects a select / shuffle / filter's index mapping
     if kind.startswith("ray.data.") and hasattr(data, "to_arrow_refs"):
@@ -102,7 +142,7 @@ def as_arrow(data: Any) -> pa.Table:
         try:
             return pa.table(dict(data))
         except _ARROW_ERRORS as exc:
-            raise _column_error(kind, {str(c): list(v) for c, v in data.items()}, exc) from None
+            raise _mixed(kind, {str(c): list(v) for c, v in data.items()}, exc) from None
     raise ConfigError(f"run_job(data=...) takes a pyarrow Table, pandas DataFrame, datasets.Dataset, Ray Dataset or "
                       f"a dict of columns, not {kind}.")
 
@@ -120,24 +160,31 @@ def stage_table(table: pa.Table, staging_dir: str, job: JobConfig | None = None)
     (an object-store staging_dir opens with `job`'s storage.* keys)."""
     if table.num_rows == 0:
         raise ConfigError("run_job(data=...): the table has no rows.")
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return _stage_bytes(sink.getvalue(), f"input-{content_digest(table)[:32]}.parquet", staging_dir, job)
+
+
+def _stage_bytes(data: bytes, name: str, staging_dir: str, job: JobConfig | None) -> str:
+    """`data` as `<staging_dir>/<name>` unless that file exists (its name is its content's digest); returns
+    its path or URI (an object-store staging_dir opens with `job`'s storage.* keys)."""
     if job is not None:
         storage.configure(job.storage.settings())
-    name = f"input-{content_digest(table)[:32]}.parquet"
     if storage.is_remote(staging_dir):
         uri = f"{staging_dir.rstrip('/')}/{name}"
         fs, path = storage.filesystem(uri)
         if fs.get_file_info(path).type == pafs.FileType.NotFound:  # object stores write a whole object or none
             with fs.open_output_stream(path) as out:
-                pq.write_table(table, out)
-        log.info("in-memory input: %d rows staged as %s", table.num_rows, uri)
+                out.write(data)
+        log.info("in-memory input staged as %s", uri)
         return uri
     path = Path(staging_dir).expanduser() / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{name}.{os.getpid()}.partial")
-        pq.write_table(table, partial)
+        partial.write_bytes(data)
         os.replace(partial, path)  # whole or absent: a reader never sees half a file
-    log.info("in-memory input: %d rows staged as %s", table.num_rows, path)
+    log.info("in-memory input staged as %s", path)
     return str(path)
 
 

@@ -180,22 +180,30 @@ def test_a_resume_where_auto_resolves_to_another_dtype_is_refused(tmp_path, monk
     _check_resolved(engine, None, "worker-1")  # a job that could not resolve it: nothing to hold it to
 
 
-def test_run_job_with_a_dataframe_arrow_cannot_hold_is_exit_2_naming_the_column(tmp_path, caplog):
-    """A DataFrame column of mixed Python types once raised pyarrow's own error out of `run_job`; now
-    it is exit 2 naming the column and its types, as the same data in a file is."""
+def test_run_job_meets_a_dataframe_arrow_cannot_hold_as_a_file_of_the_same_rows(tmp_path, caplog):
+    """A DataFrame column of mixed Python types once raised pyarrow's own error out of `run_job`: now such
+    rows are staged as JSON Lines and validated as that file would be — a prompt of the wrong type is its
+    row's `bad_type` error row, ids of mixed types refuse the job (exit 2) naming the types."""
     import pandas as pd
 
     from flashx_batch.runner.in_memory import run_job
 
-    args = overrides(tiny_model_dir(), "unused", tmp_path / "out", "executor.kind=local")
-    args = [a for a in args if not a.startswith("data.path=")]
-    for frame, column in ((pd.DataFrame({"id": [1, 2, 3], "prompt": ["a", 2, "c"]}), "prompt"),
-                          (pd.DataFrame({"id": [1, "b", 3], "prompt": ["a", "b", "c"]}), "id"),
-                          ({"id": [1, 2], "prompt": ["a", HUGE]}, "prompt")):
-        caplog.clear()
-        assert run_job(args, data=frame, staging_dir=str(tmp_path / "stage")) == 2
-        assert f"column {column!r} holds values of types" in caplog.text and "Traceback" not in caplog.text
-    assert not (tmp_path / "out").exists()
+    def args(out):
+        return [a for a in overrides(tiny_model_dir(), "unused", out, "executor.kind=local")
+                if not a.startswith("data.path=")]
+
+    stage = str(tmp_path / "stage")
+    for i, frame in enumerate((pd.DataFrame({"id": [1, 2, 3], "prompt": ["the licence", 2, "copying"]}),
+                               {"id": [1, 2], "prompt": ["the licence", HUGE]})):
+        out = tmp_path / f"out{i}"
+        assert run_job(args(out), data=frame, staging_dir=stage) == 0
+        assert {k: code for k, (code, _) in _errors(out).items()} == {2: "bad_type"}
+        assert set(_generated(out)) == ({1, 3} if i == 0 else {1})
+    caplog.clear()
+    mixed_ids = pd.DataFrame({"id": [1, "b", 3], "prompt": ["a", "b", "c"]})
+    assert run_job(args(tmp_path / "out-ids"), data=mixed_ids, staging_dir=stage) == 2
+    assert "column 'id' mixes types: int" in caplog.text and "Traceback" not in caplog.text
+    assert not (tmp_path / "out-ids").exists()
 
 
 def test_job_wide_n_with_openai_batch_files_is_refused_before_the_output():
