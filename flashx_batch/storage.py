@@ -96,21 +96,22 @@ def normalize(uri: str) -> str:
     Every reader, writer, lease and manifest name a job builds derives from the configured paths, so
     normalising them once (`config.validate`) gives one key per object: a lease written through one
     client under `./out/_lease.json` and read back through another as `out/_lease.json` once made
-    every run see "another run" (exit 75, retried forever). ConfigError for a URI that names no bucket
-    or climbs above it."""
+    every run see "another run" (exit 75, retried forever). ConfigError for an object-store URI that
+    names no bucket, or any that climbs above its root (`hdfs:///path`: the default namenode, kept)."""
     scheme = scheme_of(uri)
     if scheme in (None, "file", "bundled"):
         return uri
     parsed = urlparse(uri)
-    if not parsed.netloc:
-        raise ConfigError(f"{uri}: no bucket (or host) after {scheme}://; write {scheme}://<bucket>/<path>.")
+    if not parsed.netloc and _bucket_style(scheme):  # hdfs:///path: the default namenode
+        raise ConfigError(f"{uri}: no bucket after {scheme}://; write {scheme}://<bucket>/<path>.")
     parts: list[str] = []
     for part in parsed.path.split("/"):
         if part in ("", "."):
             continue
         if part == "..":
             if not parts:
-                raise ConfigError(f"{uri}: '..' climbs above the bucket {parsed.netloc!r}; write the path without it.")
+                raise ConfigError(f"{uri}: '..' climbs above the root of {scheme}://{parsed.netloc}; write the path "
+                                  "without it.")
             parts.pop()
             continue
         parts.append(part)

@@ -100,6 +100,16 @@ def on_host(tensor: torch.Tensor) -> bool:
     return device_traits(tensor.device).host_kernels
 
 
+def resolved_run(name: str, dtype: str) -> str:
+    """`backend/dtype` as an engine on this host runs `runtime.backend=name` with `model.dtype=dtype`:
+    `auto` resolved here, and a dtype of `auto` as the backend's default on this host's device (a
+    property on accelerators: bfloat16 where the device has it). ConfigError where the backend cannot
+    run here (`get_backend`)."""
+    backend = get_backend(name)
+    chosen = str(backend.default_dtype).removeprefix("torch.") if dtype == "auto" else dtype
+    return f"{backend.name}/{chosen}"
+
+
 def check_known(name: str) -> None:
     """ConfigError unless `name` is `auto` or a registered backend (available here or not)."""
     if name != "auto" and name not in BACKENDS:
@@ -120,4 +130,5 @@ def get_backend(name: str = "auto") -> Backend:
 
 
 __all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "GraphReplay", "check_known", "cluster_offers", "device_traits",
-           "for_device", "get_backend", "on_host", "ray_accelerator_ids", "resolve_for_ray", "resolve_name"]
+           "for_device", "get_backend", "on_host", "resolved_run", "ray_accelerator_ids", "resolve_for_ray",
+           "resolve_name"]

@@ -64,29 +64,24 @@ def model_file_stats(model_dir: Path, cache: dict[str, Any] | None) -> dict[str,
     return file_hashes(model_dir, names, cache)
 
 
+# The version of the per-row checks and ids the plan applies (which rows are error rows, what a line without
+# an id is called): a plan of the same input under other checks may hold other ids, so a job planned under
+# other rules never resumes (a finished one stays finished: `runner.job`). Raise it with any such change.
+ROW_RULES = 2
+ROW_RULES_KEY = "plan.row_rules"
 # keys compared only when both records hold them: jobs written before they existed, and a finished job
 # rerun without a cluster to resolve `auto` on, still resume
 RESOLVED_KEYS = ("runtime.resolved",)
 
 
-def resolved(backend: str, dtype: str) -> str:
-    """`backend/dtype` as the job's engines run: `runtime.backend` with `auto` resolved (by this host, or
-    by the Ray cluster's probe) and `model.dtype` with `auto` resolved to that backend's default. A job
-    started where `auto` meant the CPU (float32) and resumed where it means a GPU (bfloat16) would mix
-    two precisions in one output: the fingerprint holds what they resolved to, so such a resume is
-    refused (exit 2), and every worker checks its engine against it (`runner.worker`)."""
-    from flashx_batch.backends import BACKENDS, resolve_name
-
-    name = resolve_name(backend)
-    if dtype == "auto":
-        dtype = str(BACKENDS[name].default_dtype).removeprefix("torch.") if name in BACKENDS else dtype
-    return f"{name}/{dtype}"
-
-
 def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_as: str | None = None
             ) -> dict[str, Any]:
-    """The fingerprint as a flat dict of dotted keys (so a diff names fields directly); `resolved_as`
-    (`resolved`), where known."""
+    """The fingerprint as a flat dict of dotted keys (so a diff names fields directly). `resolved_as`:
+    `backend/dtype` as the job's engines run, `auto` resolved (`backends.resolved_run`, on this host or
+    on a Ray worker by the cluster probe), where known. A job started where `auto` meant the CPU
+    (float32) and resumed where it means a GPU (bfloat16) would mix two precisions in one output: the
+    fingerprint holds what they resolved to, so such a resume is refused (exit 2), and every worker
+    checks its engine against it (`runner.worker`)."""
     weights = {n: v[2] for n, v in model_stats.items() if n not in TOKENIZER_FILES}
     tokenizer = {n: v[2] for n, v in model_stats.items() if n in TOKENIZER_FILES}
     r, d = job.runtime, job.data
@@ -94,6 +89,7 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_a
     engine = job.engine_options() if sparse else None  # the resolved dials (a preset, or values spelled out)
     fp: dict[str, Any] = {
         "code_version": flashx_batch.__version__,
+        ROW_RULES_KEY: ROW_RULES,
         "model.files": _digest(weights),
         "model.tokenizer": _digest(tokenizer),
         "model.dtype": job.model.dtype,
@@ -143,7 +139,9 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             continue
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if a != b:
-            out.append(f"{key}: {_short(a)} -> {_short(b)}")
+            why = (" (this version checks rows as the job's did not: finish it with the version that started it, "
+                   "or run it into a new output.dir)") if key == ROW_RULES_KEY else ""
+            out.append(f"{key}: {_short(a)} -> {_short(b)}{why}")
     return out
 
 

@@ -95,27 +95,49 @@ def _mixed(kind: str, columns: Mapping[str, list], exc: Exception) -> MixedColum
     return MixedColumns(message, [dict(zip(names, row)) for row in zip(*columns.values())])
 
 
+class _NotJson(Exception):
+    """A cell JSON Lines cannot hold as the value it is (a datetime, an object)."""
+
+
 def _jsonable(value: Any) -> Any:
-    """A cell as JSON writes it: numpy scalars as Python numbers, a float NaN (pandas' missing value) as null."""
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
-    if isinstance(value, float) and value != value:
-        return None
+    """A cell as JSON holds it: numpy scalars as Python numbers and numpy arrays as lists (pandas' list
+    columns), a float NaN (pandas' missing value) as null, bytes as their UTF-8 text (invalid bytes kept
+    as lone surrogates, which the row checks flag as `invalid_text`, as a binary Parquet column's are).
+    Anything else JSON has no type for raises `_NotJson` rather than become text it never was."""
+    if type(value).__module__ == "numpy":
+        value = value.tolist()  # a scalar's Python value, or an array's nested lists
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return None if value != value else value
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", errors="surrogateescape")
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
-    return value
+    raise _NotJson(type(value).__name__)
 
 
 def stage_lines(records: list[dict[str, Any]], staging_dir: str, job: JobConfig | None = None) -> str:
     """Write rows as `<staging_dir>/input-<digest>.jsonl` unless that file exists (as `stage_table`)."""
     if not records:
         raise ConfigError("run_job(data=...): the table has no rows.")
-    try:
-        data = "".join(json.dumps(_jsonable(r), default=str) + "\n" for r in records).encode()
-    except ValueError as exc:  # an integer past Python's 4,300 printable digits
-        raise ConfigError(f"run_job(data=...): a value cannot be written as JSON ({exc}).") from None
+    lines = []
+    for i, record in enumerate(records):
+        row = {}
+        for column, value in record.items():
+            try:
+                row[column] = _jsonable(value)
+            except _NotJson as exc:
+                raise ConfigError(f"run_job(data=...): column {column!r} row {i} holds a {exc} value, which neither "
+                                  "one Arrow column (the column mixes types) nor JSON can hold as it is; give the "
+                                  "column one type (e.g. cast it to str).") from None
+        try:
+            lines.append(json.dumps(row) + "\n")
+        except ValueError as exc:  # an integer past Python's 4,300 printable digits
+            raise ConfigError(f"run_job(data=...): row {i} cannot be written as JSON ({exc}).") from None
+    data = "".join(lines).encode("utf-8", errors="surrogatepass")
     return _stage_bytes(data, f"input-{hashlib.sha256(data).hexdigest()[:32]}.jsonl", staging_dir, job)
 
 

@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 import flashx_batch
 from flashx_batch import storage
+from flashx_batch.backends import resolved_run
 from flashx_batch.config import JobConfig, resolve_data_path, resolve_model_dir, validate
 from flashx_batch.data import openai_batch
 from flashx_batch.data.plan import Plan, build_plan, format_plan
@@ -104,7 +105,7 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
     if job.data.format == "openai_batch":  # the data keys point at the columns its requests read as
         files = resolve_inputs(resolve_data_path(job.data.path), "openai_batch")
         openai_batch.configure(job, openai_batch.endpoint_of([f.path for f in files]))
-    problem = reserved_column_problem(list(job.data.passthrough_columns))
+    problem = reserved_column_problem(list(job.data.passthrough_columns), job.task)
     if problem:
         raise ConfigError(problem)
     if job.data.tools:  # one list for every row: a bad one is a bad job, not a column of error rows
@@ -188,15 +189,17 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
             from flashx_batch.runner.ray_cluster import probe_cluster, ray_session
 
             stack.enter_context(ray_session(job, stop))
-            resolved_as = fingerprint.resolved(probe_cluster(job), job.model.dtype)
-        elif job.executor.kind != "ray":
-            resolved_as = fingerprint.resolved(job.runtime.backend, job.model.dtype)
+            resolved_as = probe_cluster(job)
+        elif job.executor.kind != "ray":  # the engines run in this process
+            resolved_as = resolved_run(job.runtime.backend, job.model.dtype)
         output.lock()
         previous, committed = _open_previous(output)
         model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
         fp = fingerprint.compute(job, plan, model_stats, resolved_as)
         differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []
-        if previous is not None and not differences and _already_done(previous, committed, plan, output):
+        # a job finished under earlier row rules is still finished: nothing to rerun, nothing rewritten
+        rules_only = all(d.startswith(fingerprint.ROW_RULES_KEY + ":") for d in differences)
+        if previous is not None and rules_only and _already_done(previous, committed, plan, output):
             log.info("%s: already done (_SUCCESS); nothing to run, nothing rewritten", output.root)
             if job.output.format == "openai_batch" and not output.has_file(openai_output.FILE_NAME):
                 _write_openai_output(job, output, committed, model_dir)  # asked for after the job finished

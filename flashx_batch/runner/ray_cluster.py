@@ -81,12 +81,13 @@ def _init_ray(ray: Any, address: str | None) -> None:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
 
 
-def probe_cluster(job: JobConfig) -> str:
+def probe_cluster(job: JobConfig) -> str | None:
     """Before the output directory is touched: does the cluster offer what one actor needs, and does
     the backend work there? One task with the actor's resources runs `get_backend` on a worker node
     (after, for `auto` on a cluster with devices, one that resolves it there: `resolve_for_ray`);
-    a refusal there is a bad job (ConfigError, exit 2), never an actor that dies at load. Returns the
-    backend the actors run (`auto` resolved by the cluster)."""
+    a refusal there is a bad job (ConfigError, exit 2), never an actor that dies at load. Returns
+    `backend/dtype` as the worker resolved them (`backends.resolved_run`; None when the probe was not
+    scheduled in time)."""
     import ray
 
     resources = ray.cluster_resources()
@@ -100,11 +101,11 @@ def probe_cluster(job: JobConfig) -> str:
     tp = job.runtime.tensor_parallel_size
     if tp > 1:
         _check_replica_fits(ray, job, bundle_of(options), tp)
-    ref = ray.remote(_probe_backend).options(**options).remote(job.runtime.backend)
-    failure = _run_on_worker(ray, ref, "backend probe")
+    ref = ray.remote(_probe_backend).options(**options).remote(job.runtime.backend, job.model.dtype)
+    failure, resolved = _run_on_worker(ray, ref, "backend probe") or (None, None)
     if failure is not None:
         raise ConfigError(f"runtime.backend={job.runtime.backend} cannot run on the Ray workers: {failure}")
-    return _backend_name(job, resources)
+    return resolved
 
 
 def _check_replica_fits(ray: Any, job: JobConfig, bundle: dict[str, float], tp: int) -> None:
@@ -130,15 +131,15 @@ def _run_on_worker(ray: Any, ref: Any, what: str) -> Any:
                           "has flashx-batch installed (the same version as the driver).") from None
 
 
-def _probe_backend(name: str) -> str | None:
-    """Runs on a worker: None if the backend resolves there, else its error message."""
+def _probe_backend(name: str, dtype: str) -> tuple[str | None, str | None]:
+    """Runs on a worker: (None, `backend/dtype` as an engine there runs them) if the backend resolves
+    there, else (its error message, None)."""
     try:
-        from flashx_batch.backends import get_backend
+        from flashx_batch.backends import resolved_run
 
-        get_backend(name)
+        return None, resolved_run(name, dtype)
     except Exception as exc:
-        return f"{type(exc).__name__}: {clean(str(exc))} (on {os.uname().nodename})"
-    return None
+        return f"{type(exc).__name__}: {clean(str(exc))} (on {os.uname().nodename})", None
 
 
 def _resolve_auto() -> str:

@@ -41,10 +41,12 @@ def score_column(scores: list[float | None]) -> dict[str, pa.Array]:
     return {"score": pa.array(scores, pa.float64())}
 
 
-def reserved_column_problem(passthrough: list[str]) -> str | None:
+def reserved_column_problem(passthrough: list[str], task: str | None = None) -> str | None:
     """Why `data.passthrough_columns` cannot be written as given, or None: a name we write ourselves
-    (it would replace the real value in every row), or a name listed twice."""
-    written = RESERVED_COLUMNS + tuple(c for cols in SCORE_COLUMNS.values() for c in cols)
+    (it would replace the real value in every row), or a name listed twice. `task`: the job's (its own
+    score columns are reserved; None: every task's)."""
+    scores = SCORE_COLUMNS.values() if task is None else [SCORE_COLUMNS.get(task, ())]
+    written = RESERVED_COLUMNS + tuple(c for cols in scores for c in cols)
     clash = [c for c in passthrough if c in written]
     if clash:
         return (f"data.passthrough_columns lists {', '.join(map(repr, clash))}, a column name flashx-batch writes "

@@ -59,7 +59,7 @@ class WorkerContext:
     faults: Faults | None = None  # armed fault hooks (tests only); None in production
     job_digest: str | None = None  # the job's fingerprint digest, stamped on every manifest committed
     model_files: dict[str, list] = field(default_factory=dict)  # name -> [size, mtime_ns, sha256] as fingerprinted
-    resolved: str | None = None  # backend/dtype the job's fingerprint holds (`fingerprint.resolved`); None: unchecked
+    resolved: str | None = None  # backend/dtype the fingerprint holds (`backends.resolved_run`); None: unchecked
 
 
 def _check_reserved_accelerator(engine: Any, backend: str, name: str) -> None:

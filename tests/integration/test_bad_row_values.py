@@ -247,3 +247,66 @@ def test_the_smaller_cases(tmp_path, caplog):
     (out / "_SUCCESS").unlink()  # as a job still running reads
     errors = read_output(out, "errors").to_table()
     assert errors.num_rows == 0 and errors.column_names == ["id", "error_code", "error_message", "stage"]
+
+
+def test_a_job_planned_under_earlier_row_rules_stays_finished_or_is_refused(tmp_path, caplog):
+    """The per-row checks changed (rows that were generated are error rows now, a line without an id is
+    named otherwise): a finished job written before them is still already done, nothing rewritten; an
+    unfinished one is refused (exit 2) rather than resumed into a plan with other ids."""
+    from flashx_batch.runner import fingerprint
+
+    data = _write(tmp_path / "in.jsonl", [_line(f"r{i}") for i in range(3)])
+    out = tmp_path / "out"
+    assert _run(data, out) == 0
+    record = json.loads((out / "job.json").read_text())
+    del record["fingerprint"][fingerprint.ROW_RULES_KEY]  # as a job.json from before the key
+    (out / "job.json").write_text(json.dumps(record))
+    stamp = (out / "_SUCCESS").stat().st_mtime_ns
+    assert _run(data, out) == 0 and (out / "_SUCCESS").stat().st_mtime_ns == stamp
+    (out / "_SUCCESS").unlink()
+    record["status"] = "running"
+    (out / "job.json").write_text(json.dumps(record))
+    assert _run(data, out) == 2 and "checks rows as the job's did not" in caplog.text
+
+
+def test_staged_rows_keep_their_types_and_paths_their_roots(tmp_path):
+    """Rows staged as JSON Lines keep list cells as lists (pandas gives numpy arrays), bytes as their text
+    (invalid bytes: an `invalid_text` row, as from a binary Parquet column); a value JSON has no type for
+    is refused by column. `hdfs:///path` (the default namenode) is a path, not a missing bucket."""
+    import datetime
+
+    import numpy as np
+    import pytest
+
+    from flashx_batch import storage
+    from flashx_batch.errors import ConfigError
+    from flashx_batch.runner.in_memory import stage_lines
+
+    path = stage_lines([{"id": 1, "messages": np.array([{"role": "user", "content": "hi"}], dtype=object),
+                         "tags": np.array(["a", "b"]), "prompt": b"the licence \xff", "n": np.int64(3)}],
+                       str(tmp_path))
+    row = json.loads(open(path).read())
+    assert row["messages"] == [{"role": "user", "content": "hi"}] and row["tags"] == ["a", "b"] and row["n"] == 3
+    assert row["prompt"] == "the licence \udcff"
+    with pytest.raises(ConfigError, match="column 'when' row 0 holds a datetime value"):
+        stage_lines([{"when": datetime.datetime(2026, 1, 1)}], str(tmp_path))
+    assert storage.normalize("hdfs:///data//in/./x") == "hdfs:///data/in/x"
+
+
+def test_resolved_run_reads_an_accelerator_s_default_dtype_from_the_device(monkeypatch):
+    """cuda / rocm / npu choose their default dtype per device (a property): `resolved_run` asks the
+    backend instance, never the class (whose attribute is the property object itself)."""
+    import torch
+
+    from flashx_batch import backends
+
+    class Device(backends.Backend):
+        name = "gpu-like"
+
+        @property
+        def default_dtype(self):  # type: ignore[override]
+            return torch.bfloat16
+
+    monkeypatch.setattr(backends, "get_backend", lambda name: Device())
+    assert backends.resolved_run("auto", "auto") == "gpu-like/bfloat16"
+    assert backends.resolved_run("auto", "float16") == "gpu-like/float16"
