@@ -23,6 +23,7 @@ from flashx_batch.errors import ConfigError
 BACKENDS: dict[str, type[Backend]] = {
     "cpu": CpuBackend, "cuda": CudaBackend, "rocm": RocmBackend, "npu": NpuBackend, "onnx": OnnxBackend,
 }
+_TRAITS: dict[str, type[Backend]] = {}  # device type -> `device_traits`' answer
 # `onnx` is never chosen by `auto`: it is an explicit choice for hosts without a HIP build of torch.
 AUTO_ORDER = ("npu", "rocm", "cuda", "cpu")
 
@@ -89,10 +90,11 @@ def device_traits(device: torch.device | str) -> type[Backend]:
     kernels are probed before use); a type no backend claims gets the base class's answers (no host
     kernels, no packed kernels)."""
     kind = device.type if isinstance(device, torch.device) else str(device).split(":", 1)[0]
-    for cls in BACKENDS.values():
-        if cls.device_type == kind and cls.torch_runtime:
-            return cls
-    return Backend
+    traits = _TRAITS.get(kind)
+    if traits is None:  # asked per layer and step (`on_host`): looked up once per device type
+        traits = _TRAITS[kind] = next((c for c in BACKENDS.values() if c.device_type == kind and c.torch_runtime),
+                                      Backend)
+    return traits
 
 
 def on_host(tensor: torch.Tensor) -> bool:
