@@ -62,7 +62,7 @@ import torch
 from flashx_batch import Engine
 from flashx_batch.quality.ablations import choose_groups, plan_score_weighted, plan_streaming
 from flashx_batch.quality.heldout import token_windows
-from flashx_batch.quality.kv_tasks_report import LOWER_IS_BETTER, PRESETS, markdown, plot, relative_scores  # noqa: F401
+from flashx_batch.quality.kv_tasks_report import PRESETS, markdown, plot, relative_scores
 from flashx_batch.runtime.kv_merge import (
     GROUP,
     MergePlan,

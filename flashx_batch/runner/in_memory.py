@@ -19,7 +19,7 @@ import io
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,8 @@ def stage_lines(records: list[dict[str, Any]], staging_dir: str, job: JobConfig 
         except ValueError as exc:  # an integer past Python's 4,300 printable digits
             raise ConfigError(f"run_job(data=...): row {i} cannot be written as JSON ({exc}).") from None
     data = "".join(lines).encode("utf-8", errors="surrogatepass")
-    return _stage_bytes(data, f"input-{hashlib.sha256(data).hexdigest()[:32]}.jsonl", staging_dir, job)
+    return _stage(lambda out: out.write(data), f"input-{hashlib.sha256(data).hexdigest()[:32]}.jsonl", staging_dir,
+                  job)
 
 
 def as_arrow(data: Any) -> pa.Table:
@@ -182,14 +183,14 @@ def stage_table(table: pa.Table, staging_dir: str, job: JobConfig | None = None)
     (an object-store staging_dir opens with `job`'s storage.* keys)."""
     if table.num_rows == 0:
         raise ConfigError("run_job(data=...): the table has no rows.")
-    sink = io.BytesIO()
-    pq.write_table(table, sink)
-    return _stage_bytes(sink.getvalue(), f"input-{content_digest(table)[:32]}.parquet", staging_dir, job)
+    return _stage(lambda out: pq.write_table(table, out), f"input-{content_digest(table)[:32]}.parquet", staging_dir,
+                  job)
 
 
-def _stage_bytes(data: bytes, name: str, staging_dir: str, job: JobConfig | None) -> str:
-    """`data` as `<staging_dir>/<name>` unless that file exists (its name is its content's digest); returns
-    its path or URI (an object-store staging_dir opens with `job`'s storage.* keys)."""
+def _stage(write: Callable[[Any], None], name: str, staging_dir: str, job: JobConfig | None) -> str:
+    """`<staging_dir>/<name>`, written by `write(stream)` unless that file exists (its name is its content's
+    digest, so the table is written straight to its file, never copied in memory first); returns its path
+    or URI (an object-store staging_dir opens with `job`'s storage.* keys)."""
     if job is not None:
         storage.configure(job.storage.settings())
     if storage.is_remote(staging_dir):
@@ -197,14 +198,15 @@ def _stage_bytes(data: bytes, name: str, staging_dir: str, job: JobConfig | None
         fs, path = storage.filesystem(uri)
         if fs.get_file_info(path).type == pafs.FileType.NotFound:  # object stores write a whole object or none
             with fs.open_output_stream(path) as out:
-                out.write(data)
+                write(out)
         log.info("in-memory input staged as %s", uri)
         return uri
     path = Path(staging_dir).expanduser() / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{name}.{os.getpid()}.partial")
-        partial.write_bytes(data)
+        with open(partial, "wb") as out:
+            write(out)
         os.replace(partial, path)  # whole or absent: a reader never sees half a file
     log.info("in-memory input staged as %s", path)
     return str(path)

@@ -27,7 +27,7 @@ from flashx_batch.runner.executor import ExecResult
 from flashx_batch.runner.failures import BAD_JOB, DIED, FATAL, TIMEOUT, FailedRows, Work, WorkerFailure, decide
 from flashx_batch.runner.node_book import NodeBook
 from flashx_batch.runner.progress import Progress
-from flashx_batch.runner.ray_cluster import _first_line, actor_options, ray_session, replicas_that_fit  # noqa: F401
+from flashx_batch.runner.ray_cluster import _first_line, actor_options, ray_session
 from flashx_batch.runner.replicas import Replica, bundle_of, start_replica
 from flashx_batch.runner.signals import StopFlag
 from flashx_batch.runner.worker import ShardWorker, WorkerContext

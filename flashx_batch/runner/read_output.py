@@ -41,9 +41,10 @@ def read_output(uri: str | Path, kind: str = "generations",
     committed = out.committed()
     table = pieces_table(out, kind, committed)
     if table is None and kind == "errors":  # none yet: the columns error rows have, as a finished job gives
-        generated = pieces_table(out, "generations", committed)
-        id_kind = "int" if generated is not None and pa.types.is_integer(generated.schema.field("id").type) else "str"
-        table = errors_table([], id_kind, [], [], [])
+        # the id type from one generated piece's id column (not every piece's rows)
+        piece = next((p for p, m in committed.items() if "generations" in m.get("files", {})), None)
+        ids = out.read_part("generations", piece, ["id"], committed).schema.field("id").type if piece else None
+        table = errors_table([], "int" if ids is not None and pa.types.is_integer(ids) else "str", [], [], [])
     return ds.dataset(table) if table is not None else ds.dataset([], schema=pa.schema([]))
 
 

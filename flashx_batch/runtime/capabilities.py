@@ -15,7 +15,7 @@ this record holds the half a config and a backend decide (`fused_int8_decode`, f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from flashx_batch.backends import Backend
 from flashx_batch.errors import ConfigError
@@ -54,9 +54,6 @@ class Capabilities:
         if not capability:
             raise ConfigError(f"{setting}: {capability.why}")
 
-    def rows(self) -> dict[str, Capability]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 def _attention_family(cfg: ModelConfig) -> str | None:
     """The model's attention that limits what runs on it, named for a refusal (None: plain full attention)."""
@@ -82,73 +79,52 @@ def capabilities(cfg: ModelConfig | None, options: EngineOptions, backend: Backe
            "runtime.precision_map (its expert loop reads each expert's token count back to the host, which "
            "neither an ONNX graph nor a CUDA graph can hold, and precision maps cover dense MLPs only)")
     mla = f"{name} ({family}) runs on a torch backend, with cuda_graphs=auto or off and no runtime.precision_map"
+    int8_reason = int8_decode.config_why_not(cfg) if cfg is not None else None
 
-    merges_kv = YES
-    if latent:
-        merges_kv = Capability(False, f"segment-sparse KV and rolling merges merge full keys and values, and this "
-                                      f"model ({name}) caches {family} entries instead; use cache_policy=static "
-                                      "(prefix reuse works) with long_input=error or truncate")
-    elif window:
-        merges_kv = Capability(False, f"segment-sparse KV and rolling merges merge several positions into one KV "
-                                      f"slot, and the model attends through {family}, which needs one slot per "
-                                      "position; use cache_policy=static with long_input=error or truncate")
+    # experts and latent attention run on our torch modules only: the same reason for three rows
+    torch_only = (experts or latent, moe if experts else mla)
+    return Capabilities(
+        merges_kv=_first(
+            (latent, f"segment-sparse KV and rolling merges merge full keys and values, and this model ({name}) "
+                     f"caches {family} entries instead; use cache_policy=static (prefix reuse works) with "
+                     "long_input=error or truncate"),
+            (window, f"segment-sparse KV and rolling merges merge several positions into one KV slot, and the model "
+                     f"attends through {family}, which needs one slot per position; use cache_policy=static with "
+                     "long_input=error or truncate")),
+        onnx_export=_first(
+            torch_only,
+            (window, f"the exported graphs have no sliding-window mask, and the model attends through {family}; "
+                     "use a torch backend")),
+        decode_graphs=_first(
+            torch_only,
+            (window, f"decode graphs carry no sliding-window mask, and the model attends through {family}; use "
+                     "cuda_graphs=auto (eager steps for this model) or off"),
+            (sharded, f"decode steps with collectives between tensor_parallel_size={options.tensor_parallel_size} "
+                      "ranks run eagerly; use cuda_graphs=auto or off"),
+            (backend is not None and not backend.supports_graphs,
+             f"decode graphs need a backend that captures CUDA graphs (cuda); this engine runs on "
+             f"{getattr(backend, 'name', None)}. Use cuda_graphs=auto (graphs where the backend has them) or off")),
+        precision_map=_first(
+            torch_only,
+            (sharded, f"a map is planned for whole tensors, and a rank of tensor_parallel_size="
+                      f"{options.tensor_parallel_size} holds slices; drop one of the two")),
+        tensor_parallel=_first(
+            (options.backend == "onnx" or (backend is not None and (not backend.torch_runtime
+                                                                     or backend.collective is None)),
+             f"tensor parallelism needs a torch backend (cpu, cuda, rocm, npu), not {options.backend}; set "
+             "tensor_parallel_size=1 or pick a torch backend")),
+        packed_scoring=_first(
+            (latent or window, f"rows packed end to end need our dense attention without windows, and the model "
+                               f"attends through {family}")),
+        fused_int8_decode=_first(
+            (not options.fused_int8_decode, "fused_int8_decode=False"),
+            (sharded, "a tensor-parallel rank"),
+            (backend is not None and not backend.host_kernels,
+             f"the fused step runs on the host kernels, and this engine runs on {getattr(backend, 'name', None)}"),
+            (int8_reason is not None, str(int8_reason))),
+    )
 
-    onnx_export = YES
-    if experts:
-        onnx_export = Capability(False, moe)
-    elif latent:
-        onnx_export = Capability(False, mla)
-    elif window:
-        onnx_export = Capability(False, f"the exported graphs have no sliding-window mask, and the model attends "
-                                        f"through {family}; use a torch backend")
 
-    decode_graphs = YES
-    if experts:
-        decode_graphs = Capability(False, moe)
-    elif latent:
-        decode_graphs = Capability(False, mla)
-    elif window:
-        decode_graphs = Capability(False, f"decode graphs carry no sliding-window mask, and the model attends "
-                                          f"through {family}; use cuda_graphs=auto (eager steps for this model) or off")
-    elif sharded:
-        decode_graphs = Capability(False, f"decode steps with collectives between tensor_parallel_size="
-                                          f"{options.tensor_parallel_size} ranks run eagerly; use cuda_graphs=auto "
-                                          "or off")
-    elif backend is not None and not backend.supports_graphs:
-        decode_graphs = Capability(False, f"decode graphs need a backend that captures CUDA graphs (cuda); this "
-                                          f"engine runs on {backend.name}. Use cuda_graphs=auto (graphs where the "
-                                          "backend has them) or off")
-
-    precision_map = YES
-    if experts:
-        precision_map = Capability(False, moe)
-    elif latent:
-        precision_map = Capability(False, mla)
-    elif sharded:
-        precision_map = Capability(False, f"a map is planned for whole tensors, and a rank of tensor_parallel_size="
-                                          f"{options.tensor_parallel_size} holds slices; drop one of the two")
-
-    tensor_parallel = YES
-    if options.backend == "onnx" or (backend is not None and (not backend.torch_runtime or backend.collective is None)):
-        tensor_parallel = Capability(False, f"tensor parallelism needs a torch backend (cpu, cuda, rocm, npu), not "
-                                            f"{options.backend}; set tensor_parallel_size=1 or pick a torch backend")
-
-    packed_scoring = YES
-    if latent or window:
-        packed_scoring = Capability(False, f"rows packed end to end need our dense attention without windows, and "
-                                           f"the model attends through {family}")
-
-    fused_int8_decode = YES
-    if not options.fused_int8_decode:
-        fused_int8_decode = Capability(False, "fused_int8_decode=False")
-    elif sharded:
-        fused_int8_decode = Capability(False, "a tensor-parallel rank")
-    elif backend is not None and not backend.host_kernels:
-        fused_int8_decode = Capability(False, f"the fused step runs on the host kernels, and this engine runs on "
-                                              f"{backend.name}")
-    elif cfg is not None and (reason := int8_decode.config_why_not(cfg)) is not None:
-        fused_int8_decode = Capability(False, reason)
-
-    return Capabilities(merges_kv=merges_kv, onnx_export=onnx_export, decode_graphs=decode_graphs,
-                        precision_map=precision_map, tensor_parallel=tensor_parallel, packed_scoring=packed_scoring,
-                        fused_int8_decode=fused_int8_decode)
+def _first(*rules: tuple[bool, str]) -> Capability:
+    """A row: refused by the first rule that holds, with its reason; held where none does."""
+    return next((Capability(False, why) for holds, why in rules if holds), YES)

@@ -4,7 +4,7 @@
 import pytest
 
 from flashx_batch.config import JobConfig
-from flashx_batch.runner import ray_cluster, ray_executor
+from flashx_batch.runner import ray_cluster
 
 
 def _job(backend="auto", resources=None):
@@ -30,7 +30,7 @@ def worker(monkeypatch):
 
 def test_cpu_cluster_needs_no_worker(worker):
     asked = worker("cuda")
-    options, pool, threads = ray_executor.actor_options(_job(), {"CPU": 8})
+    options, pool, threads = ray_cluster.actor_options(_job(), {"CPU": 8})
     cpus = JobConfig().executor.cpus_per_actor
     assert options == {"num_cpus": cpus} and pool == 8 // cpus and threads == cpus and not asked
 
@@ -38,27 +38,27 @@ def test_cpu_cluster_needs_no_worker(worker):
 @pytest.mark.parametrize("kind", ["cuda", "rocm"])
 def test_gpus_are_resolved_on_a_gpu_worker(worker, kind):
     asked = worker(kind)
-    options, pool, threads = ray_executor.actor_options(_job(), {"CPU": 8, "GPU": 4})
+    options, pool, threads = ray_cluster.actor_options(_job(), {"CPU": 8, "GPU": 4})
     assert options == {"num_gpus": 1.0, "num_cpus": 1} and pool == 4 and threads is None
     assert asked == [{"num_gpus": 1.0}]
 
 
 def test_undetected_dcus_behind_a_custom_resource_run_rocm(worker):
     asked = worker("rocm")
-    options, pool, _ = ray_executor.actor_options(_job(resources={"DCU": 1}), {"CPU": 16, "DCU": 3})
+    options, pool, _ = ray_cluster.actor_options(_job(resources={"DCU": 1}), {"CPU": 16, "DCU": 3})
     assert options == {"resources": {"DCU": 1}, "num_cpus": 1} and pool == 3
     assert asked == [{"resources": {"DCU": 1}}]
 
 
 def test_npu_cluster(worker):
     worker("npu")
-    options, pool, _ = ray_executor.actor_options(_job(), {"CPU": 8, "NPU": 8})
+    options, pool, _ = ray_cluster.actor_options(_job(), {"CPU": 8, "NPU": 8})
     assert options == {"resources": {"NPU": 1}, "num_cpus": 1} and pool == 8
 
 
 def test_a_named_backend_asks_no_worker(worker):
     asked = worker("rocm")
-    options, pool, _ = ray_executor.actor_options(_job("cuda"), {"CPU": 8, "GPU": 2})
+    options, pool, _ = ray_cluster.actor_options(_job("cuda"), {"CPU": 8, "GPU": 2})
     assert options == {"num_gpus": 1.0, "num_cpus": 1} and pool == 2 and not asked
 
 
@@ -69,16 +69,16 @@ def test_tensor_parallel_replicas_are_counted_per_node(worker):
     job.runtime.tensor_parallel_size = 2
     nodes = [{"Alive": True, "Resources": {"CPU": 16, "GPU": 3}}, {"Alive": True, "Resources": {"CPU": 16, "GPU": 3}},
              {"Alive": False, "Resources": {"CPU": 16, "GPU": 8}}]
-    options, pool, _ = ray_executor.actor_options(job, {"CPU": 32, "GPU": 6}, nodes)
+    options, pool, _ = ray_cluster.actor_options(job, {"CPU": 32, "GPU": 6}, nodes)
     assert options["num_gpus"] == 1 and pool == 2
     job.executor.num_actors = 5  # more than fit: capped (a placement group that never places would wait forever)
-    assert ray_executor.actor_options(job, {"CPU": 32, "GPU": 6}, nodes)[1] == 2
+    assert ray_cluster.actor_options(job, {"CPU": 32, "GPU": 6}, nodes)[1] == 2
 
 
 def test_runtime_env_reaches_every_actor(worker):
     job = _job("cpu")
     job.executor.runtime_env = {"env_vars": {"HF_HUB_OFFLINE": "1"}}
-    options, _, _ = ray_executor.actor_options(job, {"CPU": 4})
+    options, _, _ = ray_cluster.actor_options(job, {"CPU": 4})
     assert options["runtime_env"] == {"env_vars": {"HF_HUB_OFFLINE": "1"}}
 
 
