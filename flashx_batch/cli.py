@@ -23,7 +23,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from flashx_batch.config import PRIMARY_CONFIG, register_configs, to_job_config
+from flashx_batch.config import PRIMARY_CONFIG, check_override_keys, quote_overrides, register_configs, to_job_config
 from flashx_batch.errors import ConfigError
 from flashx_batch.storage import is_remote
 
@@ -94,6 +94,13 @@ def main() -> None:
     """Console entry point (`python -m flashx_batch`, `flashx-batch`)."""
     register_configs()
     OmegaConf.register_new_resolver("fx_sweep_subdir", _sweep_subdir, replace=True)
+    sys.argv[1:] = quote_overrides(sys.argv[1:])  # `data.path=s3://lake/day=1/` as typed
+    try:
+        check_override_keys(sys.argv[1:])
+    except ConfigError as exc:  # Hydra would suggest `+key=`, which fails too: name the setting meant
+        setup_logging("INFO")
+        log.error("%s", exc)
+        sys.exit(2)
     _codes.clear()
     _swept.clear()
     _swept.update(_find_swept(sys.argv[1:]))

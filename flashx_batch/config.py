@@ -11,6 +11,7 @@ installed wheel (setuptools copies through the link) and a source checkout read 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -256,12 +257,85 @@ def to_job_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         first = str(exc).splitlines()[0]
-        raise ConfigError(f"bad config key {key!r}: {first}") from None
+        unknown = unknown_key_message(key) if key != "?" else None
+        raise ConfigError(f"bad config key {key!r}: {first}" + (f" ({unknown})" if unknown else "")) from None
     assert isinstance(job, JobConfig)
     if job.data.path == "???":
         raise ConfigError("data.path is not set; pass data.path=... or pick a preset with conf=NAME.")
     validate(job)
     return job
+
+
+def schema_keys() -> tuple[set[str], set[str]]:
+    """(every dotted key of the schema, the dict-valued ones: any key below those is the user's own)."""
+    keys, open_ = set(), set()
+
+    def walk(cls: Any, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            keys.add(key)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if dataclasses.is_dataclass(default):
+                walk(type(default), key + ".")
+            elif isinstance(default, dict):
+                open_.add(key)
+
+    walk(JobConfig, "")
+    return keys, open_
+
+
+def unknown_key_message(key: str) -> str | None:
+    """Why a dotted override key is not a setting, with the closest settings, or None when it is one."""
+    import difflib
+
+    keys, open_ = schema_keys()
+    if key in keys or any(key.startswith(k + ".") for k in open_):
+        return None
+    close = difflib.get_close_matches(key, sorted(keys), n=3, cutoff=0.75)
+    if not close:  # a misspelled last part: compare with the keys of the same section
+        section, _, last = key.rpartition(".")
+        siblings = sorted(k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section)
+        close = [f"{section}.{m}" if section else m for m in difflib.get_close_matches(last, siblings, n=3)]
+    hint = f"; did you mean {' or '.join(close)}?" if close else \
+        "; `python -m flashx_batch --cfg job` lists every setting."
+    return f"{key} is not a setting{hint}"
+
+
+def quote_overrides(args: list[str]) -> list[str]:
+    """Command-line overrides as Hydra's grammar takes them: a `key=value` whose value Hydra cannot parse
+    as typed (a path or URI with `=` in it, as Hive-style partitions have: `data.path=s3://lake/day=1/`)
+    is passed quoted, as the user meant it. Anything else is left as typed (sweeps `a,b` included)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, out = OverridesParser.create(), []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if not eq or arg.startswith("-") or not value or value[0] in "'\"":
+            out.append(arg)
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except Exception:
+            quote = "'" if "'" not in value else '"'
+            if quote not in value:
+                candidate = f"{key}={quote}{value}{quote}"
+                with contextlib.suppress(Exception):
+                    parser.parse_overrides([candidate])
+                    arg = candidate
+        out.append(arg)
+    return out
+
+
+def check_override_keys(args: list[str]) -> None:
+    """Every `key=value` override names a setting (ConfigError with "did you mean" otherwise). Hydra's own
+    keys (`hydra.*`), the preset group (`conf=`), and `+` / `~` forms are left to Hydra."""
+    for arg in args:
+        key, eq, _ = arg.partition("=")
+        if not eq or arg.startswith(("-", "+", "~")) or key == "conf" or key.startswith("hydra."):
+            continue
+        why = unknown_key_message(key)
+        if why:
+            raise ConfigError(why + ".")
 
 
 def register_configs() -> None:
@@ -298,6 +372,8 @@ def compose_job(overrides: list[str] | None = None) -> JobConfig:
     from hydra.errors import HydraException
 
     register_configs()
+    overrides = quote_overrides(list(overrides or []))
+    check_override_keys(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -33,7 +33,10 @@ class DataSection:
     tools_column: str | None = None  # per-row tool specs (a list of JSON-schema functions, or its JSON text)
     tools: list[Any] = field(default_factory=list)  # one tool list for every row (instead of tools_column)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
-    passthrough_columns: list[str] = field(default_factory=list)
+    passthrough_columns: list[str] = field(default_factory=list)  # copied to the output; a file without one: exit 2
+    # copied when every input file has them, skipped (one log line) when not: what presets name, so a preset
+    # runs on any file with an id and a prompt (or messages) column
+    passthrough_if_present: list[str] = field(default_factory=list)
     prompt_prefix: str = ""  # prepended to every prompt (a shared few-shot prefix)
     limit: int | None = None  # first N rows in input order (files sorted by path)
     max_row_bytes: int = 1_000_000  # larger prompts become `row_too_large` error rows untokenized
@@ -162,12 +165,15 @@ class JobConfig:
     dry_run: bool = False
     log_level: str = "INFO"
 
-    def extra_columns(self) -> list[str]:
-        """Input columns read besides the task's own: per-row sampling columns, the eval references."""
-        refs = [self.eval.reference_column] if self.eval.metric and self.eval.reference_column else []
-        # an OpenAI Batch line's own checks (data/openai_batch.py: row_problem)
-        requests = ["url", "request_error", "logprobs"] if self.data.format == "openai_batch" else []
-        return list(dict.fromkeys([*self.sampling.from_columns.values(), *refs, *requests]))
+    def extra_columns(self) -> dict[str, str]:
+        """Input columns read besides the task's own (per-row sampling columns, the eval references), each
+        with the setting that names it (for a missing column's message)."""
+        roles = {column: f"sampling.from_columns.{key}" for key, column in self.sampling.from_columns.items()}
+        if self.eval.metric and self.eval.reference_column:
+            roles.setdefault(self.eval.reference_column, "eval.reference_column")
+        if self.data.format == "openai_batch":  # an OpenAI Batch line's own checks (data/openai_batch.py)
+            roles.update({c: "data.format=openai_batch" for c in ("url", "request_error", "logprobs")})
+        return roles
 
     def engine_options(self, num_threads: int | None = None) -> EngineOptions:
         """The runtime.* knobs as the engine takes them (raises ConfigError on bad values).

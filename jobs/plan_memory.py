@@ -34,7 +34,7 @@ from flashx_batch.config import compose_job
 from flashx_batch.runner.job import plan_job
 job = compose_job(json.loads(sys.argv[1]))
 start = time.perf_counter()
-_, _, plan = plan_job(job)
+plan = plan_job(job).plan
 seconds = time.perf_counter() - start
 print(json.dumps({"plan_s": seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "rows": plan.num_rows, "shards": len(plan.shards) + len(plan.error_shards)}))

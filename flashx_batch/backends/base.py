@@ -112,10 +112,6 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for queued device work, so wall-clock timings are honest."""
 
-    def warm_up_kernels(self) -> None:
-        """Compile (or load from a disk cache) this backend's own kernels now, when a runner is built,
-        not in the first step that needs them."""
-
     def setup_threads(self, num_threads: int) -> None:
         """Host threads for this process's kernels (CPU: intra-op threads, `EngineOptions.cpu_threads`).
         Accelerator backends leave torch's default alone."""

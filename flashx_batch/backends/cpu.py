@@ -37,11 +37,6 @@ class CpuBackend(Backend):
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
 
-    def warm_up_kernels(self) -> None:
-        from flashx_batch.backends import cpu_decode
-
-        cpu_decode.warm_up()
-
     def setup_threads(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 

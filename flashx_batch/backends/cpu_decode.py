@@ -8,9 +8,10 @@ contiguous run of memory), in two passes (scores, then the softmax-weighted valu
 thread (with fewer rows than threads, each row's heads shared out among them). The gain per shape:
 `python -m flashx_batch.bench.cpu_decode` (docs/benchmarks.md, "CPU decode attention").
 
-Compiled with numba (a dependency of the package) when a CPU runner is built (`warm_up`), for both
-cache dtypes, and cached on disk next to this file or in numba's user cache (neither writable: compiled
-in each process). `usable` says whether a call takes this path: CPU tensors; a float32 cache, or
+Compiled with numba (a dependency of the package) for each read layout and cache dtype the first time a
+job reads that way (`_ready`: a job compiles only what it runs, and the log says when it does), and
+cached on disk next to this file or in numba's user cache (neither writable: compiled in each process).
+`usable` says whether a call takes this path: CPU tensors; a float32 cache, or
 bfloat16 (widened to float32 as it is read) with head_dim >= 64, below which torch's bfloat16 kernel
 is as fast; a layout whose rows are evenly spaced whole slots with contiguous heads, at least a row's
 slots apart (the arena's stripes and extents). A paged batch (shared prefixes) hands the layer's flat
@@ -22,9 +23,12 @@ OpenMP pool: a process forked after it ran must not call it (GNU OpenMP aborts s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,25 +139,74 @@ _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
 def _compile(numba, source):
-    """`source` compiled for both cache dtypes now (the on-disk cache next to this file or numba's
-    user cache; where neither is writable, without one), so a compiler error surfaces here, not in a
-    decode step."""
+    """`source` as a lazily compiling dispatcher with numba's on-disk cache (next to this file, or numba's
+    user cache for a read-only install; where neither is writable, without one). Nothing is compiled
+    here: `_ready` compiles the layouts and dtypes a job reads, on first use."""
     try:
-        kernel = numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)(source)
+        return numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)(source)
     except RuntimeError as exc:  # "cannot cache function ...: no locator available" (read-only install)
         log.info("no writable numba cache (%s): the CPU decode kernel compiles in every process", exc)
-        kernel = numba.njit(parallel=True, fastmath=_FASTMATH)(source)
-    query = np.ones((1, 1, 1, 4), np.float32)
-    # rows of slots; flat + slot table; flat + each row's first slot and its own length
-    layouts = (((1, 2, 1, 4), _NO_TABLE, _NO_LENGTHS), ((2, 1, 4), np.zeros((1, 2), np.int64), _NO_LENGTHS),
-               ((2, 1, 4), np.zeros(1, np.int64), np.full(1, 2, np.int64)))
-    for (shape, table, lengths), dtype in ((layout, dtype) for layout in layouts for dtype in (np.float32, np.uint16)):
-        cache, out = np.ones(shape, dtype), np.empty_like(query)
+        return numba.njit(parallel=True, fastmath=_FASTMATH)(source)
+
+
+# the kernel's three read layouts, each as a tiny constant-cache call: (cache shape, slot table, lengths)
+_PROBES = {"stripes": ((1, 2, 1, 4), np.zeros((0, 0), np.int64), np.zeros(0, np.int64)),
+           "pages": ((2, 1, 4), np.zeros((1, 2), np.int64), np.zeros(0, np.int64)),
+           "extents": ((2, 1, 4), np.zeros(1, np.int64), np.full(1, 2, np.int64))}
+
+
+@contextlib.contextmanager
+def _compile_lock(cache_dir: str | None):
+    """One process of a machine compiles at a time (the Ray actors of one node start together): the others
+    wait, then load what it cached instead of compiling the same kernel on the same cores."""
+    if cache_dir is None:
+        yield
+        return
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        handle = open(os.path.join(cache_dir, ".flashx-compile.lock"), "a")  # noqa: SIM115 - held across the yield
+    except OSError:  # a cache directory this process cannot write: compile unlocked
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@functools.cache
+def _ready(layout: str, dtype: torch.dtype) -> bool:
+    """Whether the kernel serves `layout` for a `dtype` cache: compiled (or loaded from the disk cache) and
+    checked on a constant cache the first time a job reads that way, so a job compiles only what it runs
+    and a compiler error means torch's kernel, never a failed step. Says once in the log when it compiles."""
+    compiled = _kernel()
+    if compiled is None:
+        return False
+    _, kernel = compiled
+    shape, table, lengths = _PROBES[layout]
+    np_dtype = np.float32 if dtype == torch.float32 else np.uint16
+    stats = getattr(kernel, "stats", None)  # numba's cache counters (a cached dispatcher only)
+    misses = sum(stats.cache_misses.values()) if stats is not None else 0
+    started = time.perf_counter()
+    try:
+        query, cache = np.ones((1, 1, 1, 4), np.float32), np.ones(shape, np_dtype)
+        out = np.empty_like(query)
         bias = np.zeros((0, 0) if len(lengths) else (1, 2), np.float32)
-        kernel(query, cache, cache, table, 2, lengths, bias, np.float32(0.5), 1, out)
-        if not np.allclose(out, 1.0 if dtype == np.float32 else 0.0):  # uint16 1 is a subnormal bfloat16
+        with _compile_lock(stats.cache_path if stats is not None else None):
+            kernel(query, cache, cache, table, 2, lengths, bias, np.float32(0.5), 1, out)
+        if not np.allclose(out, 1.0 if np_dtype == np.float32 else 0.0):  # uint16 1 is a subnormal bfloat16
             raise RuntimeError(f"the compiled kernel returned {out.ravel()} on a constant cache")
-    return kernel
+    except Exception as exc:  # a compiler error on this platform: never fatal, only slower
+        log.warning("CPU decode kernel (%s, %s) unavailable (%s): torch's kernel serves those reads", layout,
+                    dtype, exc)
+        return False
+    if stats is None or sum(stats.cache_misses.values()) > misses:
+        where = f"cached in {stats.cache_path}; later runs load it" if stats is not None else "not cached"
+        log.info("compiled the CPU decode kernel for %s %s reads in %.1f s (once per machine: %s)", layout,
+                 str(dtype).removeprefix("torch."), time.perf_counter() - started, where)
+    return True
 
 
 def usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -175,7 +228,7 @@ def usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
     ok = ok and (rows == 1 or keys.stride(0) >= length * slot)
     ok = ok and all(t.storage_offset() + rows * keys.stride(0) <= t.untyped_storage().nbytes() // t.element_size()
                     for t in (keys, values))
-    return ok and _kernel() is not None
+    return ok and _ready("stripes", keys.dtype)
 
 
 def _stripes(t: torch.Tensor) -> np.ndarray:
@@ -222,9 +275,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return _run(q, _stripes(keys), _stripes(values), _NO_TABLE, keys.shape[2], mask, scale)
 
 
-def usable_paged(keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `attend_paged` serves a flat cache [slots, Hkv, D] (a layer's whole arena): on the CPU,
-    contiguous, float32 or bfloat16 (bfloat16 with head_dim >= 64, as `usable`)."""
+def usable_paged(keys: torch.Tensor, values: torch.Tensor, layout: str = "pages") -> bool:
+    """Whether `attend_paged` (`layout="pages"`) or `attend_rows` (`"extents"`) serves a flat cache
+    [slots, Hkv, D] (a layer's whole arena): on the CPU, contiguous, float32 or bfloat16 (bfloat16 with
+    head_dim >= 64, as `usable`)."""
     if keys.device.type != "cpu" or keys.dtype not in _DTYPES or keys.dim() != 3:
         return False
     if values.dtype != keys.dtype or values.shape != keys.shape:
@@ -233,7 +287,7 @@ def usable_paged(keys: torch.Tensor, values: torch.Tensor) -> bool:
         return False
     if keys.dtype == torch.bfloat16 and keys.shape[2] < 64:
         return False
-    return _kernel() is not None
+    return _ready(layout, keys.dtype)
 
 
 def attend_paged(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
@@ -313,6 +367,6 @@ def attend_into(query: np.ndarray, keys: np.ndarray, values: np.ndarray, table: 
 
 
 def warm_up() -> bool:
-    """Compile (or load from the on-disk cache) the kernel for both cache dtypes now, so that the first
-    decode step of a job does not pay for it; whether it is available."""
-    return _kernel() is not None
+    """Compile (or load from the on-disk cache) every layout for both cache dtypes now (benchmarks, which
+    time steps; a job compiles what it reads, on first use); whether all are available."""
+    return all([_ready(layout, dtype) for layout in _PROBES for dtype in _DTYPES])

@@ -18,6 +18,7 @@ The output side (`output.format=openai_batch`) is `runner.openai_output`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -27,6 +28,7 @@ from flashx_batch.config import JobConfig
 from flashx_batch.data.jsonl import json_lines
 from flashx_batch.data.row_values import INT64, as_int, describe
 from flashx_batch.data.validate import RowProblem
+from flashx_batch.errors import ConfigError
 
 log = logging.getLogger(__name__)
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -38,25 +40,28 @@ SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
 INERT = {"model", "user", "stream", "n", "logprobs", "top_logprobs", "metadata", "store"}
 BODY_FIELDS = {CHAT: {"messages", "tools", *SAMPLING_FIELDS, *INERT}, COMPLETIONS: {"prompt", *SAMPLING_FIELDS, *INERT}}
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
-# the columns every openai_batch file reads as (the job's data.* keys are pointed at them: `configure`)
+# the columns every openai_batch file reads as (the job's data.* keys are pointed at them: `derive`)
 COLUMNS = ("custom_id", "url", "prompt", "messages", "tools", "model", "request_error", "logprobs",
            *dict.fromkeys(SAMPLING_FIELDS.values()))
 
 
-def configure(job: JobConfig, endpoint: str) -> None:
-    """Point the job's data and sampling keys at the columns an openai_batch file reads as, for the
-    batch's `endpoint` (CHAT: messages through the chat template; COMPLETIONS: the prompt as is)."""
-    data = job.data
-    data.id_column, data.prompt_column = "custom_id", "prompt"
-    data.messages_column = "messages" if endpoint == CHAT else None
-    data.tools_column = "tools" if endpoint == CHAT else None
-    dropped = [c for c in data.passthrough_columns if c != "model"]
-    if dropped:  # a request line has no other columns to carry (a preset's passthrough_columns, say)
-        log.warning("data.format=openai_batch: passthrough_columns %s ignored (request lines carry `model` only)",
-                    dropped)
-    data.passthrough_columns = ["model"]
-    job.sampling.from_columns = {**{c: c for c in dict.fromkeys(SAMPLING_FIELDS.values())},
-                                 **job.sampling.from_columns}
+def derive(job: JobConfig, endpoint: str) -> JobConfig:
+    """The job as an openai_batch file runs it: a copy whose data and sampling keys point at the columns
+    the file reads as, for the batch's `endpoint` (CHAT: messages through the chat template; COMPLETIONS:
+    the prompt as is). `job` itself is not changed. A request line carries no column but `model`: a
+    passthrough column the user asked for is refused; a preset's `data.passthrough_if_present` finds none."""
+    asked = [c for c in job.data.passthrough_columns if c != "model"]
+    if asked:
+        raise ConfigError(f"data.passthrough_columns={asked}: OpenAI Batch request lines have no such column (a "
+                          "line carries custom_id, method, url and body; `model` is kept). Drop it: "
+                          "data.passthrough_columns=[].")
+    data = dataclasses.replace(job.data, id_column="custom_id", prompt_column="prompt",
+                               messages_column="messages" if endpoint == CHAT else None,
+                               tools_column="tools" if endpoint == CHAT else None, passthrough_columns=["model"],
+                               passthrough_if_present=[])
+    sampling = dataclasses.replace(job.sampling, from_columns={
+        **{c: c for c in dict.fromkeys(SAMPLING_FIELDS.values())}, **job.sampling.from_columns})
+    return dataclasses.replace(job, data=data, sampling=sampling)
 
 
 def endpoint(job: JobConfig) -> str:

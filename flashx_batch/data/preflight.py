@@ -8,7 +8,7 @@ confined to one row are *not* found here — they become error rows in `plan.py`
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from flashx_batch.config import DataSection
-from flashx_batch.data.readers import Frame, InputFile, iter_frames, read_frame, resolve_inputs
+from flashx_batch.data.readers import Frame, InputFile, MissingColumns, iter_frames, read_frame, resolve_inputs
 from flashx_batch.job_errors import InputError
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class LoadedInput:
     text_column: str = "prompt"
     num_rows: int = 0
     passthrough_types: dict[str, pa.DataType] = field(default_factory=dict)
+    passthrough: list[str] = field(default_factory=list)  # the columns copied to the output, as found
 
     def chunks(self, batch_rows: int = CHUNK_ROWS) -> Iterator[tuple[int, int, Frame]]:
         """(file index, first row index, frame of up to `batch_rows` rows), in input order."""
@@ -59,23 +60,61 @@ def text_column(data: DataSection, task: str = "generate") -> str:
     return data.messages_column or data.prompt_column
 
 
-def data_columns(data: DataSection, task: str = "generate", extra: Iterable[str] = ()) -> list[str]:
-    """The columns a job reads: id, prompt or messages (and tools), then the passthrough columns; for
-    the scoring tasks their context / continuation / choices / answer columns instead of the prompt;
-    then `extra` (the per-row sampling columns, `sampling.from_columns`)."""
-    tools = [data.tools_column] if data.messages_column and data.tools_column else []
-    task_cols = {"loglikelihood": [data.continuation_column],
-                 "multiple_choice": [data.choices_column, *([data.answer_column] if data.answer_column else [])],
-                 }.get(task, [])
-    cols = [data.id_column, text_column(data, task), *task_cols, *tools, *data.passthrough_columns, *extra]
-    return list(dict.fromkeys(cols))
+def column_roles(data: DataSection, task: str = "generate", extra: Mapping[str, str] | Iterable[str] = ()
+                 ) -> dict[str, str]:
+    """The columns a job reads, each with the setting that names it (`data.prompt_column`, ...): id, prompt
+    or messages (and tools), the scoring tasks' context / continuation / choices / answer columns instead
+    of the prompt, the passthrough columns, then `extra` (per-row sampling columns, eval references).
+    `data.passthrough_if_present` is not here: `load_inputs` keeps those the input has."""
+    text_key = "data.context_column" if task in ("loglikelihood", "multiple_choice") else \
+        "data.messages_column" if data.messages_column else "data.prompt_column"
+    roles = {data.id_column: "data.id_column"}
+    roles.setdefault(text_column(data, task), text_key)
+    if task == "loglikelihood":
+        roles.setdefault(data.continuation_column, "data.continuation_column")
+    if task == "multiple_choice":
+        roles.setdefault(data.choices_column, "data.choices_column")
+        if data.answer_column:
+            roles.setdefault(data.answer_column, "data.answer_column")
+    if data.messages_column and data.tools_column:
+        roles.setdefault(data.tools_column, "data.tools_column")
+    for c in data.passthrough_columns:
+        roles.setdefault(c, "data.passthrough_columns")
+    extra_roles = extra if isinstance(extra, Mapping) else {c: "the job" for c in extra}
+    for c, key in extra_roles.items():
+        roles.setdefault(c, key)
+    return roles
+
+
+def data_columns(data: DataSection, task: str = "generate", extra: Mapping[str, str] | Iterable[str] = ()
+                 ) -> list[str]:
+    """The columns a job reads, in `column_roles` order."""
+    return list(column_roles(data, task, extra))
+
+
+def missing_columns_message(exc: MissingColumns, roles: Mapping[str, str], where: str | None = None) -> str:
+    """`exc`'s message with the setting that asked for each missing column and how to change it."""
+    def fix(column: str) -> str:
+        key = roles.get(column, "the job")
+        if key == "data.passthrough_columns":
+            return (f"{column!r} (data.passthrough_columns asks for it: add the column, or leave it out with "
+                    f"data.passthrough_columns=[...] without it, or name it in data.passthrough_if_present to copy "
+                    f"it only where it exists)")
+        if key.startswith("data.") and key.endswith("_column"):
+            return f"{column!r} (named by {key}: add the column, or point {key}=<your column> at it)"
+        return f"{column!r} (named by {key})"
+
+    return (f"{where or exc.path}: missing column(s) {', '.join(fix(c) for c in exc.missing)}; it has "
+            f"{', '.join(exc.present) or 'none'}.")
 
 
 def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None = None,
-                extra_columns: Iterable[str] = (), task: str = "generate") -> LoadedInput:
+                extra_columns: Mapping[str, str] | Iterable[str] = (), task: str = "generate") -> LoadedInput:
     """Resolve and check the input, streaming each file in chunks (memory grows with a chunk and
     the ids, not with the prompts). Raises InputError. `refuse_under` (the job's output directory):
-    an input file found under it is refused before it is read, since it is one of the job's own outputs."""
+    an input file found under it is refused before it is read, since it is one of the job's own outputs.
+    `data.passthrough_if_present` columns are read where every file has them; `LoadedInput.passthrough`
+    says which were."""
     files = resolve_inputs(resolved_path, data.format)
     if refuse_under is not None:
         mine = [f.path for f in files if refuse_under in Path(f.path).resolve().parents]
@@ -83,13 +122,30 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
             raise InputError(f"data.path={data.path} matches {mine[0]} under output.dir={refuse_under}: every rerun "
                              "would read the job's own outputs as input. Put output.dir outside the input, or "
                              "narrow data.path.")
-    cols = data_columns(data, task, extra_columns)  # a missing column: InputError, before the output is touched
+    roles = column_roles(data, task, extra_columns)
+    optional = [c for c in dict.fromkeys(data.passthrough_if_present) if c not in roles]
+    while True:  # an optional column some file lacks is dropped, and the files are checked again without it
+        try:
+            return _load(data, resolved_path, files, roles, optional, task)
+        except MissingColumns as exc:
+            absent = [c for c in exc.missing if c in optional]
+            if not absent:
+                raise InputError(missing_columns_message(exc, roles)) from None
+            log.info("%s has no column %s: data.passthrough_if_present skips it for this job", exc.path,
+                     ", ".join(absent))
+            optional = [c for c in optional if c not in absent]
+
+
+def _load(data: DataSection, resolved_path: str, files: list[InputFile], roles: Mapping[str, str],
+          optional: list[str], task: str) -> LoadedInput:
+    cols = [*roles, *optional]  # a missing column: InputError, before the output is touched
     text_col = text_column(data, task)
+    carried = [*data.passthrough_columns, *optional]
     # the checks read values of the id and passthrough columns only; every column's type comes along
-    valued = [data.id_column, *data.passthrough_columns]
+    valued = [data.id_column, *carried]
     id_kinds = set()
     ids: list[pa.Array] = []  # per file, compact: the duplicate check
-    passthrough: dict[str, dict[pa.DataType, str]] = {c: {} for c in data.passthrough_columns}
+    passthrough: dict[str, dict[pa.DataType, str]] = {c: {} for c in carried}
     total = 0
     for f in files:
         offset, kinds, file_ids = 0, set(), []
@@ -98,7 +154,7 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
             _check_text_type(f, fr, text_col, messages=bool(data.messages_column))
             if data.messages_column and data.tools_column:
                 _check_tools_type(f, fr, data.tools_column)
-            for c in data.passthrough_columns:
+            for c in carried:
                 t = _passthrough_type(f, fr, c)
                 if t is not None:
                     passthrough[c].setdefault(t, f.path)
@@ -124,7 +180,7 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
     if total == 0:
         raise InputError(f"data.path={resolved_path!r}: the input has no rows.")
     return LoadedInput(files, id_kinds.pop() if id_kinds else "str", cols, text_col, total,
-                       {c: next(iter(t)) for c, t in passthrough.items() if t})
+                       {c: next(iter(t)) for c, t in passthrough.items() if t}, carried)
 
 
 def _concat(arrays: list[pa.Array]) -> pa.Array:

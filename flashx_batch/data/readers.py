@@ -368,6 +368,15 @@ def read_rows(file: InputFile, columns: list[str], rows: list[int]) -> tuple[Fra
     return frame, position
 
 
+class MissingColumns(InputError):
+    """A file lacks columns the job reads. `data.preflight` adds which setting named each one."""
+
+    def __init__(self, path: str, missing: list[str], present: list[str], why: str = "") -> None:
+        self.path, self.missing, self.present = path, list(missing), list(present)
+        super().__init__(f"{path}: missing column(s) {', '.join(missing)}{why}; it has "
+                         f"{', '.join(present) or 'none'}.")
+
+
 def _check_header(file: InputFile, names: list[str], columns: list[str]) -> None:
     twice = sorted({c for c in columns if names.count(c) > 1})
     if twice:
@@ -375,8 +384,7 @@ def _check_header(file: InputFile, names: list[str], columns: list[str]) -> None
                          "header; give every column a distinct name.")
     missing = [c for c in columns if c not in names]
     if missing:
-        raise InputError(f"{file.path}: missing column(s) {', '.join(missing)}; "
-                         f"it has {', '.join(names)}.")
+        raise MissingColumns(file.path, missing, names)
 
 
 def _read_arrow_table(file: InputFile, data: bytes, columns: list[str], text_column: str | None) -> pa.Table:
@@ -407,6 +415,6 @@ def _read_jsonl(path: str, data: bytes, columns: list[str]) -> Frame:
             values[c].append(record.get(c))
     missing = [c for c in columns if c not in seen]
     if missing:
-        raise InputError(f"{path}: missing column(s) {', '.join(missing)}; it has {', '.join(sorted(seen)) or 'none'}.")
+        raise MissingColumns(path, missing, sorted(seen))
     n = len(values[columns[0]]) if columns else 0
     return Frame(values, {c: None for c in columns}, n)

@@ -191,7 +191,8 @@ def _why_not(model, caches) -> str | None:
         if any(getattr(layer.mlp, n).in_features != getattr(ref.mlp, n).in_features for n in ("gate_up", "down")):
             return "layers of different MLP widths"
     for keys, values in caches:
-        if keys.dtype != torch.float32 or not cpu_decode.usable_paged(keys, values):
+        if keys.dtype != torch.float32 or not all(cpu_decode.usable_paged(keys, values, how)
+                                                  for how in ("extents", "pages")):  # the step reads both ways
             return "a cache other than a contiguous float32 one"
         if tuple(keys.shape[1:]) != (cfg.num_kv_heads, cfg.head_dim):
             return "a cache of another head shape"

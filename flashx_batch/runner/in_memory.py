@@ -55,8 +55,10 @@ def run_job(config: JobConfig | Sequence[str], data: Any = None, staging_dir: st
             try:
                 # schema metadata (pandas' records its own version) is no part of the rows: equal rows, equal digest
                 table = as_arrow(data).replace_schema_metadata(None)
+                _check_columns(job, data, table.column_names)
                 job.data.path, job.data.format = stage_table(table, where, job), "parquet"
             except MixedColumns as mixed:  # what a file of these rows would be: JSON Lines, validated row by row
+                _check_columns(job, data, list(dict.fromkeys(k for r in mixed.records[:1] for k in r)))
                 log.warning("%s: staged as JSON Lines, read as a .jsonl file is (a value of the wrong type is its "
                             "row's error row, mixed ids refuse the job)", mixed)
                 job.data.path, job.data.format = stage_lines(mixed.records, where, job), "jsonl"
@@ -64,6 +66,19 @@ def run_job(config: JobConfig | Sequence[str], data: Any = None, staging_dir: st
         log.error("%s", exc)
         return EXIT_BAD_JOB
     return run(job)
+
+
+def _check_columns(job: JobConfig, data: Any, names: list[str]) -> None:
+    """The columns the job reads are in the table: a message that names the object passed (not the file it
+    is staged as) and the setting that asked for each missing column."""
+    from flashx_batch.data.preflight import column_roles, missing_columns_message
+    from flashx_batch.data.readers import MissingColumns
+
+    roles = column_roles(job.data, job.task, job.extra_columns())
+    missing = [c for c in roles if c not in names]
+    if missing:
+        where = f"run_job(data=<{type(data).__module__}.{type(data).__name__}>)"
+        raise ConfigError(missing_columns_message(MissingColumns(where, missing, names), roles))
 
 
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError,

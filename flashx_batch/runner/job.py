@@ -25,7 +25,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -46,7 +46,7 @@ from flashx_batch.runner.executor import ExecResult, run_local
 from flashx_batch.runner.failures import FailedRows
 from flashx_batch.runner.layout import TornJobJsonError
 from flashx_batch.runner.metrics import JobMetrics
-from flashx_batch.runner.outputs import Output, open_output, output_root
+from flashx_batch.runner.outputs import Output, check_output_location, open_output, output_root
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.signals import Interrupted, StopFlag
 from flashx_batch.runner.tables import errors_table, reserved_column_problem
@@ -97,15 +97,27 @@ def run(job: JobConfig, *, out: TextIO | None = None,
         return EXIT_FAILED
 
 
-def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
+@dataclass
+class PlannedJob:
+    """A checked, planned job: `job` as it runs (a copy of the caller's, its input format's keys and the
+    passthrough columns the input has resolved), the model directory, the checked input and the plan."""
+
+    job: JobConfig
+    model_dir: Path
+    loaded: LoadedInput
+    plan: Plan
+
+
+def plan_job(job: JobConfig) -> PlannedJob:
     """Validate the config, check the model and the input, and build the shard plan (writes nothing)."""
     validate(job)
     storage.configure(job.storage.settings())
     faults.load(job.executor.faults, quiet=True)  # a malformed fault spec: a bad job (exit 2) before anything runs
+    check_output_location(job.output.dir)
     if job.data.format == "openai_batch":  # the data keys point at the columns its requests read as
         files = resolve_inputs(resolve_data_path(job.data.path), "openai_batch")
-        openai_batch.configure(job, openai_batch.endpoint_of([f.path for f in files]))
-    problem = reserved_column_problem(list(job.data.passthrough_columns), job.task)
+        job = openai_batch.derive(job, openai_batch.endpoint_of([f.path for f in files]))
+    problem = reserved_column_problem([*job.data.passthrough_columns, *job.data.passthrough_if_present], job.task)
     if problem:
         raise ConfigError(problem)
     if job.data.tools:  # one list for every row: a bad one is a bad job, not a column of error rows
@@ -137,9 +149,10 @@ def plan_job(job: JobConfig) -> tuple[Path, LoadedInput, Plan]:
         raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}: every rerun would read "
                           "the job's own outputs as input. Put output.dir outside the input.")
     loaded = load_inputs(job.data, data_path, refuse_under=out if isinstance(out, Path) else None,
-                         extra_columns=job.extra_columns(),
-                         task=job.task)
-    return model_dir, loaded, build_plan(job, loaded, tokenizer)
+                         extra_columns=job.extra_columns(), task=job.task)
+    # the passthrough columns as found: the workers read, and the fingerprint records, these
+    job = replace(job, data=replace(job.data, passthrough_columns=loaded.passthrough))
+    return PlannedJob(job, model_dir, loaded, build_plan(job, loaded, tokenizer))
 
 
 def preflight_model(job: JobConfig, model_dir: Path) -> None:
@@ -175,7 +188,8 @@ def _reads_outputs_of(data_path: str, out: Path | str) -> bool:
 
 
 def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFlag) -> int:
-    model_dir, loaded, plan = plan_job(job)
+    planned = plan_job(job)
+    job, model_dir, loaded, plan = planned.job, planned.model_dir, planned.loaded, planned.plan
     if job.dry_run:
         out.write(format_plan(plan) + "\n")
         out.write(f"dry run: {len(plan.shards)} {job.task} shard(s) planned; nothing was written.\n")

@@ -88,6 +88,18 @@ def _check_resolved(engine: Any, expected: str | None, name: str) -> None:
                           "model.dtype explicitly, or run the job into a new output.dir.")
 
 
+def _actor_logging(level: str) -> None:
+    """The package's log records at the job's level on this actor's stderr, which Ray forwards to the
+    driver (prefixed with the actor's name and pid); once per process."""
+    package = logging.getLogger("flashx_batch")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(getattr(logging, level.upper(), logging.INFO))
+        package.propagate = False
+
+
 def row_seed(job_seed: int, row_id: Any) -> int:
     """A row's sampling seed: a stable hash of (job seed, row id), so sharding never changes samples."""
     digest = hashlib.sha256(f"{job_seed}\x1f{row_id!r}".encode("utf-8", "surrogatepass")).digest()
@@ -103,6 +115,8 @@ class ShardWorker:
         replica (`runner.replicas`); the engine loads later, in `join_replica`, once the ranks know where
         to meet."""
         self.job, self.ctx, self.name = job, ctx, name
+        if defer_errors:  # a Ray actor: its log lines (engine ready, kernels compiled) reach the driver's log
+            _actor_logging(job.log_level)
         storage.configure(job.storage.settings())  # input and output URIs open with the job's storage.* keys
         self.node = socket.gethostname()
         self.boot_failure: WorkerFailure | None = None

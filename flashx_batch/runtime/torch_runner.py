@@ -80,7 +80,6 @@ class TorchRunner(ModelRunner):
         self.live = _LiveRows(self.device)
         # a tensor-parallel rank: every rank samples from the same gathered logits, and takes rank 0's tokens
         self.comm = model.shard.comm if model.shard is not None else None
-        backend.warm_up_kernels()  # compiled (or loaded from a cache) now, not in the first decode step
 
     @property
     def graphs(self):

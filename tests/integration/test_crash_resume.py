@@ -50,7 +50,7 @@ def job_args(data):
 @pytest.fixture(scope="module")
 def shards(job_args, tmp_path_factory):
     """The plan's generate shards (dispatch order) and each one's ids."""
-    _, _, plan = plan_job(compose_job(job_args(tmp_path_factory.mktemp("plan") / "out")))
+    plan = plan_job(compose_job(job_args(tmp_path_factory.mktemp("plan") / "out"))).plan
     return [(s, [plan.ref_ids[r] for r in s.refs]) for s in plan.shards]
 
 
@@ -205,7 +205,8 @@ def test_zombie_second_attempt_of_the_same_shard(job_args, shards, tmp_path, mon
 
     out, spec = tmp_path / "out", shards[1][0]
     job = compose_job(job_args(out))
-    model_dir, loaded, _ = plan_job(job)
+    planned = plan_job(job)
+    model_dir, loaded = planned.model_dir, planned.loaded
     zombie = ShardWorker(job, WorkerContext(str(model_dir), str(out), loaded.files, loaded.id_kind))
     hook = _ZombieFirst(spec, zombie)
     monkeypatch.setattr(faults, "load", lambda *a, **k: hook)

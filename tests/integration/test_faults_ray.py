@@ -70,7 +70,7 @@ def _job(data, out, *extra):
 
 def test_fault_storm_hang_poison_fatal_crashes_enospc(ray_cluster, data, tmp_path):
     out = tmp_path / "out"
-    _, _, plan = plan_job(_job(data, out))
+    plan = plan_job(_job(data, out)).plan
     s = plan.shards
     assert len(s) >= 7
     ids = [[plan.ref_ids[r] for r in spec.refs] for spec in s]

@@ -92,7 +92,7 @@ def test_default_job_with_input_and_output_on_s3(bucket, tmp_path):
 def test_worker_killed_mid_shard_on_s3(bucket, tmp_path):
     """Ray actors SIGKILLed mid-shard and between writing parts and the manifest."""
     out = f"{bucket}/killed"
-    _, _, plan = plan_job(compose_job(_args(bucket, out, *SLOW)))
+    plan = plan_job(compose_job(_args(bucket, out, *SLOW))).plan
     a, b = plan.shards[1].shard_id, plan.shards[4].shard_id
     specs = [f"crash:at=after_generate:attempt=1:shard={a}", f"crash:at=before_manifest:attempt=1:shard={b}"]
     done = cli(_args(bucket, out, *SLOW, "executor.kind=ray", "executor.num_actors=2", faults_override(specs)),
@@ -148,7 +148,8 @@ class _ZombieFirst:
 def test_zombie_attempt_on_s3(bucket, conditional, monkeypatch):
     out = f"{bucket}/zombie-{conditional}"
     job = compose_job(_args(bucket, out, *SLOW, f"storage.conditional_put={str(conditional).lower()}"))
-    model_dir, loaded, plan = plan_job(job)
+    planned = plan_job(job)
+    model_dir, loaded, plan = planned.model_dir, planned.loaded, planned.plan
     spec = plan.shards[1]
     zombie = ShardWorker(job, WorkerContext(str(model_dir), out, loaded.files, loaded.id_kind))
     hook = _ZombieFirst(spec, zombie)

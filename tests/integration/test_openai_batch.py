@@ -130,7 +130,7 @@ def test_per_line_sampling_is_each_lines_own(finished, tmp_path):
 
 def test_killed_and_resumed_every_custom_id_once(batch_file, finished, tmp_path):
     out = tmp_path / "out"
-    _, _, plan = plan_job(compose_job(_args(batch_file, out)))
+    plan = plan_job(compose_job(_args(batch_file, out))).plan
     victim = plan.shards[len(plan.shards) // 2].shard_id
     killed = cli(_args(batch_file, out, faults_override([f"crash:at=after_publish:attempt=1:shard={victim}"])),
                  cwd=tmp_path)

@@ -61,7 +61,7 @@ def test_ray_two_replicas_survive_a_rank_killed_mid_shard(data, single_rank, tmp
     out = tmp_path / "out"
     args = (tiny_model_dir(), data, out, "executor.kind=ray", "executor.num_actors=2",
             "runtime.tensor_parallel_size=2", *SHARDING)
-    _, _, plan = plan_job(compose_job(overrides(*args)))
+    plan = plan_job(compose_job(overrides(*args))).plan
     victim = plan.shards[0].shard_id
     # the victim shard's rank 1 is killed as rank 0 starts generating it (the ranks share a node)
     job = compose_job(overrides(*args, faults_override([f"kill_rank:shard={victim}:attempt=1"])))

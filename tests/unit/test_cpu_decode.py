@@ -199,6 +199,7 @@ def test_warm_up_compiles_both_dtypes_and_a_broken_numba_falls_back(monkeypatch)
     assert len(kernel.signatures) >= 2  # float32 and bfloat16 (uint16 bits) caches
     keys, values = _stripes(torch.float32)
     cpu_decode._kernel.cache_clear()
+    cpu_decode._ready.cache_clear()
     try:
         import builtins
         real_import = builtins.__import__
@@ -214,7 +215,19 @@ def test_warm_up_compiles_both_dtypes_and_a_broken_numba_falls_back(monkeypatch)
     finally:
         monkeypatch.undo()
         cpu_decode._kernel.cache_clear()
+        cpu_decode._ready.cache_clear()
     assert cpu_decode.usable(keys, values)
+
+
+def test_a_job_compiles_only_the_reads_it_makes():
+    """A fresh process that reads one layout of one dtype holds that one signature of the kernel (compiled
+    or loaded from the disk cache), not all six: a first run does not pay for reads it never makes."""
+    probe = ("import torch; from flashx_batch.backends import cpu_decode; "
+             "flat = torch.zeros(8, 2, 16); assert cpu_decode.usable_paged(flat, flat, 'extents'); "
+             "print(len(cpu_decode._kernel()[1].signatures))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "1"
 
 
 def test_a_second_process_loads_the_compiled_kernels_from_the_disk_cache():
@@ -223,7 +236,7 @@ def test_a_second_process_loads_the_compiled_kernels_from_the_disk_cache():
     a kernel's closure once made every process miss the cache, and a node added mid-job came up too
     late to get work)."""
     probe = ("from flashx_batch.backends import cpu_decode; from flashx_batch.quant import int8_kernels, row_kernel; "
-             "fused = int8_kernels.compiled_kernels(); "  # None where torch cannot be reproduced: nothing to load
+             "cpu_decode.warm_up(); fused = int8_kernels.compiled_kernels(); "  # None where torch cannot be reproduced: nothing to load
              "kernels = [cpu_decode._kernel()[1], row_kernel.kernel()] + ([] if fused is None else "
              "[fused.norm_round, fused.residual_norm_round, fused.rope_write, fused.dequant_rows]); "
              "print(min(sum(k.stats.cache_hits.values()) for k in kernels))")

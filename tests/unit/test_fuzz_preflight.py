@@ -555,7 +555,7 @@ class _Records(logging.Handler):
 
 def _check_plan(case: Case, job: Any) -> Finding | None:
     try:
-        _, _, plan = plan_job(job)
+        plan = plan_job(job).plan
     except Exception as exc:  # the dry run just built the same plan
         return _exc_finding("plan_job raised after a dry run exited 0", exc)
     files = sorted(case.files, key=lambda f: f.name)
@@ -585,7 +585,8 @@ def _check_plan(case: Case, job: Any) -> Finding | None:
 def _extra_checks(job: Any) -> Finding | None:
     """What a dry run accepted but the real run could not write or use (reported by the measuring script)."""
     try:
-        _, loaded, plan = plan_job(job)
+        planned = plan_job(job)
+        loaded, plan = planned.loaded, planned.plan
     except Exception:  # reported by the properties already
         return None
     id_type = pa.int64() if plan.id_kind == "int" else pa.string()

@@ -183,7 +183,7 @@ def test_bad_per_row_values_become_error_rows_and_null_keeps_the_job_value(tmp_p
         r.update(temp=temp, budget=budget, seed=seed, stops=stop)
     path = write_parquet(tmp_path / "in.parquet", rows)
     columns = "+sampling.from_columns={temperature:temp,max_new_tokens:budget,seed:seed,stop:stops}"
-    _, _, plan = plan_job(_job(path, tmp_path / "out", columns, "sampling.n=2", "sampling.temperature=0.9"))
+    plan = plan_job(_job(path, tmp_path / "out", columns, "sampling.n=2", "sampling.temperature=0.9")).plan
     errors = {e.id: (e.code, e.message) for errs in plan.row_errors.values() for e in errs}
     assert sorted(errors) == [2, 3, 4, 5, 6, 7, 8]
     assert {code for code, _ in errors.values()} == {"bad_sampling_param"}
@@ -225,7 +225,7 @@ def test_fingerprint_holds_the_new_keys_only_when_set(tmp_path):
 
     path = write_parquet(tmp_path / "in.parquet", sample_rows(3))
     job = _job(path, tmp_path / "out")
-    _, _, plan = plan_job(job)
+    plan = plan_job(job).plan
     plain = fingerprint.compute(job, plan, {})
     assert not {"sampling.logprobs", "sampling.n", "sampling.from_columns"} & set(plain)  # older jobs still resume
     asked = fingerprint.compute(_job(path, tmp_path / "out", "sampling.logprobs=3", "sampling.n=2",

@@ -36,7 +36,8 @@ class DecodeCpu(CpuKernels, DecodeSdpa):
 
     def read(self, q, layer, meta: Decode, cache) -> torch.Tensor:
         k_flat, v_flat = cache
-        if meta.row_extents is not None and layer.window is None and cpu_decode.usable_paged(k_flat, v_flat):
+        if meta.row_extents is not None and layer.window is None and \
+                cpu_decode.usable_paged(k_flat, v_flat, "extents"):
             batch, group = q.shape[0], layer.num_heads // layer.num_kv_heads
             folded = q.reshape(batch, layer.num_kv_heads, group, layer.head_dim)
             out = cpu_decode.attend_rows(folded, k_flat, v_flat, meta.row_extents, layer.scale)
