@@ -25,6 +25,7 @@ from flashx_batch.config_schema import (  # noqa: F401
     BUNDLED_PREFIX,
     ENGINE_ONLY,
     JOB_ONLY_RUNTIME,
+    SAMPLING_COLUMN_KEYS,
     DataSection,
     EvalSection,
     ExecutorSection,
@@ -42,8 +43,6 @@ from flashx_batch.storage import is_remote, normalize
 PRIMARY_CONFIG = "flashx_job"
 SCHEMA_NAME = "flashx_job_schema"
 DEFAULT_PRESET = "legal_docs"
-# `task`: what a job computes per row (README "Config keys"); every task writes its result rows to generations/
-TASKS = ("generate", "loglikelihood", "multiple_choice", "perplexity")
 
 
 def resolve_model_dir(path: str) -> Path:
@@ -130,10 +129,6 @@ def validate(job: JobConfig) -> None:
     _validate_from_columns(s)
 
 
-# sampling keys a column may set per row (sampling.from_columns), and the kind of value each takes; n and
-# logprobs stay job-wide: they shape the output (rows per id, columns)
-SAMPLING_COLUMN_KEYS = {"max_new_tokens": "int", "temperature": "float", "top_k": "int", "top_p": "float",
-                        "seed": "seed", "stop": "stop", "ignore_eos": "bool"}
 
 
 def _validate_from_columns(sampling: SamplingSection) -> None:
@@ -168,29 +163,10 @@ def _validate_chat_settings(data: DataSection) -> None:
 
 
 def _validate_task(job: JobConfig) -> None:
-    """`task` and the data.* keys of the scoring tasks."""
-    d = job.data
-    if job.task not in TASKS:
-        raise ConfigError(f"task={job.task!r} is not one of {', '.join(TASKS)}.")
-    if job.task == "generate":
-        return
-    if d.messages_column:
-        raise ConfigError(f"data.messages_column is set but task={job.task}; chat rows are for task=generate. Give "
-                          "the rendered text in the context (or prompt) column.")
-    s = job.sampling
-    if s.n != 1 or s.logprobs or s.from_columns:
-        raise ConfigError(f"sampling.n, sampling.logprobs and sampling.from_columns shape generated text, and "
-                          f"task={job.task} generates none; drop them (or use task=generate).")
-    if job.task == "perplexity" and d.prompt_prefix:
-        raise ConfigError("data.prompt_prefix is set but task=perplexity; a prefix would be scored as part of every "
-                          "text. Remove it.")
-    read = {"loglikelihood": [d.context_column, d.continuation_column],
-            "multiple_choice": [d.context_column, d.choices_column, *([d.answer_column] if d.answer_column else [])],
-            "perplexity": [d.prompt_column]}[job.task]
-    clash = [c for c in read if c == d.id_column] or [c for c in read if read.count(c) > 1]
-    if clash:
-        raise ConfigError(f"task={job.task}: column {clash[0]!r} is named for two roles (id, context, continuation, "
-                          "choices, answer); name a different column for each.")
+    """`task` names a task (`flashx_batch.tasks`), and the task's own checks of the data.* keys pass."""
+    from flashx_batch.tasks import get_task
+
+    get_task(job.task).validate(job)
 
 
 def _validate_eval(job: JobConfig) -> None:

@@ -63,6 +63,12 @@ class SamplingSection:
     from_columns: dict[str, str] = field(default_factory=dict)
 
 
+# sampling keys a column may set per row (sampling.from_columns), and the kind of value each takes; n and
+# logprobs stay job-wide: they shape the output (rows per id, columns)
+SAMPLING_COLUMN_KEYS = {"max_new_tokens": "int", "temperature": "float", "top_k": "int", "top_p": "float",
+                        "seed": "seed", "stop": "stop", "ignore_eos": "bool"}
+
+
 # `runtime.*` = every EngineOptions knob (declared once, with its meaning, in runtime/options.py) except
 # ENGINE_ONLY, plus the job-only keys in JOB_ONLY_RUNTIME. The schema defaults are EngineOptions' defaults;
 # the presets in conf/ set the job values (legal_docs: max_output_len 64, shard_size 16).

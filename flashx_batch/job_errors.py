@@ -59,3 +59,7 @@ class ZombieAttemptError(FlashxError):
 
 class TornJobJsonError(OutputDirError):
     """job.json exists but is not a JSON object (a torn write by a tool without atomic writes, an edit)."""
+
+
+class JobAborted(ConfigError):
+    """A worker found the job cannot succeed as written (an input file changed, a config problem)."""

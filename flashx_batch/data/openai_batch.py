@@ -24,7 +24,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from flashx_batch.config import JobConfig
+from flashx_batch.config_schema import JobConfig
 from flashx_batch.data.jsonl import json_lines
 from flashx_batch.data.row_values import INT64, as_int, describe
 from flashx_batch.data.validate import RowProblem

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from flashx_batch.config import DataSection, JobConfig
+from flashx_batch.config_schema import DataSection, JobConfig
 from flashx_batch.data import openai_batch
 from flashx_batch.data.preflight import LoadedInput
 from flashx_batch.data.readers import Frame, InputFile
@@ -173,10 +173,9 @@ def _chunks(loaded: LoadedInput, data: DataSection, scan: _Scan) -> Iterator[tup
         scan.starts.append(len(scan.ids))
 
 
-def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
-    """Validate, tokenize, bucket and shard every row of `loaded`, streaming it a chunk at a time."""
-    if job.task != "generate":
-        return _build_score_plan(job, loaded, tokenizer)
+def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
+    """The plan of prompted rows (task=generate): validate, tokenize, bucket and shard every row of
+    `loaded`, streaming it a chunk at a time."""
     data = job.data
     text_col = data.messages_column or data.prompt_column
     segment = job.runtime.segment_size if job.runtime.prefix_cache_tokens else 0
@@ -214,7 +213,7 @@ def build_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Pla
     return _assemble(job, loaded, scan)
 
 
-def _build_score_plan(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
+def plan_scored(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
     """The plan of a scoring task (loglikelihood, multiple_choice, perplexity): rows checked and encoded by
     the rules the engine scores them with, bucketed by the tokens the model reads per row."""
     from flashx_batch.runtime.lm_requests import LMEncoder

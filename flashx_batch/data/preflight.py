@@ -1,6 +1,6 @@
 """Preflight: read every input file and check what would make the whole job wrong, before anything runs.
 
-Who calls it: `data.plan.build_plan` (driver, planning time). Anything found here raises
+Who calls it: `runner.job.plan_job` (driver, planning time). Anything found here raises
 `InputError` (exit 2, output untouched) with the file, column or ids in the message; problems
 confined to one row are *not* found here — they become error rows in `plan.py`.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from flashx_batch.config import DataSection
+from flashx_batch.config_schema import DataSection
 from flashx_batch.data.readers import Frame, InputFile, MissingColumns, iter_frames, read_frame, resolve_inputs
 from flashx_batch.job_errors import InputError
 
@@ -53,43 +53,28 @@ class LoadedInput:
         return [read_frame(f, self.columns, self.text_column) for f in self.files]
 
 
-def text_column(data: DataSection, task: str = "generate") -> str:
-    """The column a row's main text is in: messages or prompt (generate, perplexity), else the context."""
-    if task in ("loglikelihood", "multiple_choice"):
-        return data.context_column
-    return data.messages_column or data.prompt_column
-
-
-def column_roles(data: DataSection, task: str = "generate", extra: Mapping[str, str] | Iterable[str] = ()
-                 ) -> dict[str, str]:
-    """The columns a job reads, each with the setting that names it (`data.prompt_column`, ...): id, prompt
-    or messages (and tools), the scoring tasks' context / continuation / choices / answer columns instead
-    of the prompt, the passthrough columns, then `extra` (per-row sampling columns, eval references).
-    `data.passthrough_if_present` is not here: `load_inputs` keeps those the input has."""
-    text_key = "data.context_column" if task in ("loglikelihood", "multiple_choice") else \
-        "data.messages_column" if data.messages_column else "data.prompt_column"
-    roles = {data.id_column: "data.id_column"}
-    roles.setdefault(text_column(data, task), text_key)
-    if task == "loglikelihood":
-        roles.setdefault(data.continuation_column, "data.continuation_column")
-    if task == "multiple_choice":
-        roles.setdefault(data.choices_column, "data.choices_column")
-        if data.answer_column:
-            roles.setdefault(data.answer_column, "data.answer_column")
+def prompt_roles(data: DataSection) -> dict[str, str]:
+    """The text columns of a prompted row (task=generate, and the default of `load_inputs`): the prompt or
+    messages column (and the tools column of chat rows), each with the setting that names it."""
+    roles = {data.messages_column: "data.messages_column"} if data.messages_column else \
+        {data.prompt_column: "data.prompt_column"}
     if data.messages_column and data.tools_column:
         roles.setdefault(data.tools_column, "data.tools_column")
-    for c in data.passthrough_columns:
-        roles.setdefault(c, "data.passthrough_columns")
+    return roles
+
+
+def column_roles(data: DataSection, own: Mapping[str, str], extra: Mapping[str, str] | Iterable[str] = ()
+                 ) -> dict[str, str]:
+    """The columns a job reads, each with the setting that names it: the id, the task's `own` columns, the
+    passthrough columns, then `extra` (per-row sampling columns, eval references).
+    `data.passthrough_if_present` is not here: `load_inputs` keeps those the input has."""
+    roles = {data.id_column: "data.id_column"}
+    for c, key in [*own.items(), *((c, "data.passthrough_columns") for c in data.passthrough_columns)]:
+        roles.setdefault(c, key)
     extra_roles = extra if isinstance(extra, Mapping) else {c: "the job" for c in extra}
     for c, key in extra_roles.items():
         roles.setdefault(c, key)
     return roles
-
-
-def data_columns(data: DataSection, task: str = "generate", extra: Mapping[str, str] | Iterable[str] = ()
-                 ) -> list[str]:
-    """The columns a job reads, in `column_roles` order."""
-    return list(column_roles(data, task, extra))
 
 
 def missing_columns_message(exc: MissingColumns, roles: Mapping[str, str], where: str | None = None) -> str:
@@ -109,10 +94,12 @@ def missing_columns_message(exc: MissingColumns, roles: Mapping[str, str], where
 
 
 def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None = None,
-                extra_columns: Mapping[str, str] | Iterable[str] = (), task: str = "generate") -> LoadedInput:
+                roles: Mapping[str, str] | None = None, text_col: str | None = None) -> LoadedInput:
     """Resolve and check the input, streaming each file in chunks (memory grows with a chunk and
     the ids, not with the prompts). Raises InputError. `refuse_under` (the job's output directory):
     an input file found under it is refused before it is read, since it is one of the job's own outputs.
+    `roles`: the columns to read with the settings naming them (`tasks.read_columns`; default: a prompted
+    row's), `text_col` the row's main text (default: the prompt or messages column).
     `data.passthrough_if_present` columns are read where every file has them; `LoadedInput.passthrough`
     says which were."""
     files = resolve_inputs(resolved_path, data.format)
@@ -122,11 +109,12 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
             raise InputError(f"data.path={data.path} matches {mine[0]} under output.dir={refuse_under}: every rerun "
                              "would read the job's own outputs as input. Put output.dir outside the input, or "
                              "narrow data.path.")
-    roles = column_roles(data, task, extra_columns)
+    roles = roles if roles is not None else column_roles(data, prompt_roles(data))
+    text_col = text_col or next(iter(prompt_roles(data)))
     optional = [c for c in dict.fromkeys(data.passthrough_if_present) if c not in roles]
     while True:  # an optional column some file lacks is dropped, and the files are checked again without it
         try:
-            return _load(data, resolved_path, files, roles, optional, task)
+            return _load(data, resolved_path, files, roles, optional, text_col)
         except MissingColumns as exc:
             absent = [c for c in exc.missing if c in optional]
             if not absent:
@@ -137,9 +125,8 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
 
 
 def _load(data: DataSection, resolved_path: str, files: list[InputFile], roles: Mapping[str, str],
-          optional: list[str], task: str) -> LoadedInput:
+          optional: list[str], text_col: str) -> LoadedInput:
     cols = [*roles, *optional]  # a missing column: InputError, before the output is touched
-    text_col = text_column(data, task)
     carried = [*data.passthrough_columns, *optional]
     # the checks read values of the id and passthrough columns only; every column's type comes along
     valued = [data.id_column, *carried]

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flashx_batch.config import SAMPLING_COLUMN_KEYS as COLUMN_KEYS
-from flashx_batch.config import SamplingSection
+from flashx_batch.config_schema import SAMPLING_COLUMN_KEYS as COLUMN_KEYS
+from flashx_batch.config_schema import SamplingSection
 from flashx_batch.data.row_values import INT64, as_float, as_int, as_strings, describe
 from flashx_batch.data.validate import RowProblem
 from flashx_batch.errors import ConfigError

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flashx_batch.config import DataSection
+from flashx_batch.config_schema import DataSection
 from flashx_batch.data.row_values import describe
 from flashx_batch.runtime.lm_requests import LMEncoder
 from flashx_batch.runtime.tokenizer import Tokenizer

@@ -32,7 +32,7 @@ from flashx_batch.data.plan import ShardSpec
 from flashx_batch.errors import ConfigError, ModelLoadError
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner import pieces
-from flashx_batch.runner.tables import errors_table
+from flashx_batch.tasks.tables import errors_table
 
 if TYPE_CHECKING:
     from flashx_batch.runner.outputs import Output

@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 
 class Progress:
     def __init__(self, total_rows: int, done_rows: int = 0, interval_s: float = 10.0,
-                 stream: TextIO | None = None, metrics: JobMetrics | None = None) -> None:
-        """`metrics`: the job's live metrics (`runner.metrics`), fed by the executors through this object."""
+                 stream: TextIO | None = None, metrics: JobMetrics | None = None, tokens: bool = True) -> None:
+        """`metrics`: the job's live metrics (`runner.metrics`), fed by the executors through this object.
+        `tokens`: the task writes tokens (a line shows out tok/s; a scoring task's shows rows/s)."""
+        self.tokens = tokens
         self.metrics = metrics or JobMetrics(None)
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -67,8 +69,8 @@ class Progress:
         eta = _clock(left / rate_rows) if rate_rows > 0 else "--:--"
         frac = self.done / self.total if self.total else 1.0
         bar = "#" * int(frac * 24)
-        return (f"[{bar:<24}] {self.done}/{self.total} rows  {self.output_tokens / elapsed:7.1f} out tok/s  "
-                f"ETA {eta}")
+        rate = f"{self.output_tokens / elapsed:7.1f} out tok/s" if self.tokens else f"{rate_rows:7.1f} rows/s"
+        return f"[{bar:<24}] {self.done}/{self.total} rows  {rate}  ETA {eta}"
 
 
 def _clock(seconds: float) -> str:

@@ -4,8 +4,9 @@ Who calls it: `runner.job.run`. It starts a local Ray (or joins `executor.addres
 actor per accelerator — pinned with the backend's `ray_options()` (`num_gpus=1`, `{"NPU": 1}`) or
 `cpus_per_actor` CPUs — and hands each idle actor the next shard descriptor. One shard in flight
 per actor keeps a slow shard from holding up the others. Failures follow `runner.failures.decide`:
-an actor that dies is replaced and its shard goes back to the front of the queue (split once it
-died twice, to isolate a poison row); a shard over `executor.shard_timeout_s` (the watchdog, checked
+the retry state machine is `runner.retries`, shared with the local executor; an actor that dies is
+replaced and its shard goes back to the front of the queue (split once it died twice, to isolate a
+poison row); a shard over `executor.shard_timeout_s` (the watchdog, checked
 every `_WAIT_S`) has its actor killed and is retried; a fatal engine error retires the actor.
 """
 
@@ -24,11 +25,12 @@ from flashx_batch.data.plan import ShardSpec
 from flashx_batch.errors import ConfigError, FlashxError
 from flashx_batch.job_errors import InputChangedError, ModelChangedError
 from flashx_batch.runner.executor import ExecResult
-from flashx_batch.runner.failures import BAD_JOB, DIED, FATAL, TIMEOUT, FailedRows, Work, WorkerFailure, decide
+from flashx_batch.runner.failures import BAD_JOB, DIED, FATAL, TIMEOUT, FailedRows, Work, WorkerFailure
 from flashx_batch.runner.node_book import NodeBook
 from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.ray_cluster import _first_line, actor_options, ray_session
 from flashx_batch.runner.replicas import Replica, bundle_of, start_replica
+from flashx_batch.runner.retries import Retries
 from flashx_batch.runner.signals import StopFlag
 from flashx_batch.runner.worker import ShardWorker, WorkerContext
 
@@ -51,6 +53,20 @@ class RayExecutor:
         self.timeout_s = job.executor.shard_timeout_s
         self._spawned = 0
         self._boot_failures = 0
+        # the pool's state for one run (`_loop` fills it)
+        self._ray: Any = None
+        self._new_actor: Callable[[], tuple[Replica, Any] | None] = lambda: None
+        self.book: NodeBook | None = None
+        self.retries: Retries | None = None
+        self._polled = 0.0  # when Ray's node table was last read
+        self._short_logged: tuple | None = None
+        self._most = 0  # the most actors the pool has held at once
+        self.actors: dict[str, Replica] = {}
+        self.booting: dict[Any, str] = {}  # ready() ref -> actor name: no shard goes to an actor still loading
+        self.watch: dict[Any, str] = {}  # a follower rank's follow() ref -> its replica (it ends: the replica goes)
+        self.doomed: dict[str, float] = {}  # busy replicas that lost a rank -> when to kill them if still busy
+        self.rank_lost: set[str] = set()  # busy replicas that lost a rank: their shard's failure is `fatal`
+        self.idle: deque[str] = deque()
 
     def run(self, shards: list[ShardSpec], stop: StopFlag, progress: Progress) -> ExecResult:
         import ray
@@ -91,16 +107,7 @@ class RayExecutor:
         self.book = NodeBook(bundle_of(options), ex.node_failure_limit, ex.num_actors) if tp == 1 else None
         if self.book is not None:
             self.book.refresh(ray.nodes())
-        self._polled = time.monotonic()
-        self._short_logged: tuple | None = None
-        self._most = 0  # the most actors the pool has held at once
-        self._ray = ray
-        self.actors: dict[str, Replica] = {}
-        self.booting: dict[Any, str] = {}  # ready() ref -> actor name: no shard goes to an actor still loading
-        self.watch: dict[Any, str] = {}  # a follower rank's follow() ref -> its replica (it ends: the replica goes)
-        self.doomed: dict[str, float] = {}  # busy replicas that lost a rank -> when to kill them if still busy
-        self.rank_lost: set[str] = set()  # busy replicas that lost a rank: their shard's failure is `fatal`
-        self.idle: deque[str] = deque()
+        self._polled, self._ray = time.monotonic(), ray
         try:
             return self._dispatch_all(ray, pool, shards, stop, progress, result)
         finally:  # however the loop ends, no actor of this run outlives it (the driver unlocks next)
@@ -125,7 +132,8 @@ class RayExecutor:
             self.book.ready.update(self.booting.values())
         self.booting.clear()
         progress.restart_clock()
-        queue = deque(Work(spec, 1) for spec in shards)
+        self.retries = Retries(shards, self.job.executor.max_attempts, result, progress, self.failed_rows)
+        queue = self.retries.queue
         inflight: dict[Any, tuple[str, Work, float]] = {}  # ref -> (actor, work, dispatched at)
         while True:
             self._dispatch(queue, inflight, stop)
@@ -147,13 +155,13 @@ class RayExecutor:
                     continue
                 name, work, since = inflight.pop(ref)
                 outcome = self._settle(ray, ref, name, work)
-                self._follow(outcome, work, queue, result, progress, time.monotonic() - since, name)
+                self._follow(outcome, work, time.monotonic() - since, name)
                 if result.aborted is not None:
                     break
             if result.aborted is not None:
                 break
             if self.timeout_s is not None:
-                self._watchdog(ray, inflight, queue, result, progress)
+                self._watchdog(ray, inflight)
             if self.doomed:
                 self._end_doomed(ray)
         result.interrupted = stop.requested and bool(queue)
@@ -221,7 +229,7 @@ class RayExecutor:
                 self.idle.remove(name)
                 self._replace(self._ray, name)
 
-    def _watchdog(self, ray: Any, inflight: dict, queue: deque, result: ExecResult, progress: Progress) -> None:
+    def _watchdog(self, ray: Any, inflight: dict) -> None:
         """Kill the actor of every piece running past its budget; the piece fails as a `timeout`."""
         for ref, (name, work, since) in list(inflight.items()):
             if time.monotonic() - since > self.timeout_s:
@@ -232,7 +240,7 @@ class RayExecutor:
                 failure = WorkerFailure(TIMEOUT, "Timeout", f"no result within executor.shard_timeout_s="
                                         f"{self.timeout_s}s", worker=name, shard_id=work.spec.shard_id,
                                         attempt=work.attempt)
-                self._follow((TIMEOUT, failure), work, queue, result, progress, None, name)
+                self._follow((TIMEOUT, failure), work, None, name)
 
     def _settle(self, ray: Any, ref: Any, name: str, work: Work) -> tuple[str, Any]:
         """("ok", summary) or (failure kind, WorkerFailure); replaces the actor when it died or its engine did."""
@@ -266,38 +274,21 @@ class RayExecutor:
             self.idle.append(name)
         return "ok", summary
 
-    def _follow(self, outcome: tuple[str, Any], work: Work, queue: deque, result: ExecResult,
-                progress: Progress, latency_s: float | None = None, name: str | None = None) -> None:
+    def _follow(self, outcome: tuple[str, Any], work: Work, latency_s: float | None = None,
+                name: str | None = None) -> None:
+        """A try's outcome through the shared retry state machine, and into the node book (`runner.node_book`:
+        a node whose actors fail shard after shard is excluded)."""
         kind, detail = outcome
         if kind == "ok":
-            result.done.append(work.spec.shard_id)
-            progress.advance(detail["rows"], detail["output_tokens"])
-            progress.metrics.committed(detail, latency_s)
+            self.retries.succeeded(work, detail, latency_s)
             if self.book is not None and name is not None:
                 self.book.succeeded(name)
             return
-        result.record(detail)
-        progress.metrics.failed(kind)
+        self.retries.failed(work, detail)
         if self.book is not None and name is not None and kind != BAD_JOB:
             excluded = self.book.failed(name, work.spec.shard_id, detail.line)
             if excluded is not None:
                 self._exclude(excluded)
-        decision = decide(work, kind, self.job.executor.max_attempts)
-        if decision.abort:
-            result.aborted = detail
-            return
-        queue.extendleft(reversed(decision.retry))  # front: they are among the longest left
-        if len(decision.retry) == 2:
-            log.warning("shard %s: its worker died again; split into %s and %s to isolate the row that kills it",
-                        work.spec.shard_id, decision.retry[0].spec.shard_id, decision.retry[1].spec.shard_id)
-        if decision.give_up is not None:
-            message = (f"{'the worker process died' if kind == DIED else 'timed out'} on this row "
-                       f"{work.attempt} time(s); last: {detail.line}")
-            given_up = self.failed_rows.commit(work, decision.give_up, message)
-            progress.advance(given_up, 0)
-            progress.metrics.error_rows_committed(given_up)
-        if decision.fail:
-            result.failed[work.spec.shard_id] = detail.line
 
     # ---- actors -----------------------------------------------------------------------------
     def _boot(self) -> bool:

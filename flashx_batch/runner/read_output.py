@@ -18,7 +18,7 @@ from flashx_batch.errors import ConfigError
 from flashx_batch.runner.consolidate import pieces_table
 from flashx_batch.runner.layout import KINDS
 from flashx_batch.runner.outputs import open_output
-from flashx_batch.runner.tables import errors_table
+from flashx_batch.tasks.tables import errors_table
 
 
 def read_output(uri: str | Path, kind: str = "generations",

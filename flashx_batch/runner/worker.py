@@ -10,9 +10,7 @@ store): results never travel back either, only a small summary dict.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import math
 import os
 import socket
 import time
@@ -26,17 +24,14 @@ import pyarrow as pa
 from flashx_batch import storage
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import ShardSpec
-from flashx_batch.data.preflight import data_columns, text_column
 from flashx_batch.data.readers import Frame, InputFile, read_frame, read_rows
-from flashx_batch.data.row_sampling import row_params
-from flashx_batch.data.validate import RowProblem, build_prompt, encode_score_rows, row_tools, score_row
 from flashx_batch.errors import ConfigError
 from flashx_batch.evaluation.metrics import check_metric
-from flashx_batch.evaluation.metrics import score_row as metric_score
 from flashx_batch.job_errors import FatalEngineError
 from flashx_batch.runner.failures import FATAL, WorkerFailure, kind_of
 from flashx_batch.runner.outputs import open_output
-from flashx_batch.runner.tables import generations_table, sample_columns, score_column, score_table, stats_table
+from flashx_batch.tasks import get_task, read_columns
+from flashx_batch.tasks.tables import stats_table
 
 if TYPE_CHECKING:
     from flashx_batch.backends.distributed import RankSpec
@@ -100,12 +95,6 @@ def _actor_logging(level: str) -> None:
         package.propagate = False
 
 
-def row_seed(job_seed: int, row_id: Any) -> int:
-    """A row's sampling seed: a stable hash of (job seed, row id), so sharding never changes samples."""
-    digest = hashlib.sha256(f"{job_seed}\x1f{row_id!r}".encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
 class ShardWorker:
     def __init__(self, job: JobConfig, ctx: WorkerContext, name: str = "local", defer_errors: bool = False,
                  replica_rank: int | None = None) -> None:
@@ -128,9 +117,10 @@ class ShardWorker:
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()  # whole files (JSONL, CSV, Arrow), the last two
         self._last_rows: tuple[str, list] | None = None
-        self._columns = data_columns(job.data, job.task, job.extra_columns())
-        self._pattern = check_metric(job.eval.metric, job.eval.regex) if job.eval.metric else None
-        self._text_column = text_column(job.data, job.task)
+        self.task = get_task(job.task)
+        self._columns = list(read_columns(job))
+        self.metric_pattern = check_metric(job.eval.metric, job.eval.regex) if job.eval.metric else None
+        self._text_column = self.task.text_column(job.data)
 
     def _load_deferring(self, defer_errors: bool) -> None:
         try:
@@ -245,156 +235,50 @@ class ShardWorker:
         return {"shard_id": spec.shard_id, "attempt": attempt, "worker": self.name, "failure": failure.as_dict()}
 
     def _run(self, spec: ShardSpec, attempt: int, staging: Path) -> dict[str, Any]:
-        if self.job.task != "generate":
-            return self._run_scoring(spec, attempt, staging)
+        """One shard of any task: its rows read, computed and committed with one stats row; the fault hooks
+        fire around the computation (tests)."""
         started = time.perf_counter()
         job = self.job
-        ids, texts, passthrough, params = self._rows(spec)
+        rows = self.task.read(self, spec)
         if self.faults is not None:
-            self.faults.fire("before_generate", spec.shard_id, attempt, ids, peers=self._peers())
-        # chat rows are template-rendered text that already carries BOS / role tokens
-        token_lists = self.engine.tokenizer.encode_batch(texts, add_special_tokens=not job.data.messages_column)
-        outs = self.engine.generate(token_lists, params)  # sampling.n > 1: n outputs per row, in row order
+            self.faults.fire("before_generate", spec.shard_id, attempt, rows.ids, peers=self._peers())
+        result = self.task.compute(self, rows, spec)
         if self.faults is not None:
-            self.faults.fire("after_generate", spec.shard_id, attempt, ids)
-        g = self.engine.last_stats
+            self.faults.fire("after_generate", spec.shard_id, attempt, rows.ids)
         wall = time.perf_counter() - started
-        of_row = pa.array([o.index for o in outs], pa.int64())
-        logprobs = bool(job.sampling.logprobs)
-        samples = sample_columns([o.sample_index for o in outs] if job.sampling.n > 1 else None,
-                                 [o.token_ids for o in outs] if logprobs else None,
-                                 [o.logprobs for o in outs] if logprobs else None,
-                                 [o.top_logprobs for o in outs] if logprobs else None)
-        if job.eval.metric:  # each output scored against its row's reference (null reference: unscored)
-            refs = self._references(spec)
-            samples.update(score_column([metric_score(job.eval.metric, o.text, refs[o.index], self._pattern)
-                                         for o in outs]))
-        gen = generations_table([ids[o.index] for o in outs], self.ctx.id_kind, [o.text or "" for o in outs],
-                                [o.finish_reason for o in outs], [o.num_input_tokens for o in outs],
-                                [o.num_generated_tokens for o in outs], spec.shard_id,
-                                {c: a.take(of_row) for c, a in passthrough.items()}, samples)
+        n_in, n_out = result.input_tokens, result.output_tokens
         stats = stats_table({
             "shard_id": spec.shard_id, "bucket_min_len": spec.bucket_min_len, "bucket_max_len": spec.bucket_max_len,
-            "rows": len(ids), "rows_failed": 0, "input_tokens": g.input_tokens, "output_tokens": g.output_tokens,
-            "padding_efficiency": g.padding_efficiency, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
-            "wall_s": wall, "output_tok_per_s": g.output_tokens / wall if wall else 0.0,
-            "total_tok_per_s": (g.input_tokens + g.output_tokens) / wall if wall else 0.0,
-            "kv_bytes_peak": g.kv_bytes_peak, "cache_policy": job.runtime.cache_policy,
-            # the most rows decoding at once: more than max_batch_size under segment_sparse and batch growth
-            "batch_size": max(self.engine.admitted_batch_size, g.peak_rows),
-            "device": str(self.engine.device), "attempt": attempt,
-            "batches": g.batches, "kv_bytes_arena": g.kv_bytes_arena, "kv_bytes_static_peak": g.kv_bytes_static_peak,
-            "cached_prompt_tokens": g.cached_prompt_tokens, "prefill_tokens_computed": g.prefill_tokens_computed,
-            "prefix_hit_rate": g.cached_prompt_tokens / g.input_tokens if g.input_tokens else 0.0,
-            "host": socket.gethostname(),
-            "worker": self.name, "finished_at": time.time(),
-        })
-        won = self.out.commit(spec.shard_id, attempt, {"generations": gen, "stats": stats},
-                              {"kind": spec.kind, "rows": len(ids), "rows_failed": 0, "worker": self.name},
-                              staging)
-        log.debug("shard %s: %d rows, %d output tokens, %.2fs (%s)", spec.shard_id, len(ids), g.output_tokens, wall,
-                  "committed" if won else "already committed")
-        return {"shard_id": spec.shard_id, "rows": len(ids), "output_tokens": g.output_tokens, "wall_s": wall,
-                "committed": won, "attempt": attempt, "worker": self.name}
-
-    def _run_scoring(self, spec: ShardSpec, attempt: int, staging: Path) -> dict[str, Any]:
-        """A shard of a scoring task: rows checked and encoded as the plan did, scored by the engine's
-        log-likelihood scorer, committed to generations/ (columns: tables.SCORE_COLUMNS[task])."""
-        started = time.perf_counter()
-        job, task, lm = self.job, self.job.task, self.engine.lm
-        ids, rows, extra = [], [], {c: [] for c in job.data.passthrough_columns}
-        for fi, ri, fr, k in self._shard_rows(spec):
-            row = score_row(task, job.data, fr.columns, k)
-            if isinstance(row, RowProblem):  # the plan accepted this row: the input changed since
-                raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {row.message}; the input changed after "
-                                   "planning")
-            ids.append(fr.columns[job.data.id_column][k])
-            rows.append(row)
-            for c in extra:
-                extra[c].append(fr.columns[c][k])
-        passthrough = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
-        encoded = encode_score_rows(task, rows, lm.encoder, lm.max_length, job.data.target_delimiter,
-                                    job.runtime.long_input)
-        bad = next((e for e in encoded if isinstance(e, RowProblem)), None)
-        if bad is not None:
-            raise RuntimeError(f"shard {spec.shard_id}: {bad.message}; the input or tokenizer changed after planning")
-        if self.faults is not None:
-            self.faults.fire("before_generate", spec.shard_id, attempt, ids, peers=self._peers())
-        values: dict[str, list[Any]] = {}
-        if task == "loglikelihood":
-            logprobs, greedy = lm.score_pairs([e.pairs[0] for e in encoded])
-            values = {"logprob": logprobs, "num_tokens": [len(e.pairs[0][1]) for e in encoded], "is_greedy": greedy,
-                      "truncated": [e.truncated for e in encoded]}
-        elif task == "perplexity":
-            logprobs = lm.score_rolling([list(e.tokens) for e in encoded])
-            counts = [len(e.tokens) for e in encoded]
-            values = {"logprob": logprobs, "num_tokens": counts,
-                      "perplexity": [math.exp(-lp / n) if -lp / n < 700 else math.inf
-                                     for lp, n in zip(logprobs, counts, strict=True)]}
-        else:
-            scored = lm.score_choices([list(e.pairs) for e in encoded])
-            raw = [lps for lps, _ in scored]
-            norm = [[lp / len(c) for lp, c in zip(lps, r.choices, strict=True)]
-                    for lps, r in zip(raw, rows, strict=True)]
-            pred = [_first_max(v) for v in raw]
-            values = {"choice_logprobs": raw, "choice_logprobs_norm": norm, "pred": pred,
-                      "pred_norm": [_first_max(v) for v in norm],
-                      "correct": [None if r.answer is None else p == r.answer for p, r in zip(pred, rows, strict=True)],
-                      "truncated": [e.truncated for e in encoded]}
-        if self.faults is not None:
-            self.faults.fire("after_generate", spec.shard_id, attempt, ids)
-        wall = time.perf_counter() - started
-        tokens = sum(e.length for e in encoded)
-        if job.eval.metric == "choice_accuracy":
-            passthrough = {**score_column([None if c is None else float(c) for c in values["correct"]]),
-                           **passthrough}
-        table = score_table(task, ids, self.ctx.id_kind, values, spec.shard_id, passthrough)
-        stats = stats_table({
-            "shard_id": spec.shard_id, "bucket_min_len": spec.bucket_min_len, "bucket_max_len": spec.bucket_max_len,
-            "rows": len(ids), "rows_failed": 0, "input_tokens": tokens, "output_tokens": 0,
-            "padding_efficiency": 1.0, "prefill_s": wall, "decode_s": 0.0, "wall_s": wall, "output_tok_per_s": 0.0,
-            "total_tok_per_s": tokens / wall if wall else 0.0, "kv_bytes_peak": 0,
-            "cache_policy": job.runtime.cache_policy, "batch_size": lm.max_rows, "device": str(self.engine.device),
-            "attempt": attempt, "task": task, "host": socket.gethostname(), "worker": self.name,
+            "rows": len(rows.ids), "rows_failed": 0, "input_tokens": n_in, "output_tokens": n_out,
+            "padding_efficiency": 1.0, "prefill_s": wall, "decode_s": 0.0, "wall_s": wall,
+            "output_tok_per_s": n_out / wall if wall else 0.0,
+            "total_tok_per_s": (n_in + n_out) / wall if wall else 0.0, "kv_bytes_peak": 0,
+            "cache_policy": job.runtime.cache_policy, "batch_size": 0, "device": str(self.engine.device),
+            "attempt": attempt, **result.stats, "host": socket.gethostname(), "worker": self.name,
             "finished_at": time.time(),
         })
-        won = self.out.commit(spec.shard_id, attempt, {"generations": table, "stats": stats},
-                              {"kind": spec.kind, "rows": len(ids), "rows_failed": 0, "worker": self.name}, staging)
-        return {"shard_id": spec.shard_id, "rows": len(ids), "output_tokens": 0, "wall_s": wall,
+        won = self.out.commit(spec.shard_id, attempt, {"generations": result.table, "stats": stats},
+                              {"kind": spec.kind, "rows": len(rows.ids), "rows_failed": 0, "worker": self.name},
+                              staging)
+        log.debug("shard %s: %d rows, %d output tokens, %.2fs (%s)", spec.shard_id, len(rows.ids), n_out, wall,
+                  "committed" if won else "already committed")
+        return {"shard_id": spec.shard_id, "rows": len(rows.ids), "output_tokens": n_out, "wall_s": wall,
                 "committed": won, "attempt": attempt, "worker": self.name}
 
-    def _rows(self, spec: ShardSpec) -> tuple[list[Any], list[str], dict[str, pa.Array], list]:
-        """The shard's ids, prompt texts, passthrough columns and sampling parameters, as planned."""
-        data, s = self.job.data, self.job.sampling
-        text_col = self._text_column
-        ids, texts, params = [], [], []
-        extra: dict[str, list[Any]] = {c: [] for c in data.passthrough_columns}
-        for fi, ri, fr, k in self._shard_rows(spec):
-            value = fr.columns[text_col][k]
-            text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
-                                self.engine.tokenizer, row_tools(data, fr.columns, k), data.chat_template_kwargs)
-            if isinstance(text, RowProblem):  # the plan accepted this row: the input changed since
-                raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {text.message}; the input changed "
-                                   "after planning")
-            row_id = fr.columns[data.id_column][k]
-            p = row_params(s, fr.columns, k, row_seed(s.seed, row_id), self.job.runtime.max_output_len)
-            if isinstance(p, RowProblem):
-                raise RuntimeError(f"{self.ctx.files[fi].path} row {ri}: {p.message}; the input changed after "
-                                   "planning")
-            ids.append(row_id)
-            texts.append(text)
-            params.append(p)
-            for c in extra:
-                extra[c].append(fr.columns[c][k])
-        arrays = {c: pa.array(v, self.ctx.passthrough_types.get(c)) for c, v in extra.items()}
-        return ids, texts, arrays, params
+    # ---- what a task reads a shard through (`tasks.base.ShardSource`) ---------------------------
+    @property
+    def files(self) -> list[InputFile]:
+        return self.ctx.files
 
-    def _references(self, spec: ShardSpec) -> list[Any]:
-        """The shard's reference answers (`eval.reference_column`), in row order."""
-        column = self.job.eval.reference_column
-        return [fr.columns[column][k] for _, _, fr, k in self._shard_rows(spec)]
+    @property
+    def id_kind(self) -> str:
+        return self.ctx.id_kind
 
-    def _shard_rows(self, spec: ShardSpec) -> list[tuple[int, int, Frame, int]]:
+    @property
+    def passthrough_types(self) -> dict[str, pa.DataType]:
+        return self.ctx.passthrough_types
+
+    def shard_rows(self, spec: ShardSpec) -> list[tuple[int, int, Frame, int]]:
         """(file index, row index, frame, the row's position in the frame) for each row of the shard,
         in order. Parquet rows are read by row group (`read_rows`: a 16-row shard reads one group, not
         the file); other formats from the whole file, parsed once and cached. The shard's rows are
@@ -425,7 +309,3 @@ class ShardWorker:
             self._frames.popitem(last=False)
         return frame
 
-
-def _first_max(values: list[float]) -> int:
-    """Index of the largest value, the first on ties (numpy's argmax, as lm-eval picks)."""
-    return max(range(len(values)), key=lambda i: (values[i], -i))

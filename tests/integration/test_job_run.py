@@ -14,7 +14,7 @@ from batch_support import REPO, cli, output_ids, overrides, sample_rows, tiny_mo
 
 from flashx_batch.config import compose_job
 from flashx_batch.runner import run
-from flashx_batch.runner.tables import ERROR_COLUMNS, GENERATION_COLUMNS, STATS_COLUMNS
+from flashx_batch.tasks.tables import ERROR_COLUMNS, GENERATION_COLUMNS, STATS_COLUMNS
 
 
 @pytest.fixture(scope="module")

@@ -282,7 +282,7 @@ def _sigterm_inside(monkeypatch, module, name: str):
 def test_sigterm_while_planning_exits_143_and_writes_nothing(model, data, tmp_path, monkeypatch):
     import flashx_batch.runner.job as job_module
 
-    _sigterm_inside(monkeypatch, job_module, "build_plan")
+    _sigterm_inside(monkeypatch, job_module, "load_inputs")
     out = tmp_path / "out"
     with _SigtermGuard():
         assert run(_job(model, data, out)) == 143

@@ -21,7 +21,7 @@ import pytest
 from batch_support import overrides, tiny_model_dir, write_parquet
 
 from flashx_batch.config import compose_job
-from flashx_batch.data import build_plan, load_inputs
+from flashx_batch.data import load_inputs, plan_prompts
 from flashx_batch.data.validate import BAD_TYPE, RowProblem, build_prompt, check_messages, check_tools
 from flashx_batch.errors import ConfigError
 from flashx_batch.runtime import chat_template
@@ -354,7 +354,7 @@ def test_job_wide_tools_and_their_checks(qwen_model, tmp_path):
     path.write_text(json.dumps({"id": 1, "messages": SYSTEM_USER}) + "\n")
     base = overrides(qwen_model, path, None, "data.messages_column=messages")
     job = compose_job([*base, "data.tools=[{type: function, function: {name: get_weather, parameters: {}}}]"])
-    plan = build_plan(job, load_inputs(job.data, str(path)), Tokenizer(qwen_model))
+    plan = plan_prompts(job, load_inputs(job.data, str(path)), Tokenizer(qwen_model))
     assert plan.num_valid == 1
     from flashx_batch.runner.job import plan_job, run
 

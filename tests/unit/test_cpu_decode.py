@@ -236,7 +236,7 @@ def test_a_second_process_loads_the_compiled_kernels_from_the_disk_cache():
     a kernel's closure once made every process miss the cache, and a node added mid-job came up too
     late to get work)."""
     probe = ("from flashx_batch.backends import cpu_decode; from flashx_batch.quant import int8_kernels, row_kernel; "
-             "cpu_decode.warm_up(); fused = int8_kernels.compiled_kernels(); "  # None where torch cannot be reproduced: nothing to load
+             "cpu_decode.warm_up(); fused = int8_kernels.compiled_kernels(); "
              "kernels = [cpu_decode._kernel()[1], row_kernel.kernel()] + ([] if fused is None else "
              "[fused.norm_round, fused.residual_norm_round, fused.rope_write, fused.dequant_rows]); "
              "print(min(sum(k.stats.cache_hits.values()) for k in kernels))")

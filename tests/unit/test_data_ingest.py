@@ -10,7 +10,7 @@ import pytest
 from batch_support import sample_rows, tiny_model_dir, write_parquet
 
 from flashx_batch.config import DataSection, compose_job
-from flashx_batch.data import build_plan, load_inputs
+from flashx_batch.data import load_inputs, plan_prompts
 from flashx_batch.job_errors import InputError
 from flashx_batch.runtime.tokenizer import Tokenizer
 
@@ -89,7 +89,7 @@ def _plan(tmp_path, lines: list[str], tokenizer, *overrides):
     job = compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]",
                        f"model.path={tiny_model_dir()}", *overrides])
     loaded = load_inputs(job.data, str(path))
-    return build_plan(job, loaded, tokenizer)
+    return plan_prompts(job, loaded, tokenizer)
 
 
 def test_each_error_code(tmp_path, tokenizer):

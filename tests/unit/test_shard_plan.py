@@ -6,7 +6,7 @@ import pytest
 from batch_support import sample_rows, tiny_model_dir, write_parquet
 
 from flashx_batch.config import compose_job
-from flashx_batch.data import build_plan, format_plan, load_inputs
+from flashx_batch.data import format_plan, load_inputs, plan_prompts
 from flashx_batch.data.plan import bucket_edges, padding_efficiency
 from flashx_batch.runtime.tokenizer import Tokenizer
 
@@ -14,7 +14,7 @@ from flashx_batch.runtime.tokenizer import Tokenizer
 def _plan(path, *overrides):
     job = compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]",
                        f"model.path={tiny_model_dir()}", *overrides])
-    return build_plan(job, load_inputs(job.data, str(path)), Tokenizer(tiny_model_dir()))
+    return plan_prompts(job, load_inputs(job.data, str(path)), Tokenizer(tiny_model_dir()))
 
 
 def test_padding_efficiency_arithmetic():

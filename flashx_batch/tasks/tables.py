@@ -1,7 +1,8 @@
-"""Arrow tables of the output layout (README "Output"): generations, errors and stats, one builder each.
+"""Arrow tables of the output layout (README "Output"): result rows (generations, or a scoring task's),
+errors and stats, one builder each.
 
-Who calls it: `runner.worker` (all three, per shard) and `runner.job` (errors of the rows the plan
-rejected). Keeping the column lists here keeps every writer on the same schema.
+Who calls it: the tasks (their result rows), `runner.worker` (stats, per shard), `runner.job` and
+`runner.failures` (error rows). Keeping the column lists here keeps every writer on the same schema.
 """
 
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""task=generate: prompted rows (a prompt or chat messages) in, generated text out (`generations_table`),
+optionally scored against a reference column (`eval.metric`)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pyarrow as pa
+
+from flashx_batch.data.plan import Plan, ShardSpec, plan_prompts
+from flashx_batch.data.preflight import prompt_roles
+from flashx_batch.data.row_sampling import row_params
+from flashx_batch.data.validate import RowProblem, build_prompt, row_tools
+from flashx_batch.evaluation.metrics import score_row as metric_score
+from flashx_batch.tasks.base import ShardResult, ShardRows, ShardSource, Task, passthrough_arrays, register
+from flashx_batch.tasks.tables import GENERATION_COLUMNS, generations_table, sample_columns, score_column
+
+
+def row_seed(job_seed: int, row_id: Any) -> int:
+    """A row's sampling seed: a stable hash of (job seed, row id), so sharding never changes samples."""
+    digest = hashlib.sha256(f"{job_seed}\x1f{row_id!r}".encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@register
+class Generate(Task):
+    name = "generate"
+    verb = "generated"
+    generates = True
+
+    def text_column(self, data) -> str:
+        return data.messages_column or data.prompt_column
+
+    def column_roles(self, data) -> dict[str, str]:
+        return prompt_roles(data)
+
+    def result_columns(self) -> tuple[str, ...]:
+        return GENERATION_COLUMNS
+
+    def plan(self, job, loaded, tokenizer) -> Plan:
+        return plan_prompts(job, loaded, tokenizer)
+
+    def read(self, source: ShardSource, spec: ShardSpec) -> ShardRows:
+        """The shard's ids, prompt texts and sampling parameters, as planned (a row the plan accepted that
+        fails now means the input changed since)."""
+        job = source.job
+        data, s = job.data, job.sampling
+        text_col = self.text_column(data)
+        ids, texts, params = [], [], []
+        extra: dict[str, list[Any]] = {c: [] for c in data.passthrough_columns}
+        for fi, ri, fr, k in source.shard_rows(spec):
+            value = fr.columns[text_col][k]
+            text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
+                                source.engine.tokenizer, row_tools(data, fr.columns, k), data.chat_template_kwargs)
+            row_id = fr.columns[data.id_column][k]
+            p = text if isinstance(text, RowProblem) else \
+                row_params(s, fr.columns, k, row_seed(s.seed, row_id), job.runtime.max_output_len)
+            if isinstance(p, RowProblem):
+                raise RuntimeError(f"{source.files[fi].path} row {ri}: {p.message}; the input changed after "
+                                   "planning")
+            ids.append(row_id)
+            texts.append(text)
+            params.append(p)
+            for c in extra:
+                extra[c].append(fr.columns[c][k])
+        references = None
+        if job.eval.metric:  # each output is scored against its row's reference (null reference: unscored)
+            column = job.eval.reference_column
+            references = [fr.columns[column][k] for _, _, fr, k in source.shard_rows(spec)]
+        return ShardRows(ids, (texts, params, references), passthrough_arrays(extra, source.passthrough_types))
+
+    def compute(self, source: ShardSource, rows: ShardRows, spec: ShardSpec) -> ShardResult:
+        job, engine = source.job, source.engine
+        texts, params, references = rows.inputs
+        # chat rows are template-rendered text that already carries BOS / role tokens
+        token_lists = engine.tokenizer.encode_batch(texts, add_special_tokens=not job.data.messages_column)
+        outs = engine.generate(token_lists, params)  # sampling.n > 1: n outputs per row, in row order
+        g = engine.last_stats
+        of_row = pa.array([o.index for o in outs], pa.int64())
+        logprobs = bool(job.sampling.logprobs)
+        samples = sample_columns([o.sample_index for o in outs] if job.sampling.n > 1 else None,
+                                 [o.token_ids for o in outs] if logprobs else None,
+                                 [o.logprobs for o in outs] if logprobs else None,
+                                 [o.top_logprobs for o in outs] if logprobs else None)
+        if references is not None:
+            samples.update(score_column([metric_score(job.eval.metric, o.text, references[o.index],
+                                                      source.metric_pattern) for o in outs]))
+        table = generations_table([rows.ids[o.index] for o in outs], source.id_kind, [o.text or "" for o in outs],
+                                  [o.finish_reason for o in outs], [o.num_input_tokens for o in outs],
+                                  [o.num_generated_tokens for o in outs], spec.shard_id,
+                                  {c: a.take(of_row) for c, a in rows.passthrough.items()}, samples)
+        return ShardResult(table, g.input_tokens, g.output_tokens, {
+            "padding_efficiency": g.padding_efficiency, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
+            "kv_bytes_peak": g.kv_bytes_peak,
+            # the most rows decoding at once: more than max_batch_size under segment_sparse and batch growth
+            "batch_size": max(engine.admitted_batch_size, g.peak_rows),
+            "batches": g.batches, "kv_bytes_arena": g.kv_bytes_arena, "kv_bytes_static_peak": g.kv_bytes_static_peak,
+            "cached_prompt_tokens": g.cached_prompt_tokens, "prefill_tokens_computed": g.prefill_tokens_computed,
+            "prefix_hit_rate": g.cached_prompt_tokens / g.input_tokens if g.input_tokens else 0.0,
+        })
