@@ -6,10 +6,12 @@ composes and re-exports them; nothing here reads Hydra or a file.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from flashx_batch.runtime.options import EngineOptions
+from flashx_batch.runtime.params import SamplingParams
 from flashx_batch.storage import StorageSettings
 
 BUNDLED_PREFIX = "bundled://"
@@ -48,19 +50,32 @@ class DataSection:
     target_delimiter: str = " "  # task: multiple_choice: put between the context and each choice (lm-eval's)
 
 
-@dataclass
-class SamplingSection:
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0  # job seed; each row's seed is derived from it and the row id
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # K: per generated token its logprob and the top-K alternatives; null / 0 = off
-    n: int = 1  # samples per row, each an output row with its sample_index
+# `sampling.*` = SamplingParams' fields (declared once, in runtime/params.py) except SAMPLING_ENGINE_ONLY, tuples
+# as lists (what a config file holds), plus the job-only `from_columns`.
+SAMPLING_ENGINE_ONLY = {"stop_token_ids"}  # token ids are the engine's: a job stops on strings
+
+
+def _sampling_fields() -> list[tuple[str, Any, Any]]:
+    hints = get_type_hints(SamplingParams)
+    out: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in SAMPLING_ENGINE_ONLY:
+            continue
+        kind = hints[f.name]
+        if typing.get_origin(kind) is tuple:  # stop: a list in a config file
+            out.append((f.name, list[typing.get_args(kind)[0]], field(default_factory=list)))
+        else:
+            out.append((f.name, kind, field(default=f.default)))
     # per-row values: sampling key -> input column (a null cell keeps the job-wide value); data/row_sampling.py
-    from_columns: dict[str, str] = field(default_factory=dict)
+    return out + [("from_columns", dict[str, str], field(default_factory=dict))]
+
+
+SamplingSection = dataclasses.make_dataclass(
+    "SamplingSection", _sampling_fields(),
+    namespace={"__module__": __name__, "__doc__": "The sampling.* group of a job: SamplingParams' fields (n: samples "
+               "per row, each an output row with its sample_index; seed: the job seed, each row's derived from it "
+               "and the row id; logprobs K: per generated token its logprob and the top-K alternatives) + "
+               "from_columns."})
 
 
 # sampling keys a column may set per row (sampling.from_columns), and the kind of value each takes; n and

@@ -71,10 +71,11 @@ def run_job(config: JobConfig | Sequence[str], data: Any = None, staging_dir: st
 def _check_columns(job: JobConfig, data: Any, names: list[str]) -> None:
     """The columns the job reads are in the table: a message that names the object passed (not the file it
     is staged as) and the setting that asked for each missing column."""
-    from flashx_batch.data.preflight import column_roles, missing_columns_message
+    from flashx_batch.data.preflight import missing_columns_message
     from flashx_batch.data.readers import MissingColumns
+    from flashx_batch.tasks import read_columns
 
-    roles = column_roles(job.data, job.task, job.extra_columns())
+    roles = read_columns(job)
     missing = [c for c in roles if c not in names]
     if missing:
         where = f"run_job(data=<{type(data).__module__}.{type(data).__name__}>)"

@@ -93,7 +93,9 @@ def plan_job(job: JobConfig) -> PlannedJob:
     if job.data.format == "openai_batch":  # the data keys point at the columns its requests read as
         files = resolve_inputs(resolve_data_path(job.data.path), "openai_batch")
         job = openai_batch.derive(job, openai_batch.endpoint_of([f.path for f in files]))
-    problem = reserved_column_problem([*job.data.passthrough_columns, *job.data.passthrough_if_present], job.task)
+    asked = list(job.data.passthrough_columns)
+    problem = reserved_column_problem(asked + [c for c in job.data.passthrough_if_present if c not in asked],
+                                      get_task(job.task).result_columns())
     if problem:
         raise ConfigError(problem)
     if job.data.tools:  # one list for every row: a bad one is a bad job, not a column of error rows

@@ -42,12 +42,11 @@ def score_column(scores: list[float | None]) -> dict[str, pa.Array]:
     return {"score": pa.array(scores, pa.float64())}
 
 
-def reserved_column_problem(passthrough: list[str], task: str | None = None) -> str | None:
+def reserved_column_problem(passthrough: list[str], result_columns: tuple[str, ...] = ()) -> str | None:
     """Why `data.passthrough_columns` cannot be written as given, or None: a name we write ourselves
-    (it would replace the real value in every row), or a name listed twice. `task`: the job's (its own
-    score columns are reserved; None: every task's)."""
-    scores = SCORE_COLUMNS.values() if task is None else [SCORE_COLUMNS.get(task, ())]
-    written = RESERVED_COLUMNS + tuple(c for cols in scores for c in cols)
+    (it would replace the real value in every row), or a name listed twice. `result_columns`: the job's
+    task's (`Task.result_columns`), reserved as well."""
+    written = RESERVED_COLUMNS + tuple(result_columns)
     clash = [c for c in passthrough if c in written]
     if clash:
         return (f"data.passthrough_columns lists {', '.join(map(repr, clash))}, a column name flashx-batch writes "
