@@ -1,5 +1,5 @@
 """The row values the bad-input suite feeds every per-row reader (`tests/integration/test_bad_row_values.py`,
-and `jobs/fuzz_row_values.py` on any checkout): numbers past every range, NaN and infinities as numbers
+and `jobs/measurements/fuzz_row_values.py` on any checkout): numbers past every range, NaN and infinities as numbers
 and as text, wrong JSON types, nesting, lone surrogates, long text. Imports nothing of the package, so
 it serves a checkout from before the readers it tests."""
 

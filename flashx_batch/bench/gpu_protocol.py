@@ -15,7 +15,7 @@ the README. Steps, each skipped with a note once the time budget is spent:
    once per step), and the graphs' token agreement with the eager steps.
 Writes DIR/gpu_protocol.json after each phase (a phase that fails is logged and recorded under
 "errors", and the others still run; exit status 1 then). Exits 2 at once, before building anything,
-when no GPU is visible. `jobs/gpu_check.sh` runs it after the GPU tests, for a lent GPU machine.
+when no GPU is visible. `jobs/operations/gpu_check.sh` runs it after the GPU tests, for a lent GPU machine.
 """
 
 from __future__ import annotations

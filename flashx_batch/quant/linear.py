@@ -26,7 +26,7 @@ speeds: docs/benchmarks.md, "Mixed-precision weights"):
                      where they are not (no VNNI: the prepacked grid is 63 steps; a oneDNN that scales
                      AMX products in another order: `formats.int_mm_matches_packed`, probed once), one
                      kernel serves every call. The kernels against float32 F.linear, per shape:
-                     `jobs/int8_kernel_shapes.py` (docs/benchmarks.md, "int8 kernel per layer
+                     `jobs/experiments/int8_kernel_shapes.py` (docs/benchmarks.md, "int8 kernel per layer
                      shape"). The activation rounding is a second error beyond the
                      weight's: measurements for such an engine run this kernel itself instead of
                      `simulated`, so the planner measures what will run.

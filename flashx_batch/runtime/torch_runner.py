@@ -69,7 +69,7 @@ class TorchRunner(ModelRunner):
     def __init__(self, model: DecoderModel, arena: KVArena, backend: Backend, policy: PrefillPolicy,
                  merge: MergeSettings, pad_id: int = 0, fuse_int8_decode: bool = True,
                  graphs: Callable[[ForwardPasses], Any] | None = None, packed_scoring: bool = False) -> None:
-        """`fuse_int8_decode` and `graphs`: see `ForwardPasses` (the A / B of `jobs/fused_int8_decode_ab.py`
+        """`fuse_int8_decode` and `graphs`: see `ForwardPasses` (the A / B of `jobs/experiments/fused_int8_decode_ab.py`
         builds one engine each way). `packed_scoring`: see `Scorer` (the engine passes its capabilities
         record's rows for all three)."""
         self.model, self.arena, self.backend, self.policy, self.merge = model, arena, backend, policy, merge

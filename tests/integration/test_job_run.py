@@ -117,7 +117,7 @@ def test_cli_preflight_and_config_errors_exit_2(inputs, tmp_path):
 
 
 def test_multirun_sweep_and_gather(inputs, tmp_path):
-    sys.path.insert(0, str(REPO / "jobs"))
+    sys.path.insert(0, str(REPO / "jobs" / "operations"))
     from eval_sweep import gather, write_leaderboard
 
     out = tmp_path / "sweep"
@@ -134,10 +134,10 @@ def test_multirun_sweep_and_gather(inputs, tmp_path):
 
 
 def test_eval_sweep_preset_gives_a_leaderboard_with_intervals(tmp_path):
-    """`python jobs/eval_sweep.py --out DIR` (the shipped grid: two dtypes x two context lengths) on a
+    """`python jobs/operations/eval_sweep.py --out DIR` (the shipped grid: two dtypes x two context lengths) on a
     slice of the bundled evaluation set: every point scored, best first, with its interval."""
     out = tmp_path / "eval"
-    proc = subprocess.run([sys.executable, str(REPO / "jobs" / "eval_sweep.py"), "--out", str(out),
+    proc = subprocess.run([sys.executable, str(REPO / "jobs" / "operations" / "eval_sweep.py"), "--out", str(out),
                            "--split-by", "seen_in_training", "data.limit=40", "executor.progress_interval_s=1000"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -158,7 +158,7 @@ def test_nightly_etl_dated_dir_and_exit_codes(inputs, tmp_path):
     import shutil
     import sys
 
-    sys.path.insert(0, str(REPO / "jobs"))
+    sys.path.insert(0, str(REPO / "jobs" / "operations"))
     from nightly_etl import main
 
     day = tmp_path / "in" / "2026-11-29"

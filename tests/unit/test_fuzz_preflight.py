@@ -10,7 +10,7 @@ The properties, for every example:
     (the first `data.limit` rows, files in path order), the shards and error shards together
     cover each row once, and `plan.ref_ids` maps each row back to its id.
 
-The strategies and `check_case` live here so that `jobs/fuzz_failure_kinds.py` (many examples,
+The strategies and `check_case` live here so that `jobs/measurements/fuzz_failure_kinds.py` (many examples,
 no stop at the first failure, one line per kind of failure) measures exactly what this test runs.
 """
 

@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_peak_host_memory_while_loading_stays_near_the_weight_bytes(tmp_path):
     """~310 MB of random bfloat16 weights in 3 shards, loaded in fresh processes by the job that
-    measures the ~1 GB figure (jobs/load_memory.py): the peak resident set over the baseline is at
+    measures the ~1 GB figure (jobs/measurements/load_memory.py): the peak resident set over the baseline is at
     most 1.3x the model's bytes, for a bfloat16 and a float32 target (before: ~2.3x and ~1.7x)."""
     out = tmp_path / "load_memory.json"
-    cmd = [sys.executable, str(ROOT / "jobs" / "load_memory.py"), "--layers=8", "--hidden=1024",
+    cmd = [sys.executable, str(ROOT / "jobs" / "measurements" / "load_memory.py"), "--layers=8", "--hidden=1024",
            "--intermediate=2816", "--shards=3", "--model-dir", str(tmp_path / "model"), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)

@@ -1,4 +1,4 @@
-"""The synthetic retrieval sequences of jobs/train_retrieval_model.py: the same seed gives the same
+"""The synthetic retrieval sequences of jobs/training/train_retrieval_model.py: the same seed gives the same
 sequences, and the loss mask covers exactly the retrieval targets (the repeated span; the queried
 values)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-JOB = Path(__file__).resolve().parents[2] / "jobs" / "train_retrieval_model.py"
+JOB = Path(__file__).resolve().parents[2] / "jobs" / "training" / "train_retrieval_model.py"
 
 
 @pytest.fixture(scope="module")
