@@ -115,4 +115,6 @@ def main() -> None:
             raise
         if exc.code in (130, 143):  # a sweep stopped by a signal says so, whatever its earlier points did
             sys.exit(exc.code)
+    if not _codes and any(a in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for a in sys.argv[1:]):
+        sys.exit(0)  # Hydra printed the config, info or help it was asked for: no job ran, none failed
     sys.exit(max(_codes, key=_severity) if _codes else 2)

@@ -1,7 +1,8 @@
 """Time one latent-attention decode step both ways, absorbed and expanded, on DeepSeek-V3's per-head
 shapes (rank 512 + 64 rotary, 128 + 128 per head), side by side in one process.
 
-    python jobs/experiments/mla_decode_forms.py [--heads 16] [--rows 8] [--context 1024] [--dtype float32] [--out F.json]
+    python jobs/experiments/mla_decode_forms.py [--heads 16] [--rows 8] [--context 1024] [--dtype float32] \
+        [--out F.json]
 
 Prints (and writes) the median seconds of each form and expanded ÷ absorbed: above 1, the absorbed form
 the runtime uses for decode steps is the faster one.

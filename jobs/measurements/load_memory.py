@@ -13,7 +13,7 @@ the first meta -> CPU tensor imports sympy) and the model's RoPE table: a consta
 
     PYTHONPATH=. python jobs/measurements/load_memory.py --out results/load_memory.json            # ~1.16 GB, 4 shards
     PYTHONPATH=. python jobs/measurements/load_memory.py --layers 8 --hidden 1024 --intermediate 2816 --out small.json
-    PYTHONPATH=. python jobs/measurements/load_memory.py --dtypes float32 --tensor-parallel 2,4 --out tp.json  # per rank
+    PYTHONPATH=. python jobs/measurements/load_memory.py --dtypes float32 --tensor-parallel 2,4 --out tp.json
 
 With `--tensor-parallel N,...` every rank r of a replica of N loads its own part (`load_model` with a
 `TensorShard(r, N)`, in its own process) and the figures are per rank: its weight bytes, their share

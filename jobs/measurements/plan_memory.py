@@ -81,7 +81,8 @@ def main() -> int:
     small, large = results[min(counts)], results[max(counts)]
     out = {"runs": results, "files": args.files,
            "ratio_peak_rss": large["peak_rss_mb"] / small["peak_rss_mb"],
-           "command": f"python jobs/measurements/plan_memory.py --rows {args.rows} --files {args.files} --out {args.out}"}
+           "command": (f"python jobs/measurements/plan_memory.py --rows {args.rows} --files {args.files} "
+                       f"--out {args.out}")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "plan_memory.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
