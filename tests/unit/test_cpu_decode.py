@@ -270,5 +270,5 @@ def test_decoding_through_the_kernel_gives_torch_attention_s_tokens(tiny_models,
     reached = calls["attend_paged"] if options.get("prefix_cache_tokens") else calls["attend"] + calls["attend_rows"]
     assert reached, f"the decode steps did not reach the kernel: {calls}"
     monkeypatch.setattr(cpu_decode, "usable", lambda keys, values: False)
-    monkeypatch.setattr(cpu_decode, "usable_paged", lambda keys, values: False)
+    monkeypatch.setattr(cpu_decode, "usable_paged", lambda keys, values, layout="pages": False)
     assert [r.token_ids for r in engine.generate(prompts, params)] == kernel
