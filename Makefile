@@ -4,10 +4,10 @@ VENV ?= .venv
 TORCH_CPU_WHEEL ?= torch==2.13.0
 CONF ?= legal_docs
 
-.PHONY: help setup run test bench lint doctor clean
+.PHONY: help setup run test test-fast bench lint doctor clean
 
 help:  ## show this help
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
 
 setup:  ## create .venv; CPU build of torch unless an accelerator build is present, then the package + dev extras
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,8 +21,11 @@ setup:  ## create .venv; CPU build of torch unless an accelerator build is prese
 run:  ## run the embedded default job (bundled sample + bundled tiny model); CONF=name for another preset
 	$(PY) -m flashx_batch conf=$(CONF)
 
-test:  ## run the test suite (CPU; GPU tests skip without a GPU)
-	$(PY) -m pytest -q -x --durations=10
+test:  ## the whole suite on two workers (CPU; GPU tests skip without a GPU; Ray / S3 / timing tests on one of them)
+	$(PY) -m pytest -q -x -n 2 --dist loadgroup --durations=10
+
+test-fast:  ## the edit loop (< 3 min): the suite without the slow tier (tests/conftest.py: SLOW_MODULES)
+	$(PY) -m pytest -q -x -n 2 --dist loadgroup -m "not slow"
 
 bench:  ## run the benchmarks, writing results/ (ratios measured side by side in one process)
 	$(PY) -m flashx_batch.bench --out results/bench

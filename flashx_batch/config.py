@@ -116,7 +116,7 @@ def validate(job: JobConfig) -> None:
             raise ConfigError(message + ".")
     _validate_chat_settings(job.data)
     _validate_task(job)
-    _validate_eval(job)
+    validate_eval(job)
     job.engine_options()  # EngineOptions checks the runtime.* values
     from flashx_batch.runtime.sampling import SamplingParams  # deferred: keeps torch off the schema import
 
@@ -169,7 +169,7 @@ def _validate_task(job: JobConfig) -> None:
     get_task(job.task).validate(job)
 
 
-def _validate_eval(job: JobConfig) -> None:
+def validate_eval(job: JobConfig) -> None:
     """`eval.*`: a metric that fits the task, the columns and pattern it needs."""
     from flashx_batch.evaluation.metrics import check_metric
 
@@ -274,6 +274,7 @@ def unknown_key_message(key: str) -> str | None:
         close = [f"{section}.{m}" if section else m for m in difflib.get_close_matches(last, siblings, n=3)]
     hint = f"; did you mean {' or '.join(close)}?" if close else \
         "; `python -m flashx_batch --cfg job` lists every setting."
+    # (both hints end the sentence: callers add nothing after them)
     return f"{key} is not a setting{hint}"
 
 
@@ -307,11 +308,12 @@ def check_override_keys(args: list[str]) -> None:
     keys (`hydra.*`), the preset group (`conf=`), and `+` / `~` forms are left to Hydra."""
     for arg in args:
         key, eq, _ = arg.partition("=")
-        if not eq or arg.startswith(("-", "+", "~")) or key == "conf" or key.startswith("hydra."):
+        if not eq or arg.startswith(("-", "+", "~")) or key == "conf" or key.startswith("hydra") or "/" in key \
+                or "@" in key:  # Hydra's own settings and config groups (`hydra/job_logging=...`)
             continue
         why = unknown_key_message(key)
         if why:
-            raise ConfigError(why + ".")
+            raise ConfigError(why)
 
 
 def register_configs() -> None:

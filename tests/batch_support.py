@@ -36,7 +36,7 @@ def local_ray(num_cpus: int):
     import ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield
     finally:
@@ -80,7 +80,7 @@ def write_parquet(path: Path, rows: list[dict[str, Any]], schema: pa.Schema | No
 def overrides(model_dir: Path, data_path: Path | str, out_dir: Path | None, *extra: str) -> list[str]:
     """Hydra overrides: the smoke preset pointed at a test model, input and output."""
     base = ["conf=smoke", f"model.path={model_dir}", f"data.path={data_path}", "data.limit=null",
-            "data.passthrough_columns=[]", "executor.progress_interval_s=1000"]
+            "data.passthrough_columns=[]", "data.passthrough_if_present=[]", "executor.progress_interval_s=1000"]
     if out_dir is not None:
         base.append(f"output.dir={out_dir}")
     return base + list(extra)

@@ -27,6 +27,36 @@ def tiny_models(tmp_path_factory):
     return {arch: (root / arch, build(arch, root / arch)) for arch in ARCHS}
 
 
+# Modules that start Ray clusters, an S3 server or kill processes on a timer: under `make test` (two pytest
+# workers) they all run on one worker, one at a time, while the other worker takes the rest of the suite, so no
+# two Ray clusters or S3 servers ever share the machine and the timing-sensitive ones keep a core to themselves.
+SERIAL_MODULES = {
+    "test_no_silent_wrong_answers", "test_faults_ray", "test_job_glm5", "test_metrics_ray", "test_run_job",
+    "test_cluster_nodes", "test_ray_executor", "test_tensor_parallel_job", "test_object_store_job", "test_crash_resume",
+    "test_ray_actor_options", "test_object_layout", "test_openai_batch", "test_first_hour", "test_job_run",
+}
+
+
+# The slow tier (`make test-fast` leaves it out): whole jobs (tests/integration) and the unit modules whose
+# tests take tens of seconds each (parity across model families, spawned tensor-parallel ranks, ONNX export,
+# benchmark harness runs, property fuzzes, a real checkpoint's load memory).
+SLOW_MODULES = {
+    "test_mla", "test_tensor_parallel", "test_moe", "test_onnx", "test_runtime_parity", "test_loglikelihood",
+    "test_bench_gate", "test_bench_moe", "test_bench_eval", "test_fuzz_preflight", "test_yarn", "test_load_memory",
+    "test_doctor", "test_commit_protocol_state_machine", "test_kv_merge", "test_prefix_reuse", "test_int8_decode",
+    "test_quality_ablations", "test_kv_sparse_bench", "test_attention_backends", "test_sliding_window",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.module.__name__.rpartition(".")[2]
+        if name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.xdist_group("serial"))
+        if name in SLOW_MODULES or "/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.slow)
+
+
 _exit_status: list[int] = []
 
 
@@ -41,7 +71,7 @@ def pytest_unconfigure(config):
     pools this process has run (torch's OpenMP, numba's OpenMP for the CPU kernels, Ray's client) are
     torn down in no fixed order; the job processes exit through their own paths. Flushing and leaving
     here keeps a crash after the last test from turning a passed run into a failed one."""
-    if _exit_status:
+    if _exit_status and not hasattr(config, "workerinput"):  # the controller, not a pytest-xdist worker
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status[-1])

@@ -111,7 +111,9 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
                              "narrow data.path.")
     roles = roles if roles is not None else column_roles(data, prompt_roles(data))
     text_col = text_col or next(iter(prompt_roles(data)))
-    optional = [c for c in dict.fromkeys(data.passthrough_if_present) if c not in roles]
+    # copied as well when the job reads it for another role (a reference or answer column, say)
+    optional = [c for c in dict.fromkeys(data.passthrough_if_present)
+                if c not in data.passthrough_columns and c != data.id_column]
     while True:  # an optional column some file lacks is dropped, and the files are checked again without it
         try:
             return _load(data, resolved_path, files, roles, optional, text_col)
@@ -126,7 +128,7 @@ def load_inputs(data: DataSection, resolved_path: str, refuse_under: Path | None
 
 def _load(data: DataSection, resolved_path: str, files: list[InputFile], roles: Mapping[str, str],
           optional: list[str], text_col: str) -> LoadedInput:
-    cols = [*roles, *optional]  # a missing column: InputError, before the output is touched
+    cols = list(dict.fromkeys([*roles, *optional]))  # a missing column: InputError, before the output is touched
     carried = [*data.passthrough_columns, *optional]
     # the checks read values of the id and passthrough columns only; every column's type comes along
     valued = [data.id_column, *carried]

@@ -53,7 +53,7 @@ def _run_all(job: JobConfig, ctx: WorkerContext, workers: list[ShardWorker], ret
         work = retries.queue.popleft()
         summary = worker.run_shard(work.spec, work.attempt)
         if "failure" not in summary:
-            retries.succeeded(work, summary)
+            retries.succeeded(work, summary, summary.get("wall_s"))
             continue
         failure = WorkerFailure.from_dict(summary["failure"])  # retried, then reported, never swallowed
         if retries.failed(work, failure).abort:

@@ -29,7 +29,7 @@ from typing import Any, TextIO
 
 from flashx_batch import storage
 from flashx_batch.backends import resolved_run
-from flashx_batch.config import JobConfig, resolve_data_path, resolve_model_dir, validate
+from flashx_batch.config import JobConfig, resolve_data_path, resolve_model_dir, validate, validate_eval
 from flashx_batch.data import openai_batch
 from flashx_batch.data.plan import Plan, format_plan
 from flashx_batch.data.preflight import load_inputs
@@ -132,9 +132,11 @@ def plan_job(job: JobConfig) -> PlannedJob:
     # the passthrough columns as found, and the task's natural metric where eval.metric is unset (a
     # multiple-choice job with answers reports its accuracy): the workers and the fingerprint read these
     job = replace(job, data=replace(job.data, passthrough_columns=loaded.passthrough))
-    if job.eval.metric is None and task.natural_metric(job):
-        job = replace(job, eval=replace(job.eval, metric=task.natural_metric(job)))
-    return PlannedJob(job, model_dir, loaded, task.plan(job, loaded, tokenizer))
+    natural = task.natural_metric(job) if job.eval.metric is None else None
+    if natural:
+        job = replace(job, eval=replace(job.eval, metric=natural))
+        validate_eval(job)
+    return PlannedJob(job, model_dir, loaded, task.plan(job, loaded, tokenizer), metric_from_task=bool(natural))
 
 
 def preflight_model(job: JobConfig, model_dir: Path) -> None:
@@ -190,6 +192,11 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
             resolved_as = resolved_run(job.runtime.backend, job.model.dtype)
         output.lock()
         previous, committed = _open_previous(output)
+        if planned.metric_from_task and previous is not None and \
+                "eval.metric" not in previous.get("fingerprint", {}):  # a job started before tasks had a default
+            planned = replace(planned, job=replace(job, eval=replace(job.eval, metric=None)), metric_from_task=False)
+            job = planned.job
+            log.info("%s: resumed without the task's default metric, as the job was started", output.root)
         model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
         fp = fingerprint.compute(job, plan, model_stats, resolved_as)
         differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []

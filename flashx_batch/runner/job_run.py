@@ -52,6 +52,7 @@ class PlannedJob:
     model_dir: Path
     loaded: LoadedInput
     plan: Plan
+    metric_from_task: bool = False  # `job.eval.metric` is the task's default, not the user's setting
 
 
 @dataclass

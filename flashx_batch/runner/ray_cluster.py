@@ -75,7 +75,8 @@ def _init_ray(ray: Any, address: str | None) -> None:
         paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         if pkg_parent not in paths:
             os.environ["PYTHONPATH"] = os.pathsep.join([pkg_parent, *paths])
-        ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=True,
+        # "local": always a Ray of this job's own, never a cluster another process on this machine started
+        ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=True,
                  configure_logging=False)
     else:
         ray.init(address=address, log_to_driver=True, configure_logging=False)

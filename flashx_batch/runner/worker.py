@@ -141,6 +141,8 @@ class ShardWorker:
         _check_reserved_accelerator(self.engine, self.job.runtime.backend, self.name)
         _check_resolved(self.engine, self.ctx.resolved, self.name)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)  # not replaced while it loaded
+        if get_task(self.job.task).generates and self.job.runtime.tensor_parallel_size == 1:
+            self.engine.warm_up()  # kernels compile at load (outside the shard watchdog), only the ones it runs
         if self.engine.tokenizer is None:
             raise RuntimeError(f"{self.ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")
 

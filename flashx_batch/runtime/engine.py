@@ -242,6 +242,12 @@ class Engine:
                               r.state.finish_reason or "length", len(r.prompt), r.truncated, s,
                               r.state.logprobs, r.state.top_logprobs) for r, (i, s) in zip(rows, owners)]
 
+    def warm_up(self) -> None:
+        """One tiny greedy generation through this engine's paths, so that the kernels its steps use compile
+        (or load from their disk cache) now, at load, and not inside a job's first shard and its watchdog."""
+        ids = list(range(1, min(9, self.config.vocab_size)))
+        self.generate([ids], SamplingParams(max_new_tokens=min(2, self.run_options.max_output_len), ignore_eos=True))
+
     def _run(self, rows: list[Row], stats: GenerateStats) -> None:
         """The loop: the scheduler plans a step, the runner runs it, the scheduler takes the tokens.
         Prefills (with the KV copies before them) count as prefill time, the rest as decode time."""

@@ -50,7 +50,7 @@ def test_counters_move_during_the_run_and_end_at_the_accounting(tmp_path):
     out = tmp_path / "out"
     port = _free_port()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 200})
     seen: list[dict[str, float]] = []
     done = threading.Event()

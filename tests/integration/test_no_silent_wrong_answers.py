@@ -465,7 +465,7 @@ def test_npu_backend_under_ray_is_probed_before_output_dir_is_touched(model, dat
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                 os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=1, resources={"NPU": 1}, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, resources={"NPU": 1}, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
         out = tmp_path / "out"

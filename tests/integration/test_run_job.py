@@ -56,7 +56,7 @@ def test_what_run_job_refuses(tmp_path, caplog):
 
 def test_a_ray_dataset_gives_the_parquet_generations(from_parquet, tmp_path):
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         import ray.data
 
