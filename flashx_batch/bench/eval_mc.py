@@ -79,7 +79,8 @@ def first_argmax(values: list[float]) -> int:
 # ---- the two sides ------------------------------------------------------------------------------
 def job_overrides(out_dir: Path, n: int, threads: int, data: Path = EVAL_SET) -> list[str]:
     return ["conf=smoke", "task=multiple_choice", f"data.path={data}", f"data.limit={n}",
-            "data.passthrough_columns=[]", "data.passthrough_if_present=[]", f"output.dir={out_dir}", "output.report=false",
+            "data.passthrough_columns=[]", "data.passthrough_if_present=[]",
+            f"output.dir={out_dir}", "output.report=false",
             f"runtime.max_input_len={MAX_LENGTH}", f"runtime.num_threads={threads}", "runtime.shard_size=256",
             "executor.kind=local", "executor.progress_interval_s=1000"]
 

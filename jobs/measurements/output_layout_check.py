@@ -67,7 +67,8 @@ def main() -> int:
     args = p.parse_args()
     data = write_rows(args.out / "in", args.rows)
     output_dir = args.output_dir or str(args.out / "job")
-    job = ["conf=smoke", f"data.path={data}", "data.limit=null", "data.passthrough_columns=[]", "data.passthrough_if_present=[]",
+    job = ["conf=smoke", f"data.path={data}", "data.limit=null", "data.passthrough_columns=[]",
+           "data.passthrough_if_present=[]",
            f"output.dir={output_dir}", "runtime.shard_size=16", "runtime.max_batch_size=16",
            "sampling.max_new_tokens=1", "executor.progress_interval_s=1000"]
     code, first_s, log = run_cli(job)

@@ -56,7 +56,8 @@ def write_input(root: Path, rows: int, files: int) -> Path:
 
 
 def measure(data: Path) -> dict:
-    overrides = ["conf=smoke", f"data.path={data}", "data.limit=null", "data.passthrough_columns=[]", "data.passthrough_if_present=[]",
+    overrides = ["conf=smoke", f"data.path={data}", "data.limit=null", "data.passthrough_columns=[]",
+                 "data.passthrough_if_present=[]",
                  "runtime.shard_size=16", f"output.dir={data.parent / 'unused-out'}"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(overrides)], capture_output=True, text=True,

@@ -165,7 +165,8 @@ def test_nightly_etl_dated_dir_and_exit_codes(inputs, tmp_path):
     day.mkdir(parents=True)
     shutil.copy(inputs["data"], day / "docs.parquet")
     args = ["--input-root", str(tmp_path / "in"), "--output-root", str(tmp_path / "out"), "--date", "2026-11-29",
-            "--preset", "smoke", f"model.path={inputs['model']}", "data.limit=4", "data.passthrough_columns=[]", "data.passthrough_if_present=[]"]
+            "--preset", "smoke", f"model.path={inputs['model']}", "data.limit=4", "data.passthrough_columns=[]",
+            "data.passthrough_if_present=[]"]
     assert main(args) == 0
     assert (tmp_path / "out" / "2026-11-29" / "_SUCCESS").is_file()
     assert main([*args[:5], "2026-11-30", *args[6:]]) == 2  # no input folder for that day: bad job

@@ -86,7 +86,8 @@ def tokenizer():
 def _plan(tmp_path, lines: list[str], tokenizer, *overrides):
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b"\n".join(line.encode("utf-8", "surrogateescape") for line in lines) + b"\n")
-    job = compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]", "data.passthrough_if_present=[]",
+    job = compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]",
+                       "data.passthrough_if_present=[]",
                        f"model.path={tiny_model_dir()}", *overrides])
     loaded = load_inputs(job.data, str(path))
     return plan_prompts(job, loaded, tokenizer)

@@ -167,7 +167,8 @@ def _job(path, out, *extra):
 
     from flashx_batch.config import compose_job
 
-    return compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]", "data.passthrough_if_present=[]",
+    return compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]",
+                        "data.passthrough_if_present=[]",
                         f"model.path={tiny_model_dir()}", f"output.dir={out}", *extra])
 
 

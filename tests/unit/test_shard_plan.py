@@ -12,7 +12,8 @@ from flashx_batch.runtime.tokenizer import Tokenizer
 
 
 def _plan(path, *overrides):
-    job = compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]", "data.passthrough_if_present=[]",
+    job = compose_job(["conf=smoke", f"data.path={path}", "data.limit=null", "data.passthrough_columns=[]",
+                       "data.passthrough_if_present=[]",
                        f"model.path={tiny_model_dir()}", *overrides])
     return plan_prompts(job, load_inputs(job.data, str(path)), Tokenizer(tiny_model_dir()))
 
