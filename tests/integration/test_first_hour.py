@@ -16,7 +16,7 @@ import pytest
 from batch_support import cli, write_parquet
 
 from flashx_batch import run_job
-from flashx_batch.config import compose_job, quote_overrides
+from flashx_batch.config import compose_job
 from flashx_batch.errors import ConfigError
 from flashx_batch.runner.job import plan_job, run
 from flashx_batch.runtime.options import bundled_model_dir
@@ -99,6 +99,8 @@ def test_an_output_dir_that_is_a_file_is_refused_in_preflight(tmp_path):
 
 
 def test_values_with_equals_signs_are_quoted_as_typed():
+    from flashx_batch.config import quote_overrides
+
     assert quote_overrides(["data.path=s3://lake/in/day=1/", "output.dir=/d/out/dt=2026-11-29"]) == \
         ["data.path='s3://lake/in/day=1/'", "output.dir='/d/out/dt=2026-11-29'"]
     kept = ["runtime.max_batch_size=2,4", "data.path=/x/*.parquet", "executor.faults=['a:b=c']", "conf=smoke",
