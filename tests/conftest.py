@@ -2,7 +2,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
+# OpenMP threads that wait by sleeping, not spinning, set before anything loads libgomp (and inherited by
+# subprocesses, rank processes and Ray workers): with two pytest workers, or a test's engine beside its
+# reference model, spinning threads take the cores the other process needs (3-4x slower on 2 cores).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/model_factory.py
 
