@@ -32,14 +32,11 @@ def tiny_models(tmp_path_factory):
     return {arch: (root / arch, build(arch, root / arch)) for arch in ARCHS}
 
 
-# Modules that start Ray clusters, an S3 server or kill processes on a timer: under `make test` (two pytest
-# workers) they all run on one worker, one at a time, while the other worker takes the rest of the suite, so no
-# two Ray clusters or S3 servers ever share the machine and the timing-sensitive ones keep a core to themselves.
-SERIAL_MODULES = {
-    "test_no_silent_wrong_answers", "test_faults_ray", "test_job_glm5", "test_metrics_ray", "test_run_job",
-    "test_cluster_nodes", "test_ray_executor", "test_tensor_parallel_job", "test_object_store_job", "test_crash_resume",
-    "test_ray_actor_options", "test_object_layout", "test_openai_batch", "test_first_hour", "test_job_run",
-}
+# Whole jobs (tests/integration: Ray clusters, an S3 server, processes killed on a timer) and the unit modules
+# that start Ray or an S3 server: under `make test` (two pytest workers) they all run on one worker, one at a
+# time, while the other worker takes the rest of the unit tests, so no two Ray clusters or S3 servers ever
+# share the machine and the timing-sensitive tests never meet a second job of their own kind.
+SERIAL_MODULES = {"test_ray_actor_options", "test_object_layout"}
 
 
 # The slow tier (`make test-fast` leaves it out): whole jobs (tests/integration) and the unit modules whose
@@ -56,9 +53,10 @@ SLOW_MODULES = {
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.module.__name__.rpartition(".")[2]
-        if name in SERIAL_MODULES:
+        whole_job = "/integration/" in str(item.fspath)
+        if name in SERIAL_MODULES or whole_job:
             item.add_marker(pytest.mark.xdist_group("serial"))
-        if name in SLOW_MODULES or "/integration/" in str(item.fspath):
+        if name in SLOW_MODULES or whole_job:
             item.add_marker(pytest.mark.slow)
 
 
