@@ -50,6 +50,7 @@ SLOW_MODULES = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.module.__name__.rpartition(".")[2]

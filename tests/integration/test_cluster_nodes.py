@@ -90,8 +90,9 @@ def test_a_node_added_mid_job_gets_an_actor_and_work(cluster, data, tmp_path):
 
     dispatched: list[str] = []
     out = tmp_path / "out"
-    # the first nodes take a second more per shard: work is left when the new node's actor has loaded its engine
-    slow = faults_override([f"delay:node={w.node_id}:seconds=1" for w in workers])
+    # the first nodes take two seconds more per shard: work is left when the new node's actor has loaded (and
+    # warmed) its engine
+    slow = faults_override([f"delay:node={w.node_id}:seconds=2" for w in workers])
     assert run(_job(data, out, slow), on_dispatch=add_after_first_shards) == 0
     nodes = _nodes_record(out)
     new = added[0].node_id
