@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -242,7 +243,8 @@ def to_job_config(cfg: DictConfig | dict[str, Any]) -> JobConfig:
     return job
 
 
-def schema_keys() -> tuple[set[str], set[str]]:
+@functools.cache
+def schema_keys() -> tuple[frozenset[str], frozenset[str]]:
     """(every dotted key of the schema, the dict-valued ones: any key below those is the user's own)."""
     keys, open_ = set(), set()
 
@@ -257,7 +259,7 @@ def schema_keys() -> tuple[set[str], set[str]]:
                 open_.add(key)
 
     walk(JobConfig, "")
-    return keys, open_
+    return frozenset(keys), frozenset(open_)
 
 
 def unknown_key_message(key: str) -> str | None:
@@ -274,7 +276,6 @@ def unknown_key_message(key: str) -> str | None:
         close = [f"{section}.{m}" if section else m for m in difflib.get_close_matches(last, siblings, n=3)]
     hint = f"; did you mean {' or '.join(close)}?" if close else \
         "; `python -m flashx_batch --cfg job` lists every setting."
-    # (both hints end the sentence: callers add nothing after them)
     return f"{key} is not a setting{hint}"
 
 

@@ -8,7 +8,7 @@ confined to one row are *not* found here — they become error rows in `plan.py`
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,21 +63,19 @@ def prompt_roles(data: DataSection) -> dict[str, str]:
     return roles
 
 
-def column_roles(data: DataSection, own: Mapping[str, str], extra: Mapping[str, str] | Iterable[str] = ()
-                 ) -> dict[str, str]:
+def column_roles(data: DataSection, own: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The columns a job reads, each with the setting that names it: the id, the task's `own` columns, the
     passthrough columns, then `extra` (per-row sampling columns, eval references).
     `data.passthrough_if_present` is not here: `load_inputs` keeps those the input has."""
     roles = {data.id_column: "data.id_column"}
     for c, key in [*own.items(), *((c, "data.passthrough_columns") for c in data.passthrough_columns)]:
         roles.setdefault(c, key)
-    extra_roles = extra if isinstance(extra, Mapping) else {c: "the job" for c in extra}
-    for c, key in extra_roles.items():
+    for c, key in (extra or {}).items():
         roles.setdefault(c, key)
     return roles
 
 
-def missing_columns_message(exc: MissingColumns, roles: Mapping[str, str], where: str | None = None) -> str:
+def missing_columns_message(exc: MissingColumns, roles: Mapping[str, str]) -> str:
     """`exc`'s message with the setting that asked for each missing column and how to change it."""
     def fix(column: str) -> str:
         key = roles.get(column, "the job")
@@ -89,7 +87,7 @@ def missing_columns_message(exc: MissingColumns, roles: Mapping[str, str], where
             return f"{column!r} (named by {key}: add the column, or point {key}=<your column> at it)"
         return f"{column!r} (named by {key})"
 
-    return (f"{where or exc.path}: missing column(s) {', '.join(fix(c) for c in exc.missing)}; it has "
+    return (f"{exc.path}: missing column(s) {', '.join(fix(c) for c in exc.missing)}; it has "
             f"{', '.join(exc.present) or 'none'}.")
 
 

@@ -371,9 +371,9 @@ def read_rows(file: InputFile, columns: list[str], rows: list[int]) -> tuple[Fra
 class MissingColumns(InputError):
     """A file lacks columns the job reads. `data.preflight` adds which setting named each one."""
 
-    def __init__(self, path: str, missing: list[str], present: list[str], why: str = "") -> None:
+    def __init__(self, path: str, missing: list[str], present: list[str]) -> None:
         self.path, self.missing, self.present = path, list(missing), list(present)
-        super().__init__(f"{path}: missing column(s) {', '.join(missing)}{why}; it has "
+        super().__init__(f"{path}: missing column(s) {', '.join(missing)}; it has "
                          f"{', '.join(present) or 'none'}.")
 
 

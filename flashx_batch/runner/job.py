@@ -87,6 +87,7 @@ def run(job: JobConfig, *, out: TextIO | None = None,
 def plan_job(job: JobConfig) -> PlannedJob:
     """Validate the config, check the model and the input, and build the shard plan (writes nothing)."""
     validate(job)
+    task = get_task(job.task)
     storage.configure(job.storage.settings())
     faults.load(job.executor.faults, quiet=True)  # a malformed fault spec: a bad job (exit 2) before anything runs
     check_output_location(job.output.dir)
@@ -95,7 +96,7 @@ def plan_job(job: JobConfig) -> PlannedJob:
         job = openai_batch.derive(job, openai_batch.endpoint_of([f.path for f in files]))
     asked = list(job.data.passthrough_columns)
     problem = reserved_column_problem(asked + [c for c in job.data.passthrough_if_present if c not in asked],
-                                      get_task(job.task).result_columns())
+                                      task.result_columns())
     if problem:
         raise ConfigError(problem)
     if job.data.tools:  # one list for every row: a bad one is a bad job, not a column of error rows
@@ -126,7 +127,6 @@ def plan_job(job: JobConfig) -> PlannedJob:
     if _reads_outputs_of(data_path, out):
         raise ConfigError(f"output.dir={job.output.dir} is inside data.path={job.data.path}: every rerun would read "
                           "the job's own outputs as input. Put output.dir outside the input.")
-    task = get_task(job.task)
     loaded = load_inputs(job.data, data_path, refuse_under=out if isinstance(out, Path) else None,
                          roles=read_columns(job), text_col=task.text_column(job.data))
     # the passthrough columns as found, and the task's natural metric where eval.metric is unset (a

@@ -34,7 +34,7 @@ from flashx_batch.runner.progress import Progress
 from flashx_batch.runner.signals import Interrupted, StopFlag
 from flashx_batch.runner.verify import verify_output
 from flashx_batch.runner.worker import WorkerContext
-from flashx_batch.tasks import get_task
+from flashx_batch.tasks import Task, get_task
 from flashx_batch.tasks.tables import errors_table
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ class PlannedJob:
     loaded: LoadedInput
     plan: Plan
     metric_from_task: bool = False  # `job.eval.metric` is the task's default, not the user's setting
+
+    @property
+    def task(self) -> Task:
+        return get_task(self.job.task)
 
 
 @dataclass
@@ -131,7 +135,7 @@ class JobRun:
                  sum(not pieces.uncovered(s, committed) for s in plan.shards), len(plan.shards), len(pending))
         progress = Progress(plan.num_valid, plan.num_valid - sum(p.num_rows for p in pending),
                             job.executor.progress_interval_s, metrics=metrics,
-                            tokens=get_task(job.task).generates)
+                            tokens=self.planned.task.generates)
         result = self._dispatch(pending, progress)
         progress.close()
         committed = output.committed()
@@ -180,7 +184,7 @@ class JobRun:
             from flashx_batch.report import write_report
 
             with output.report_dir() as where:
-                write_report(where, totals, plan, stats, write_atomic, evaluation, get_task(job.task),
+                write_report(where, totals, plan, stats, write_atomic, evaluation, self.planned.task,
                              error_examples(output, verified, set(totals.get("error_counts") or {})))
         if stop.requested:
             self.finish("interrupted", exit_code=stop.exit_code)
@@ -192,7 +196,7 @@ class JobRun:
                     nodes=result.nodes)
         output.finish(totals, verified, {"errors": errors_table([], plan.id_kind, [], [], [])})
         log.info("done: %d %s, %d error rows, %d output tokens -> %s", totals["generated_rows"],
-                 get_task(job.task).verb, totals["error_rows"], totals["output_tokens"], output.root)
+                 self.planned.task.verb, totals["error_rows"], totals["output_tokens"], output.root)
         return EXIT_OK
 
     def _dispatch(self, pending: list, progress: Progress) -> ExecResult:

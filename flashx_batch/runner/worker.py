@@ -104,6 +104,7 @@ class ShardWorker:
         replica (`runner.replicas`); the engine loads later, in `join_replica`, once the ranks know where
         to meet."""
         self.job, self.ctx, self.name = job, ctx, name
+        self.task = get_task(job.task)
         if defer_errors:  # a Ray actor: its log lines (engine ready, kernels compiled) reach the driver's log
             _actor_logging(job.log_level)
         storage.configure(job.storage.settings())  # input and output URIs open with the job's storage.* keys
@@ -116,8 +117,6 @@ class ShardWorker:
         self.faults = ctx.faults
         self.dead: str | None = None  # set by a fatal engine error: this engine never runs again
         self._frames: OrderedDict[int, Frame] = OrderedDict()  # whole files (JSONL, CSV, Arrow), the last two
-        self._last_rows: tuple[str, list] | None = None
-        self.task = get_task(job.task)
         self._columns = list(read_columns(job))
         self.metric_pattern = check_metric(job.eval.metric, job.eval.regex) if job.eval.metric else None
         self._text_column = self.task.text_column(job.data)
@@ -141,7 +140,7 @@ class ShardWorker:
         _check_reserved_accelerator(self.engine, self.job.runtime.backend, self.name)
         _check_resolved(self.engine, self.ctx.resolved, self.name)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)  # not replaced while it loaded
-        if get_task(self.job.task).generates and self.job.runtime.tensor_parallel_size == 1:
+        if self.task.generates and self.job.runtime.tensor_parallel_size == 1:
             self.engine.warm_up()  # kernels compile at load (outside the shard watchdog), only the ones it runs
         if self.engine.tokenizer is None:
             raise RuntimeError(f"{self.ctx.model_dir}: no tokenizer.json; text prompts cannot be tokenized")
@@ -283,10 +282,7 @@ class ShardWorker:
     def shard_rows(self, spec: ShardSpec) -> list[tuple[int, int, Frame, int]]:
         """(file index, row index, frame, the row's position in the frame) for each row of the shard,
         in order. Parquet rows are read by row group (`read_rows`: a 16-row shard reads one group, not
-        the file); other formats from the whole file, parsed once and cached. The shard's rows are
-        kept until the next shard (its references are read after its prompts)."""
-        if self._last_rows is not None and self._last_rows[0] == spec.shard_id:
-            return self._last_rows[1]
+        the file); other formats from the whole file, parsed once and cached."""
         by_file: dict[int, list[int]] = {}
         for fi, ri in spec.refs:
             by_file.setdefault(fi, []).append(ri)
@@ -298,7 +294,6 @@ class ShardWorker:
         for fi, ri in spec.refs:
             fr, position = frames[fi]
             out.append((fi, ri, fr, ri if position is None else position[ri]))
-        self._last_rows = (spec.shard_id, out)
         return out
 
     def _frame(self, fi: int) -> Frame:

@@ -2,6 +2,6 @@
 per task family, and the output tables they write (`tasks.tables`)."""
 
 from flashx_batch.tasks import generate, scoring  # noqa: F401 - registers the tasks
-from flashx_batch.tasks.base import ShardResult, ShardRows, Task, get_task, read_columns, register, task_names
+from flashx_batch.tasks.base import ShardResult, ShardRows, Task, get_task, read_columns, register
 
-__all__ = ["ShardResult", "ShardRows", "Task", "get_task", "read_columns", "register", "task_names"]
+__all__ = ["ShardResult", "ShardRows", "Task", "get_task", "read_columns", "register"]

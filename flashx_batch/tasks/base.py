@@ -109,10 +109,6 @@ def register(cls: type[Task]) -> type[Task]:
     return cls
 
 
-def task_names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
 def get_task(name: str) -> Task:
     """The task named `name` (ConfigError listing the known ones otherwise)."""
     try:

@@ -49,6 +49,8 @@ class Generate(Task):
         text_col = self.text_column(data)
         ids, texts, params = [], [], []
         extra: dict[str, list[Any]] = {c: [] for c in data.passthrough_columns}
+        # each output is scored against its row's reference (`eval.metric`; a null reference: unscored)
+        references: list[Any] | None = [] if job.eval.metric else None
         for fi, ri, fr, k in source.shard_rows(spec):
             value = fr.columns[text_col][k]
             text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
@@ -64,10 +66,8 @@ class Generate(Task):
             params.append(p)
             for c in extra:
                 extra[c].append(fr.columns[c][k])
-        references = None
-        if job.eval.metric:  # each output is scored against its row's reference (null reference: unscored)
-            column = job.eval.reference_column
-            references = [fr.columns[column][k] for _, _, fr, k in source.shard_rows(spec)]
+            if references is not None:
+                references.append(fr.columns[job.eval.reference_column][k])
         return ShardRows(ids, (texts, params, references), passthrough_arrays(extra, source.passthrough_types))
 
     def compute(self, source: ShardSource, rows: ShardRows, spec: ShardSpec) -> ShardResult:
