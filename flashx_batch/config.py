@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 # re-exported: the schema's public names (callers import them from here)
 from flashx_batch.config_schema import (  # noqa: F401
     BUNDLED_PREFIX,
+    CONSTRAINT_KEYS,
     ENGINE_ONLY,
     JOB_ONLY_RUNTIME,
     SAMPLING_COLUMN_KEYS,
@@ -124,7 +125,8 @@ def validate(job: JobConfig) -> None:
     s = job.sampling
     SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                    seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-                   n=1 if "temperature" in s.from_columns else s.n)  # per-row temperatures: checked per row
+                   n=1 if "temperature" in s.from_columns else s.n,  # per-row temperatures: checked per row
+                   **{key: getattr(s, key) for key in CONSTRAINT_KEYS})  # compiled against the model: plan_job
     if s.n < 1:
         raise ConfigError(f"sampling.n must be >= 1, got {s.n}.")
     _validate_from_columns(s)

@@ -53,6 +53,9 @@ class DataSection:
 # `sampling.*` = SamplingParams' fields (declared once, in runtime/params.py) except SAMPLING_ENGINE_ONLY, tuples
 # as lists (what a config file holds), plus the job-only `from_columns`.
 SAMPLING_ENGINE_ONLY = {"stop_token_ids"}  # token ids are the engine's: a job stops on strings
+# constraint fields whose Python type a config file cannot declare: a JSON schema is a mapping or its JSON
+# text (Any); a choice list is a list of strings (SamplingParams checks both)
+SAMPLING_FREE_FORM = {"json_schema": Any, "choice": list[str] | None}
 
 
 def _sampling_fields() -> list[tuple[str, Any, Any]]:
@@ -62,7 +65,9 @@ def _sampling_fields() -> list[tuple[str, Any, Any]]:
         if f.name in SAMPLING_ENGINE_ONLY:
             continue
         kind = hints[f.name]
-        if typing.get_origin(kind) is tuple:  # stop: a list in a config file
+        if f.name in SAMPLING_FREE_FORM:
+            out.append((f.name, SAMPLING_FREE_FORM[f.name], field(default=None)))
+        elif typing.get_origin(kind) is tuple:  # stop: a list in a config file
             out.append((f.name, list[typing.get_args(kind)[0]], field(default_factory=list)))
         else:
             out.append((f.name, kind, field(default=f.default)))
@@ -81,7 +86,11 @@ SamplingSection = dataclasses.make_dataclass(
 # sampling keys a column may set per row (sampling.from_columns), and the kind of value each takes; n and
 # logprobs stay job-wide: they shape the output (rows per id, columns)
 SAMPLING_COLUMN_KEYS = {"max_new_tokens": "int", "temperature": "float", "top_k": "int", "top_p": "float",
-                        "seed": "seed", "stop": "stop", "ignore_eos": "bool"}
+                        "seed": "seed", "stop": "stop", "ignore_eos": "bool",
+                        # a row's constraint (runtime/constraints.py): a schema as JSON text or a struct / map
+                        # cell, a choice list as a list or its JSON text; a bad one is a bad_constraint row
+                        "json_schema": "json_schema", "regex": "text", "choice": "choice", "grammar": "text"}
+CONSTRAINT_KEYS = ("json_schema", "regex", "choice", "grammar")
 
 
 # `runtime.*` = every EngineOptions knob (declared once, with its meaning, in runtime/options.py) except

@@ -33,6 +33,7 @@ from flashx_batch.data.validate import (
     score_row,
 )
 from flashx_batch.kvcache.prefix_cache import block_keys
+from flashx_batch.runtime.grammar import compile_check
 from flashx_batch.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> P
     limit, truncate = job.runtime.max_input_len, job.runtime.long_input != "error"
     scan = _Scan(IdColumn(loaded.id_kind), _Rows(signatures=bool(segment)), [], [])
     openai = data.format == "openai_batch"  # a request line's own problems come first (data.openai_batch)
+    constraint_problem = compile_check(tokenizer)  # per-row constraints: the grammar library's compile check
     for fi, offset, g0, fr, n in _chunks(loaded, data, scan):
         pending: list[tuple[int, str]] = []  # (row index in the chunk, prompt text)
         for i in range(n):
@@ -194,7 +196,8 @@ def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> P
             elif isinstance(text, RowProblem):
                 scan.errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
             elif job.sampling.from_columns and isinstance(
-                    bad := row_params(job.sampling, fr.columns, i, 0, job.runtime.max_output_len), RowProblem):
+                    bad := row_params(job.sampling, fr.columns, i, 0, job.runtime.max_output_len,
+                                      constraint_problem), RowProblem):
                 scan.errors.append(RowError((fi, ri), row_id, bad.code, bad.message, "validate"))
             else:
                 pending.append((i, text))

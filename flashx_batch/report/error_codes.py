@@ -13,6 +13,7 @@ FIXES = {
     "unrendered_message": "use roles the model's chat template renders (user / assistant / system; tool only "
                           "where the template has it)",
     "bad_sampling_param": "fix the per-row sampling value the message names (sampling.from_columns)",
+    "bad_constraint": "fix the row's json_schema / regex / choice / grammar as the grammar library's message says",
     "bad_request": "fix the OpenAI Batch line as the message says (one endpoint per file, n = 1, known fields)",
     "null_context": "give the row a context", "empty_context": "give the row a non-empty context",
     "null_continuation": "give the row a continuation", "empty_continuation": "give the row a non-empty continuation",

@@ -34,6 +34,7 @@ from flashx_batch.data import openai_batch
 from flashx_batch.data.plan import Plan, format_plan
 from flashx_batch.data.preflight import load_inputs
 from flashx_batch.data.readers import resolve_inputs
+from flashx_batch.data.row_sampling import job_constraint
 from flashx_batch.data.validate import RowProblem, check_tools
 from flashx_batch.errors import ConfigError, FlashxError, ModelLoadError
 from flashx_batch.job_errors import FingerprintMismatchError, LockHeldError
@@ -119,6 +120,7 @@ def plan_job(job: JobConfig) -> PlannedJob:
     except Exception as exc:  # a tokenizer.json the tokenizers library cannot parse, say
         raise ConfigError(f"model.path={job.model.path}: cannot load the tokenizer: {type(exc).__name__}: {exc}") \
             from None
+    check_job_constraint(job, tokenizer)
     if job.data.messages_column and not tokenizer.chat_template:
         raise ConfigError(f"data.messages_column={job.data.messages_column} needs a chat template, and "
                           f"{model_dir} has none.")
@@ -137,6 +139,20 @@ def plan_job(job: JobConfig) -> PlannedJob:
         job = replace(job, eval=replace(job.eval, metric=natural))
         validate_eval(job)
     return PlannedJob(job, model_dir, loaded, task.plan(job, loaded, tokenizer), metric_from_task=bool(natural))
+
+
+def check_job_constraint(job: JobConfig, tokenizer) -> None:
+    """A job-wide constraint the grammar library cannot compile for this model stops the job (exit 2)
+    before any output; per-row ones become bad_constraint rows while planning."""
+    constraint = job_constraint(job.sampling)
+    if constraint is None:
+        return
+    from flashx_batch.runtime.grammar import compile_check
+
+    problem = compile_check(tokenizer)(constraint)
+    if problem is not None:
+        raise ConfigError(f"sampling.{constraint.kind} cannot be compiled: {problem}. Fix it, or give it per row "
+                          f"(sampling.from_columns.{constraint.kind}) so that only those rows fail.")
 
 
 def preflight_model(job: JobConfig, model_dir: Path) -> None:

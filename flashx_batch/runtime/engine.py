@@ -30,6 +30,7 @@ from flashx_batch.models.parallel import TensorShard, rank_config
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.capabilities import Capabilities, capabilities
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
+from flashx_batch.runtime.grammar import BadConstraint, GrammarBook
 from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
 from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length, protect_nats_for
 from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
@@ -121,6 +122,7 @@ class Engine:
                                    prefix_reuse=options.prefix_cache_tokens > 0 and self.runner.traits.kv_arena)
         self.last_stats = GenerateStats()
         self._lm: LogLikelihood | None = None
+        self._grammars: GrammarBook | None = None
 
     def _leave_replica(self, failure: str | None) -> None:
         """This rank could not start: tell the others why (when the group formed), end local ranks."""
@@ -225,6 +227,7 @@ class Engine:
         row of its own seeded by `SamplingParams.sample_seed` (prefix reuse computes their shared
         prompt once; without it each sample prefills its own copy)."""
         params = per_row_params(sampling, len(prompts), self.run_options.max_output_len)
+        compiles = self._check_constraints(params)
         token_lists, truncated = fit_prompts([self.encode(p) for p in prompts], self.run_options,
                                              self.config.vocab_size)
         rows, owners = [], []  # owners[i]: (prompt index, sample index) of rows[i]
@@ -236,11 +239,50 @@ class Engine:
                 owners.append((i, s))
         stats = GenerateStats(kv_bytes_arena=self.runner.kv_bytes)
         self._run(rows, stats)
+        stats.grammar_compiles = self.grammar_compiles - compiles
         self.last_stats = stats
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return [RequestOutput(i, r.state.token_ids, r.state.final_text(decode) if decode else None,
                               r.state.finish_reason or "length", len(r.prompt), r.truncated, s,
-                              r.state.logprobs, r.state.top_logprobs) for r, (i, s) in zip(rows, owners)]
+                              r.state.logprobs, r.state.top_logprobs,
+                              r.grammar.met if r.grammar is not None else None) for r, (i, s) in zip(rows, owners)]
+
+    # ---- constrained decoding (runtime/grammar.py) -------------------------------------------
+    @property
+    def grammars(self) -> GrammarBook:
+        """The grammar library's state for this engine (built on first use: the tokenizer read once)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ConfigError(f"{self.model_dir}/tokenizer.json is missing; constrained decoding (json_schema, "
+                                  "regex, choice, grammar) needs the model's tokenizer to know what each token spells.")
+            self._grammars = GrammarBook(self.model_dir / "tokenizer.json", self.config.vocab_size,
+                                         self.eos_token_ids)
+            self.scheduler.grammars = self._grammars
+        return self._grammars
+
+    @property
+    def grammar_compiles(self) -> int:
+        """Grammars this engine has compiled (each distinct constraint once, while it stays cached)."""
+        return self._grammars.compiles if self._grammars is not None else 0
+
+    def constraint_problem(self, params: SamplingParams) -> str | None:
+        """Why `params`' constraint cannot be compiled for this model, or None (also when unconstrained)."""
+        return self.grammars.problem(params.constraint) if params.constraint is not None else None
+
+    def _check_constraints(self, params: list[SamplingParams]) -> int:
+        """Compile every distinct constraint of the call before any work (`BadConstraint`, naming the first
+        prompt that asked for it) -> this engine's compile count before the call."""
+        before = self.grammar_compiles
+        seen: set = set()
+        for i, p in enumerate(params):
+            c = p.constraint
+            if c is None or c in seen:
+                continue
+            seen.add(c)
+            problem = self.grammars.problem(c)
+            if problem is not None:
+                raise BadConstraint(f"prompt {i}: {problem}")
+        return before
 
     def warm_up(self) -> None:
         """One tiny greedy generation through this engine's paths, so that the kernels its steps use compile
@@ -256,7 +298,8 @@ class Engine:
         clock = time.perf_counter()
         try:
             while (plan := scheduler.schedule()) is not None:
-                out = runner.run(plan)
+                masks = scheduler.masks_for(plan)
+                out = runner.run(plan, masks=masks) if masks is not None else runner.run(plan)
                 runner.synchronize()
                 now = time.perf_counter()
                 if plan.prefill is not None:

@@ -20,6 +20,7 @@ import torch
 from flashx_batch.backends.onnx import OnnxBackend
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.onnx.sessions import OnnxSessions, ensure_export
+from flashx_batch.runtime.grammar import StepMasks
 from flashx_batch.runtime.options import EngineOptions
 from flashx_batch.runtime.plan import StepOutput, StepPlan, StripeDecode, StripePrefill
 from flashx_batch.runtime.runner import ModelRunner, RunnerTraits
@@ -54,7 +55,7 @@ class OnnxRunner(ModelRunner):
     def synchronize(self) -> None:
         """onnxruntime's `run` returns when the work is done."""
 
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, masks: StepMasks | None = None) -> StepOutput:
         if plan.keep is not None:
             keep = np.array(plan.keep, dtype=np.int64)
             index = torch.from_numpy(keep)
@@ -63,15 +64,16 @@ class OnnxRunner(ModelRunner):
             self.valid = None if keep.size == 0 else self.valid[keep]
             self.tokens, self.steps = self.tokens[index], self.steps[index]
             self.sampling = self.sampling.select(index) if keep.size else None
+        allowed = masks.fill() if masks is not None else None
         if isinstance(plan.prefill, StripePrefill):
-            return self._prefill(plan.prefill)
+            return self._prefill(plan.prefill, allowed)
         if isinstance(plan.decode, StripeDecode):
-            return self._decode(plan.decode)
+            return self._decode(plan.decode, allowed)
         if plan.prefill is not None or plan.decode is not None:
             raise TypeError(f"the ONNX runner takes static striped batches, not {plan.prefill or plan.decode}")
         return StepOutput([])
 
-    def _prefill(self, p: StripePrefill) -> StepOutput:
+    def _prefill(self, p: StripePrefill, allowed: torch.Tensor | None) -> StepOutput:
         if self.cache is not None:
             raise ValueError("the ONNX runner prefills a batch only when it starts (no refill)")
         prompts = [r.prompt for r in p.rows]
@@ -85,11 +87,11 @@ class OnnxRunner(ModelRunner):
         self.sampling = SamplingBatch.build([r.params for r in p.rows], logits.shape[-1], self.device)
         self.steps = torch.zeros(len(prompts), dtype=torch.long)
         logits = torch.from_numpy(logits)
-        self.tokens = sample(logits, self.sampling, self.steps)
+        self.tokens = sample(logits, self.sampling, self.steps, allowed)
         tokens, logprobs, top = host_tokens(logits, self.tokens, self.sampling)
         return StepOutput(tokens, None, len(prompts) * width, logprobs, top)
 
-    def _decode(self, d: StripeDecode) -> StepOutput:
+    def _decode(self, d: StripeDecode, allowed: torch.Tensor | None) -> StepOutput:
         rows = len(d.positions)
         self.valid = np.concatenate((self.valid, np.ones((rows, 1), dtype=bool)), axis=1)
         bias = np.where(self.valid, 0.0, -np.inf).astype(np.float32)[:, None, None, :]  # [B, 1, 1, P+1]
@@ -98,6 +100,6 @@ class OnnxRunner(ModelRunner):
         logits, self.cache = self.sessions.decode(step_ids, positions, bias, self.cache)
         self.steps += 1
         logits = torch.from_numpy(logits)
-        self.tokens = sample(logits, self.sampling, self.steps)
+        self.tokens = sample(logits, self.sampling, self.steps, allowed)
         tokens, logprobs, top = host_tokens(logits, self.tokens, self.sampling)
         return StepOutput(tokens, None, rows, logprobs, top)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from flashx_batch.errors import ConfigError
+from flashx_batch.runtime.constraints import Constraint, constraint_of
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,23 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None / 0 = off; K: each generated token's logprob and its top-K alternatives
     n: int = 1  # samples per prompt (each its own output, seeded by `sample_seed`)
+    # at most one constraint on the output (`runtime.constraints`; compiled by `runtime.grammar`): a JSON
+    # schema (a dict or its JSON text; kept as canonical JSON text), a regex the whole output matches, one
+    # of a list of strings, or a grammar (Lark, or GBNF / EBNF with `::=`). A constrained row ends when its
+    # grammar is complete ("stop"; its text matches) or at max_new_tokens ("length"; `constraint_met` says
+    # whether the text matches anyway); stop strings and stop_token_ids do not end it early, since a cut
+    # inside a JSON value would leave text that matches nothing.
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
+        constraint = constraint_of(self.json_schema, self.regex, self.choice, self.grammar)
+        if constraint is not None and constraint.kind == "json_schema":
+            object.__setattr__(self, "json_schema", constraint.source)
+        if constraint is not None and constraint.kind == "choice":
+            object.__setattr__(self, "choice", tuple(json.loads(constraint.source)))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -49,6 +67,17 @@ class SamplingParams:
         if self.n > 1 and self.greedy:
             raise ConfigError(f"sampling.n={self.n} with temperature 0 (greedy) would give {self.n} identical "
                               "samples; set a temperature > 0, or n=1.")
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What the output must match (None: unconstrained); the fields are canonical already."""
+        if self.json_schema is not None:
+            return Constraint("json_schema", self.json_schema)
+        if self.choice is not None:
+            return Constraint("choice", json.dumps(list(self.choice), ensure_ascii=False))
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        return Constraint("grammar", self.grammar) if self.grammar is not None else None
 
     @property
     def wants_logprobs(self) -> int:

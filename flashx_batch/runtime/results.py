@@ -19,6 +19,9 @@ class RequestOutput:
     # likely (token id, logprob) pairs at that step, most likely first
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # a constrained row only (None otherwise): the text matches its constraint. True whenever finish_reason
+    # is "stop"; a row cut at max_new_tokens ("length") is True only if its text happens to be a whole match
+    constraint_met: bool | None = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -46,6 +49,7 @@ class GenerateStats:
     peak_rows: int = 0  # the most rows decoding at once (batch_growth and refill can exceed a batch's start)
     relayouts: int = 0  # times a batch moved its live KV: stripes re-cut for more, shorter rows, or extents compacted
     row_latency_s: list[float] = field(default_factory=list)  # per row: its prefill start -> its last token
+    grammar_compiles: int = 0  # constraints compiled during the call (the engine caches them across calls)
 
     @property
     def padding_efficiency(self) -> float:

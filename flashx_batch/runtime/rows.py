@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from flashx_batch.runtime.params import SamplingParams
 from flashx_batch.runtime.stops import RowState
@@ -16,6 +17,7 @@ class Row:
     need: int  # KV slots it holds once done: its prompt (or what a rolling merge folds it into) + new tokens
     truncated: bool = False  # long_input=truncate dropped the head of the prompt
     state: RowState | None = None  # generated tokens and stop bookkeeping, from admission on
+    grammar: Any = None  # a constrained row's `runtime.grammar.RowGrammar`, from admission on
     began: float = 0.0  # perf_counter when its prefill started
     # where its KV lives (the batch layout's bookkeeping)
     segments: list[int] = field(default_factory=list)  # its stripe's / extent's / own segments

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from flashx_batch.errors import ConfigError
 from flashx_batch.runtime.plan import StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from flashx_batch.runtime.grammar import StepMasks
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,10 @@ class ModelRunner(ABC):
     kv_bytes_per_slot: int  # bytes one token's keys and values take, every layer
 
     @abstractmethod
-    def run(self, plan: StepPlan) -> StepOutput:
-        """Apply `plan` (keep, KV ops, then a prefill or a decode step) and return the sampled tokens."""
+    def run(self, plan: StepPlan, masks: StepMasks | None = None) -> StepOutput:
+        """Apply `plan` (keep, KV ops, then a prefill or a decode step) and return the sampled tokens.
+        `masks`: the step's allowed tokens for constrained rows (`runtime.grammar`), in the order of the
+        rows the step samples (the prefill's rows, or every live row)."""
 
     @abstractmethod
     def reset(self) -> None:

@@ -8,7 +8,9 @@ the softmax it perturbs, which the frequency test checks.
 
 Logprobs (`SamplingParams.logprobs=K`) are the *raw* model distribution: log-softmax in float32 of the
 logits `sample` was given, before temperature, top-k or top-p (as vLLM returns them by default, and
-as a scorer comparing against the model expects). `host_tokens` fetches a step's tokens, and when some
+as a scorer comparing against the model expects). For a constrained row that is still the model's own
+distribution, before the grammar's mask: a token's logprob says how much the model wanted it, and an
+allowed token the model found unlikely shows as such. `host_tokens` fetches a step's tokens, and when some
 row of the batch asked for logprobs, their logprobs and the batch's top-K alternatives in the same
 single transfer; with logprobs off it is the plain `tolist()` of the tokens, nothing more.
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashx_batch.runtime.grammar import apply_masks
 from flashx_batch.runtime.params import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -84,8 +87,13 @@ class SamplingBatch:
                              logprobs=max(self.logprobs, other.logprobs))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, steps: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] float32, steps [B] (tokens generated so far per row) -> token ids [B]."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, steps: torch.Tensor,
+           masks: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] float32, steps [B] (tokens generated so far per row) -> token ids [B]. `masks`: the
+    step's allowed tokens as a [B, ceil(V / 32)] int32 bitmask on the device (constrained rows,
+    `runtime.grammar`); a disallowed token is never chosen, greedy or sampled."""
+    if masks is not None:
+        logits = apply_masks(logits, masks)
     greedy_tokens = logits.max(dim=-1).indices  # first maximum, as argmax, at a quarter of its CPU time
     if batch.all_greedy:
         return greedy_tokens

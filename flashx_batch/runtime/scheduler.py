@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from flashx_batch.kvcache.allocator import SegmentAllocator
 from flashx_batch.kvcache.geometry import ArenaGeometry
@@ -57,6 +58,9 @@ class Scheduler:
         """`prefix_reuse`: the arena's segments past the stripe region hold a prefix cache, and its
         last segment is the paged batches' trash segment (see `kv_sizing.arena_geometry`)."""
         self.config, self.geometry = config, geometry
+        # the engine's `runtime.grammar.GrammarBook` once a call has constrained rows: a matcher per admitted
+        # constrained row, and each step's masks (`masks_for`)
+        self.grammars: Any = None
         self.eos_token_ids, self.decode_text = eos_token_ids, decode_text
         self.allocator = SegmentAllocator(geometry.num_segments, geometry.segment_size)
         self.prefix_cache: PrefixCache | None = None
@@ -138,7 +142,7 @@ class Scheduler:
             stats.peak_rows = max(stats.peak_rows, len(batch.rows))
             finished = []
             for k, (row, token) in enumerate(zip(rows, out.tokens)):
-                row.state = RowState.start(row.params, self.eos_token_ids)
+                row.state = RowState.start(row.params, self.eos_token_ids, row.grammar)
                 if out.logprobs is not None:
                     row.state.record_logprobs(out.logprobs[k], out.top_logprobs[k])
                 if row.state.append(token, self.decode_text):
@@ -161,6 +165,14 @@ class Scheduler:
             self.pending_keep = tuple(keep)
             self.pending_ops += ops
 
+    def masks_for(self, plan: StepPlan) -> Any:
+        """The grammar masks of the rows `plan` samples (its prefill's, or every live row), in batch order;
+        None when none of them is constrained."""
+        if self.grammars is None:
+            return None
+        rows = self.joining if plan.prefill is not None else self.batch.rows if plan.decode is not None else []
+        return self.grammars.masks([r.grammar for r in rows]) if rows else None
+
     def abort(self) -> None:
         """A plan failed: give every segment of the batch back (the runner drops its own state)."""
         if self.batch is not None:
@@ -178,6 +190,9 @@ class Scheduler:
         now = time.perf_counter()
         for row in rows:
             row.began = now
+            constraint = row.params.constraint
+            if constraint is not None and row.grammar is None:
+                row.grammar = self.grammars.matcher(constraint)
         ops, prefill = self.batch.admit(rows)
         self.joining = rows
         return self._plan(ops, prefill=prefill)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from flashx_batch.runtime.params import SamplingParams
 
@@ -23,13 +24,16 @@ class RowState:
     # params.logprobs on: per generated token, its logprob and its top-K (id, logprob) alternatives
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # a constrained row's `runtime.grammar.RowGrammar`: it decides where the row ends (module doc of
+    # `runtime.params`): stop strings and stop ids do not apply, the grammar's end is "stop"
+    grammar: Any = None
 
     @classmethod
-    def start(cls, params: SamplingParams, eos_ids: tuple[int, ...]) -> RowState:
+    def start(cls, params: SamplingParams, eos_ids: tuple[int, ...], grammar: Any = None) -> RowState:
         ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             ids.update(eos_ids)
-        state = cls(params=params, stop_ids=frozenset(ids))
+        state = cls(params=params, stop_ids=frozenset(ids), grammar=grammar)
         if params.wants_logprobs:
             state.logprobs, state.top_logprobs = [], []
         return state
@@ -43,6 +47,13 @@ class RowState:
     def append(self, token: int, decode: Callable[[list[int]], str]) -> bool:
         """Record one generated token; returns True when the row has just finished."""
         self.token_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
+            if self.grammar.finished:
+                self.finish_reason = "stop"
+            elif len(self.token_ids) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+            return self.finish_reason is not None
         if token in self.stop_ids:
             self.finish_reason = "stop"
         elif self.params.stop and self._hit_stop_string(decode):

@@ -73,7 +73,8 @@ class ReplicaRunner:
         if name == "reset" and self._comm.broken is not None:
             return method()  # cleaning up after the failure that broke the replica: that error stands
         try:
-            self._comm.send_object((name, args, kwargs))
+            # a step's grammar masks stay on rank 0, which samples for every rank
+            self._comm.send_object((name, args, {k: v for k, v in kwargs.items() if k != "masks"}))
             return method(*args, **kwargs)
         except ReplicaBroken:
             self._on_broken()

@@ -23,6 +23,7 @@ class Tokenizer:
                 f"{path}: missing. Text prompts need the model's tokenizer.json (a fast tokenizer); "
                 "pass token-id lists instead, or save the tokenizer with `save_pretrained`."
             )
+        self.path = path  # tokenizer.json (the grammar library reads the vocabulary from it)
         self._tok = _HFTokenizer.from_file(str(path))
         cfg_path = Path(model_dir) / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}

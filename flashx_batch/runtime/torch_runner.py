@@ -13,6 +13,7 @@ each kept.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.runtime.compressed_prefill import CompressedPrefill, PrefillPolicy
 from flashx_batch.runtime.forward_passes import ForwardPasses
+from flashx_batch.runtime.grammar import StepMasks
 from flashx_batch.runtime.kv_merge import MergeSettings
 from flashx_batch.runtime.plan import (
     ExtentDecode,
@@ -78,6 +80,8 @@ class TorchRunner(ModelRunner):
         self.scorer = Scorer(self.passes, pad_id, packed_scoring)
         self.compress = CompressedPrefill(self.passes, self.scorer, policy, merge)
         self.live = _LiveRows(self.device)
+        self._mask_pool: ThreadPoolExecutor | None = None  # started by the first constrained step
+        self._masks: Future | None = None  # this step's masks, being filled
         # a tensor-parallel rank: every rank samples from the same gathered logits, and takes rank 0's tokens
         self.comm = model.shard.comm if model.shard is not None else None
 
@@ -95,8 +99,11 @@ class TorchRunner(ModelRunner):
         return self.arena.bytes_per_token()
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, masks: StepMasks | None = None) -> StepOutput:
+        """`masks` are filled on the host (llguidance's threads, without the GIL) while this thread runs
+        the step's forward pass, and wait only at sampling."""
         live = self.live
+        self._masks = self._mask_thread().submit(masks.fill) if masks is not None else None
         if plan.keep is not None:
             live.keep(plan.keep)
         for op in plan.kv_ops:
@@ -129,8 +136,14 @@ class TorchRunner(ModelRunner):
             return StepOutput(tokens, None, len(tokens), logprobs, top)
         return StepOutput([])
 
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="flashx-masks")
+        return self._mask_pool
+
     def reset(self) -> None:
         self.live = _LiveRows(self.device)
+        self._masks = None
         self.passes.forget_fused()  # built again at the next decode step (the setting `fuse_int8_decode` stays)
 
     def synchronize(self) -> None:
@@ -165,8 +178,10 @@ class TorchRunner(ModelRunner):
     def _sample(self, logits: torch.Tensor, sampling: SamplingBatch, steps: torch.Tensor) -> torch.Tensor:
         """The next token of each row; on a tensor-parallel replica, rank 0's choice on every rank (the
         ranks hold the same logits, but one choice per replica is the rule: outputs never depend on
-        how many ranks there are, nor on a rank's random state)."""
-        tokens = sample(logits, sampling, steps)
+        how many ranks there are, nor on a rank's random state; only rank 0 holds grammar masks)."""
+        pending, self._masks = self._masks, None
+        allowed = pending.result().to(self.device, non_blocking=True) if pending is not None else None
+        tokens = sample(logits, sampling, steps, allowed)
         if self.comm is not None:
             self.comm.broadcast_(tokens)
         return tokens

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from flashx_batch.data.plan import Plan, ShardSpec, plan_prompts
 from flashx_batch.data.preflight import prompt_roles
-from flashx_batch.data.row_sampling import row_params
+from flashx_batch.data.row_sampling import may_constrain, row_params
 from flashx_batch.data.validate import RowProblem, build_prompt, row_tools
 from flashx_batch.evaluation.metrics import score_row as metric_score
 from flashx_batch.tasks.base import ShardResult, ShardRows, ShardSource, Task, passthrough_arrays, register
@@ -83,6 +83,10 @@ class Generate(Task):
                                  [o.token_ids for o in outs] if logprobs else None,
                                  [o.logprobs for o in outs] if logprobs else None,
                                  [o.top_logprobs for o in outs] if logprobs else None)
+        if may_constrain(job.sampling):  # null for a row without a constraint
+            samples["constraint_met"] = pa.array([o.constraint_met for o in outs], pa.bool_())
+        if may_constrain(job.sampling):  # null for a row without a constraint
+            samples["constraint_met"] = pa.array([o.constraint_met for o in outs], pa.bool_())
         if references is not None:
             samples.update(score_column([metric_score(job.eval.metric, o.text, references[o.index],
                                                       source.metric_pattern) for o in outs]))
@@ -98,4 +102,6 @@ class Generate(Task):
             "batches": g.batches, "kv_bytes_arena": g.kv_bytes_arena, "kv_bytes_static_peak": g.kv_bytes_static_peak,
             "cached_prompt_tokens": g.cached_prompt_tokens, "prefill_tokens_computed": g.prefill_tokens_computed,
             "prefix_hit_rate": g.cached_prompt_tokens / g.input_tokens if g.input_tokens else 0.0,
+            # constraints this shard compiled (the actor's engine keeps them compiled for its later shards)
+            "grammar_compiles": g.grammar_compiles,
         })

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from flashx_batch.config_schema import CONSTRAINT_KEYS
 from flashx_batch.data.plan import Plan, ShardSpec, plan_scored
 from flashx_batch.data.validate import RowProblem, encode_score_rows, score_row
 from flashx_batch.errors import ConfigError
@@ -25,6 +26,10 @@ class Scoring(Task):
         if s.n != 1 or s.logprobs or s.from_columns:
             raise ConfigError(f"sampling.n, sampling.logprobs and sampling.from_columns shape generated text, and "
                               f"task={self.name} generates none; drop them (or use task=generate).")
+        constrained = [f"sampling.{k}" for k in CONSTRAINT_KEYS if getattr(s, k) is not None]
+        if constrained:
+            raise ConfigError(f"{', '.join(constrained)} constrains generated text, and task={self.name} scores "
+                              "given text without generating any; drop it (or use task=generate).")
         read = [column for _, column in self.named_columns(d)]
         clash = [c for c in read if c == d.id_column] or [c for c in read if read.count(c) > 1]
         if clash:

@@ -14,6 +14,9 @@ import pyarrow as pa
 GENERATION_COLUMNS = ("id", "generated_text", "finish_reason", "num_input_tokens", "num_generated_tokens", "shard_id")
 # written only when asked for: sample_index (sampling.n > 1, right after id), the token columns (sampling.logprobs)
 SAMPLE_COLUMNS = ("sample_index", "token_ids", "token_logprobs", "top_logprobs")
+# what a generation's text holds, parsed: its constraint met (constrained jobs), and for chat rows of a model
+# whose template has them, the reasoning and the tool calls split from the answer
+STRUCTURED_COLUMNS = ("constraint_met", "reasoning_content", "tool_calls", "tool_call_error")
 TOP_LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
 ERROR_COLUMNS = ("id", "error_code", "error_message", "stage")
 STATS_COLUMNS = ("shard_id", "bucket_min_len", "bucket_max_len", "rows", "rows_failed", "input_tokens",
@@ -34,7 +37,8 @@ _SCORE_TYPES = {"logprob": pa.float64(), "num_tokens": pa.int32(), "is_greedy": 
 EVAL_COLUMNS = ("score",)
 # Columns we write into the row tables: no user-supplied column may take one of these names
 # (`data.passthrough_columns` is checked against it before the output directory is touched).
-RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS + SAMPLE_COLUMNS + EVAL_COLUMNS))
+RESERVED_COLUMNS = tuple(dict.fromkeys(GENERATION_COLUMNS + ERROR_COLUMNS + SAMPLE_COLUMNS + STRUCTURED_COLUMNS
+                                      + EVAL_COLUMNS))
 
 
 def score_column(scores: list[float | None]) -> dict[str, pa.Array]:
