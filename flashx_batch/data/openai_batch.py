@@ -38,10 +38,11 @@ SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
                    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop"}
 # fields accepted and not acted on: identification, and knobs whose value here is their default
 INERT = {"model", "user", "stream", "n", "logprobs", "top_logprobs", "metadata", "store"}
-BODY_FIELDS = {CHAT: {"messages", "tools", *SAMPLING_FIELDS, *INERT}, COMPLETIONS: {"prompt", *SAMPLING_FIELDS, *INERT}}
+BODY_FIELDS = {CHAT: {"messages", "tools", "response_format", *SAMPLING_FIELDS, *INERT},
+               COMPLETIONS: {"prompt", "response_format", *SAMPLING_FIELDS, *INERT}}
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
 # the columns every openai_batch file reads as (the job's data.* keys are pointed at them: `derive`)
-COLUMNS = ("custom_id", "url", "prompt", "messages", "tools", "model", "request_error", "logprobs",
+COLUMNS = ("custom_id", "url", "prompt", "messages", "tools", "model", "request_error", "logprobs", "json_schema",
            *dict.fromkeys(SAMPLING_FIELDS.values()))
 
 
@@ -60,7 +61,8 @@ def derive(job: JobConfig, endpoint: str) -> JobConfig:
                                tools_column="tools" if endpoint == CHAT else None, passthrough_columns=["model"],
                                passthrough_if_present=[])
     sampling = dataclasses.replace(job.sampling, from_columns={
-        **{c: c for c in dict.fromkeys(SAMPLING_FIELDS.values())}, **job.sampling.from_columns})
+        **{c: c for c in dict.fromkeys(SAMPLING_FIELDS.values())}, "json_schema": "json_schema",
+        **job.sampling.from_columns})
     return dataclasses.replace(job, data=data, sampling=sampling)
 
 
@@ -136,6 +138,7 @@ def _row(record: Any, lineno: int, file: str) -> dict[str, Any]:
         if body.get(field) is not None:
             row[column] = body[field]
     row["logprobs"] = _logprobs_asked(body, endpoint)
+    row["json_schema"] = _response_schema(body.get("response_format"))
     return row
 
 
@@ -166,7 +169,7 @@ def _body_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
     if None not in both and both[0] != both[1]:
         return (f"max_tokens={describe(both[0])} and max_completion_tokens={describe(both[1])} disagree; give one "
                 "(they are one setting here)")
-    problem = _logprobs_problem(body, endpoint)
+    problem = _logprobs_problem(body, endpoint) or _response_format_problem(body.get("response_format"))
     if problem is not None:
         return problem
     if endpoint == CHAT and "messages" not in body:
@@ -195,6 +198,37 @@ def _logprobs_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
     if top is not None:
         return "top_logprobs is a chat field; completions requests give the number as logprobs"
     return None
+
+
+def _response_format_problem(fmt: Any) -> str | None:
+    """Why a line's `response_format` is not one this runner serves (None: absent, or it is). The schema
+    itself is checked as every row's constraint is (a bad one is a bad_constraint row)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        return (f"response_format is {describe(fmt)}; expected {{\"type\": \"text\" | \"json_object\" | "
+                f"\"json_schema\"}}")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            return ("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}; "
+                    f"got {describe(spec)}")
+        if "schema" in spec and not isinstance(spec["schema"], dict):
+            return f"response_format json_schema.schema is {describe(spec['schema'])}; expected a JSON schema object"
+    return None
+
+
+def _response_schema(fmt: Any) -> str | None:
+    """The JSON schema a line's (valid) `response_format` asks for, as JSON text (None: free text).
+    `json_object`: any JSON object. `json_schema`: its schema, enforced whether `strict` is true or not
+    (OpenAI only promises to follow a strict one; a constrained row here follows it whenever it finishes);
+    no schema: any JSON value."""
+    if not isinstance(fmt, dict) or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return json.dumps({"type": "object"})
+    return json.dumps(fmt["json_schema"].get("schema", {}))
 
 
 def _logprobs_asked(body: Mapping[str, Any], endpoint: str) -> int | None:

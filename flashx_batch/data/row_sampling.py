@@ -37,7 +37,7 @@ def row_params(sampling: SamplingSection, columns: Mapping[str, list[Any]], row:
                                   ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs, n=sampling.n)
     constraint = {key: getattr(sampling, key) for key in CONSTRAINT_KEYS}
     where = "job-wide sampling settings"
-    own = False  # the row's constraint comes from a column
+    own, constraint_from = False, ""  # the row's constraint comes from a column (these)
     for key, column in sampling.from_columns.items():
         raw = columns[column][row]
         if raw is None:
@@ -50,15 +50,18 @@ def row_params(sampling: SamplingSection, columns: Mapping[str, list[Any]], row:
         if key in CONSTRAINT_KEYS:  # the row's own constraint replaces the job's, whatever its kind
             constraint = {k: None for k in CONSTRAINT_KEYS} if not own else constraint
             constraint[key], own = value, True
+            given = [repr(sampling.from_columns[k]) for k in CONSTRAINT_KEYS if constraint[k] is not None]
+            constraint_from = f"column(s) {', '.join(given)}"
         else:
             values[key] = value
         where = f"column(s) {', '.join(map(repr, sampling.from_columns.values()))}"
+    constraint_from = constraint_from if own else "job-wide sampling settings"
     try:
         made = constraint_of(**constraint, where="sampling")
     except ConfigError as exc:
-        return RowProblem(BAD_CONSTRAINT, f"{str(exc).rstrip('.')} (from {where})")
+        return RowProblem(BAD_CONSTRAINT, f"{str(exc).rstrip('.')} (from {constraint_from})")
     if made is not None and constraint_problem is not None and (problem := constraint_problem(made)) is not None:
-        return RowProblem(BAD_CONSTRAINT, f"{problem} (from {where})")
+        return RowProblem(BAD_CONSTRAINT, f"{problem} (from {constraint_from})")
     try:
         params = SamplingParams(**values, **{k: v for k, v in constraint.items() if v is not None})
     except ConfigError as exc:
