@@ -68,8 +68,15 @@ def _success(custom_id: str, samples: list[dict], chat: bool, model_name: str, c
     for i, r in enumerate(samples):
         choice: dict[str, Any] = {"index": i, "finish_reason": FINISH.get(r["finish_reason"], r["finish_reason"]),
                                   "logprobs": _logprobs(r, chat, decode) if logprobs else None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": r["generated_text"]}
+        if chat:  # a parsed answer's reasoning and tool calls (their columns exist where the template has them)
+            message = choice["message"] = {"role": "assistant", "content": r["generated_text"]}
+            if r.get("reasoning_content") is not None:
+                message["reasoning_content"] = r["reasoning_content"]
+            if r.get("tool_calls"):
+                message["tool_calls"] = r["tool_calls"]
+                message["content"] = r["generated_text"] or None
+                if choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = r["generated_text"]
         choices.append(choice)

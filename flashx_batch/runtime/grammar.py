@@ -141,7 +141,11 @@ class GrammarBook:
                 return m.grammar_from_regex(c.source)
             if c.kind == "choice":  # one literal per choice (JSON string escapes are Lark's)
                 return m.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in json.loads(c.source)))
-            lark = self._lib.gbnf_to_lark(c.source) if "::=" in c.source else c.source
+            if "::=" in c.source:  # GBNF (llama.cpp's EBNF) into Lark, llguidance's own converter
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                return m.grammar_from_lark(gbnf_to_lark(c.source))
+            lark = c.source
             return m.grammar_from_lark(lark)
         except Exception as exc:  # noqa: BLE001 — the library's parse errors are many types; all are the user's
             raise BadConstraint(f"{c.describe()}: {exc}") from None

@@ -13,8 +13,23 @@ from flashx_batch.data.preflight import prompt_roles
 from flashx_batch.data.row_sampling import may_constrain, row_params
 from flashx_batch.data.validate import RowProblem, build_prompt, row_tools
 from flashx_batch.evaluation.metrics import score_row as metric_score
+from flashx_batch.runtime.chat_output import OutputFormat, output_format
 from flashx_batch.tasks.base import ShardResult, ShardRows, ShardSource, Task, passthrough_arrays, register
-from flashx_batch.tasks.tables import GENERATION_COLUMNS, generations_table, sample_columns, score_column
+from flashx_batch.tasks.tables import (
+    GENERATION_COLUMNS,
+    chat_columns,
+    generations_table,
+    sample_columns,
+    score_column,
+)
+
+
+def chat_format(job, tokenizer) -> OutputFormat:
+    """What a chat job's answers hold besides text (reasoning, tool calls), from the model's templates;
+    prompt (non-chat) jobs' text is written as generated."""
+    if not job.data.messages_column or tokenizer is None:
+        return OutputFormat()
+    return output_format("\n".join(tokenizer.chat_templates.values()))
 
 
 def row_seed(job_seed: int, row_id: Any) -> int:
@@ -51,10 +66,12 @@ class Generate(Task):
         extra: dict[str, list[Any]] = {c: [] for c in data.passthrough_columns}
         # each output is scored against its row's reference (`eval.metric`; a null reference: unscored)
         references: list[Any] | None = [] if job.eval.metric else None
+        tools: list[Any] = []  # per row: its tool definitions (they tell how a parsed call's values are typed)
         for fi, ri, fr, k in source.shard_rows(spec):
             value = fr.columns[text_col][k]
+            row_tool_list = row_tools(data, fr.columns, k)
             text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
-                                source.engine.tokenizer, row_tools(data, fr.columns, k), data.chat_template_kwargs)
+                                source.engine.tokenizer, row_tool_list, data.chat_template_kwargs)
             row_id = fr.columns[data.id_column][k]
             p = text if isinstance(text, RowProblem) else \
                 row_params(s, fr.columns, k, row_seed(s.seed, row_id), job.runtime.max_output_len)
@@ -64,15 +81,16 @@ class Generate(Task):
             ids.append(row_id)
             texts.append(text)
             params.append(p)
+            tools.append(row_tool_list if isinstance(row_tool_list, list) else None)
             for c in extra:
                 extra[c].append(fr.columns[c][k])
             if references is not None:
                 references.append(fr.columns[job.eval.reference_column][k])
-        return ShardRows(ids, (texts, params, references), passthrough_arrays(extra, source.passthrough_types))
+        return ShardRows(ids, (texts, params, references, tools), passthrough_arrays(extra, source.passthrough_types))
 
     def compute(self, source: ShardSource, rows: ShardRows, spec: ShardSpec) -> ShardResult:
         job, engine = source.job, source.engine
-        texts, params, references = rows.inputs
+        texts, params, references, tools = rows.inputs
         # chat rows are template-rendered text that already carries BOS / role tokens
         token_lists = engine.tokenizer.encode_batch(texts, add_special_tokens=not job.data.messages_column)
         outs = engine.generate(token_lists, params)  # sampling.n > 1: n outputs per row, in row order
@@ -87,10 +105,14 @@ class Generate(Task):
             samples["constraint_met"] = pa.array([o.constraint_met for o in outs], pa.bool_())
         if may_constrain(job.sampling):  # null for a row without a constraint
             samples["constraint_met"] = pa.array([o.constraint_met for o in outs], pa.bool_())
-        if references is not None:
-            samples.update(score_column([metric_score(job.eval.metric, o.text, references[o.index],
-                                                      source.metric_pattern) for o in outs]))
-        table = generations_table([rows.ids[o.index] for o in outs], source.id_kind, [o.text or "" for o in outs],
+        answers = [o.text or "" for o in outs]
+        fmt = chat_format(job, engine.tokenizer)
+        if fmt.parses:  # chat rows: the answer without its reasoning and tool calls (runtime.chat_output)
+            answers = chat_columns(fmt, answers, [tools[o.index] for o in outs], samples)
+        if references is not None:  # the answer is scored, not the reasoning
+            samples.update(score_column([metric_score(job.eval.metric, a, references[o.index],
+                                                      source.metric_pattern) for a, o in zip(answers, outs)]))
+        table = generations_table([rows.ids[o.index] for o in outs], source.id_kind, answers,
                                   [o.finish_reason for o in outs], [o.num_input_tokens for o in outs],
                                   [o.num_generated_tokens for o in outs], spec.shard_id,
                                   {c: a.take(of_row) for c, a in rows.passthrough.items()}, samples)

@@ -11,6 +11,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from flashx_batch.runtime.chat_output import parse
+
 GENERATION_COLUMNS = ("id", "generated_text", "finish_reason", "num_input_tokens", "num_generated_tokens", "shard_id")
 # written only when asked for: sample_index (sampling.n > 1, right after id), the token columns (sampling.logprobs)
 SAMPLE_COLUMNS = ("sample_index", "token_ids", "token_logprobs", "top_logprobs")
@@ -104,6 +106,24 @@ def sample_columns(sample_index: list[int] | None, token_ids: list[list[int]] | 
         out["top_logprobs"] = pa.array([[[{"token_id": t, "logprob": v} for t, v in step] for step in row]
                                         for row in top], pa.list_(pa.list_(TOP_LOGPROB)))
     return out
+
+
+TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
+                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+
+
+def chat_columns(fmt: Any, texts: list[str], tools: list[Any], out: dict[str, pa.Array]) -> list[str]:
+    """Chat answers parsed by `fmt` (`runtime.chat_output`): `reasoning_content` (string, null without a
+    thinking block) where the model's template writes reasoning, `tool_calls` (OpenAI's list of calls, null
+    without one) and `tool_call_error` (why a call stayed in the text) where it writes tool calls, added
+    to `out`; returns the answers left."""
+    parsed = [parse(t, fmt, tl) for t, tl in zip(texts, tools)]
+    if fmt.reasoning:
+        out["reasoning_content"] = pa.array([p.reasoning for p in parsed], pa.string())
+    if fmt.tool_calls is not None:
+        out["tool_calls"] = pa.array([p.tool_calls for p in parsed], pa.list_(TOOL_CALL))
+        out["tool_call_error"] = pa.array([p.tool_call_error for p in parsed], pa.string())
+    return [p.content for p in parsed]
 
 
 def score_table(task: str, ids: list[Any], id_kind: str, values: dict[str, list[Any]], shard_id: str,
