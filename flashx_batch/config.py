@@ -126,6 +126,7 @@ def validate(job: JobConfig) -> None:
     SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                    seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
                    n=1 if "temperature" in s.from_columns else s.n,  # per-row temperatures: checked per row
+                   json_fit_budget=s.json_fit_budget,
                    **{key: getattr(s, key) for key in CONSTRAINT_KEYS})  # compiled against the model: plan_job
     if s.n < 1:
         raise ConfigError(f"sampling.n must be >= 1, got {s.n}.")

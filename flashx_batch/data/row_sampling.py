@@ -34,7 +34,8 @@ def row_params(sampling: SamplingSection, columns: Mapping[str, list[Any]], row:
     that `constraint_problem` (the grammar library's compile check) refuses, is a `bad_constraint` row."""
     values: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                   top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, stop=tuple(sampling.stop),
-                                  ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs, n=sampling.n)
+                                  ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs, n=sampling.n,
+                                  json_fit_budget=sampling.json_fit_budget)
     constraint = {key: getattr(sampling, key) for key in CONSTRAINT_KEYS}
     where = "job-wide sampling settings"
     own, constraint_from = False, ""  # the row's constraint comes from a column (these)
@@ -57,15 +58,16 @@ def row_params(sampling: SamplingSection, columns: Mapping[str, list[Any]], row:
         where = f"column(s) {', '.join(map(repr, sampling.from_columns.values()))}"
     constraint_from = constraint_from if own else "job-wide sampling settings"
     try:
-        made = constraint_of(**constraint, where="sampling")
+        constraint_of(**constraint, where="sampling")
     except ConfigError as exc:
         return RowProblem(BAD_CONSTRAINT, f"{str(exc).rstrip('.')} (from {constraint_from})")
-    if made is not None and constraint_problem is not None and (problem := constraint_problem(made)) is not None:
-        return RowProblem(BAD_CONSTRAINT, f"{problem} (from {constraint_from})")
     try:
         params = SamplingParams(**values, **{k: v for k, v in constraint.items() if v is not None})
     except ConfigError as exc:
         return RowProblem(BAD_SAMPLING_PARAM, f"{str(exc).rstrip('.')} (from {where})")
+    made = params.constraint  # what the engine compiles (a schema fitted to the row's budget)
+    if made is not None and constraint_problem is not None and (problem := constraint_problem(made)) is not None:
+        return RowProblem(BAD_CONSTRAINT, f"{problem} (from {constraint_from})")
     if params.max_new_tokens > max_output_len:
         return RowProblem(BAD_SAMPLING_PARAM, f"sampling.max_new_tokens={params.max_new_tokens} exceeds "
                                               f"runtime.max_output_len={max_output_len} (from {where})")
@@ -73,9 +75,13 @@ def row_params(sampling: SamplingSection, columns: Mapping[str, list[Any]], row:
 
 
 def job_constraint(sampling: SamplingSection) -> Constraint | None:
-    """The job-wide constraint (`sampling.json_schema` / `regex` / `choice` / `grammar`), or None; a
-    malformed one is a ConfigError (exit 2)."""
-    return constraint_of(**{key: getattr(sampling, key) for key in CONSTRAINT_KEYS}, where="sampling")
+    """The job-wide constraint (`sampling.json_schema` / `regex` / `choice` / `grammar`) as the engine
+    compiles it, or None; a malformed one is a ConfigError (exit 2)."""
+    given = {key: getattr(sampling, key) for key in CONSTRAINT_KEYS}
+    if constraint_of(**given, where="sampling") is None:
+        return None
+    return SamplingParams(max_new_tokens=sampling.max_new_tokens, json_fit_budget=sampling.json_fit_budget,
+                          **{k: v for k, v in given.items() if v is not None}).constraint
 
 
 def may_constrain(sampling: SamplingSection) -> bool:

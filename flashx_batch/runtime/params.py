@@ -10,6 +10,7 @@ from typing import Any
 
 from flashx_batch.errors import ConfigError
 from flashx_batch.runtime.constraints import Constraint, constraint_of
+from flashx_batch.runtime.json_budget import fit_schema
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class SamplingParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # a json_schema's open ends (strings without maxLength, arrays without maxItems, objects without
+    # additionalProperties) bounded so that an answer fits max_new_tokens; every answer still validates
+    # against the schema as given (`runtime.json_budget`). False: the schema exactly as given
+    json_fit_budget: bool = True
 
     def __post_init__(self) -> None:
         constraint = constraint_of(self.json_schema, self.regex, self.choice, self.grammar)
@@ -70,9 +75,12 @@ class SamplingParams:
 
     @property
     def constraint(self) -> Constraint | None:
-        """What the output must match (None: unconstrained); the fields are canonical already."""
+        """What the output is held to (None: unconstrained); the fields are canonical already. A JSON schema
+        with its open ends bounded for max_new_tokens unless json_fit_budget is off (the json_schema field
+        keeps the schema as given: what the output validates against)."""
         if self.json_schema is not None:
-            return Constraint("json_schema", self.json_schema)
+            fitted = fit_schema(self.json_schema, self.max_new_tokens) if self.json_fit_budget else self.json_schema
+            return Constraint("json_schema", fitted)
         if self.choice is not None:
             return Constraint("choice", json.dumps(list(self.choice), ensure_ascii=False))
         if self.regex is not None:

@@ -142,7 +142,7 @@ def python_api(table: pa.Table, work: Path, max_new: int) -> dict:
     code = run_job(["conf=legal_docs", f"output.dir={out}", "executor.kind=local", COLUMNS,
                     f"sampling.max_new_tokens={max_new}", "runtime.max_output_len=96", "runtime.long_input=truncate"],
                    data=table)
-    gens = read_output(str(out)).to_pylist() if code == 0 else []
+    gens = read_output(str(out)).to_table().to_pylist() if code == 0 else []
     return {"exit_code": code, **counts(gens, {r["id"]: r for r in table.to_pylist()})}
 
 

@@ -51,8 +51,9 @@ def _check(out, params: SamplingParams) -> bool:
         assert out.finish_reason == "length" and out.num_generated_tokens == params.max_new_tokens
         return False
     assert out.constraint_met is True
-    if c.kind == "json_schema":
-        jsonschema.validate(json.loads(out.text), json.loads(c.source), format_checker=jsonschema.FormatChecker())
+    if c.kind == "json_schema":  # against the schema as given (the engine compiled it fitted to the budget)
+        jsonschema.validate(json.loads(out.text), json.loads(params.json_schema),
+                            format_checker=jsonschema.FormatChecker())
     elif c.kind == "regex":
         assert re.fullmatch(c.source, out.text), out.text
     elif c.kind == "choice":
@@ -151,6 +152,25 @@ def test_bad_constraints_are_refused_with_the_reason(engine):
         SamplingParams(json_schema="{nope")
     with pytest.raises(ConfigError, match="non-empty"):
         SamplingParams(choice=[])
+
+
+def test_open_schemas_finish_within_their_budget(engine):
+    """Strings without maxLength, numbers without bounds, objects without additionalProperties: a model that
+    never learnt to close them still finishes, each answer valid against the schema as given."""
+    open_schemas = [
+        {"type": "object", "properties": {"licensor": {"type": "string"}, "year": {"type": "integer"}},
+         "required": ["licensor", "year"]},
+        {"type": "object", "properties": {"holders": {"type": "array", "items": {"type": "string"}}},
+         "required": ["holders"]},
+        {"type": "object", "properties": {"fee": {"type": "number"}, "payee": {"anyOf": [{"type": "string"},
+                                                                                        {"type": "null"}]}},
+         "required": ["fee", "payee"]},
+    ]
+    params = [SamplingParams(max_new_tokens=48, json_schema=open_schemas[i % 3]) for i in range(9)]
+    finished = sum(_check(o, p) for o, p in zip(engine.generate(PROMPTS[:9], params), params))
+    assert finished >= 8
+    exact = SamplingParams(max_new_tokens=48, json_schema=open_schemas[0], json_fit_budget=False)
+    assert exact.constraint.source == exact.json_schema != params[0].constraint.source
 
 
 def test_params_keep_a_canonical_constraint():
