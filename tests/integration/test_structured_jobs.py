@@ -113,3 +113,54 @@ def test_openai_batch_response_format(tmp_path):
         choice = got[f"r{i}"]["response"]["body"]["choices"][0]
         assert choice["finish_reason"] == "stop", choice
         jsonschema.validate(json.loads(choice["message"]["content"]), ENUM)
+
+
+def _model_with_template(directory, template: str):
+    """The bundled model's files with another chat template (the weights linked, not copied)."""
+    from flashx_batch.runtime.options import bundled_model_dir
+
+    source = bundled_model_dir()
+    directory.mkdir()
+    for f in source.iterdir():
+        if f.name == "tokenizer_config.json":
+            config = json.loads(f.read_text())
+            config["chat_template"] = template
+            (directory / f.name).write_text(json.dumps(config))
+        elif f.is_file():
+            (directory / f.name).symlink_to(f)
+    return directory
+
+
+def test_reasoning_and_tool_calls_split_from_chat_answers(tmp_path):
+    """A chat job on a Qwen3-templated model: answers forced (a per-row regex) to carry thinking and a tool
+    call come out split into reasoning_content, tool_calls and the answer, in the Parquet output and in the
+    OpenAI output lines; a call that is not JSON stays in the text with its flag."""
+    from pathlib import Path
+
+    template = (Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "qwen3.jinja").read_text()
+    model = _model_with_template(tmp_path / "model", template)
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\n</tool_call>'
+    forced = [r"<think>\nplan it\n</think>\n\nThe answer is 4\.", call, r"<think>\nhm\n</think>\n\nNo call\.",
+              r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city" \}\n</tool_call>']
+    table = pa.table({"id": list(range(4)), "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(4)],
+                      "force": forced, "ref": ["The answer is 4.", None, "No call.", None]})
+    out = tmp_path / "out"
+    assert run_job(["conf=legal_docs", "executor.kind=local", f"model.path={model}", "data.messages_column=messages",
+                    f"output.dir={out}", "output.format=openai_batch", "sampling.max_new_tokens=60",
+                    "+sampling.from_columns={regex: force}", "eval.metric=exact_match", "eval.reference_column=ref"],
+                   data=table) == 0
+    gens = {g["id"]: g for g in pq.read_table(out / "generations").to_pylist()}
+    assert all(g["finish_reason"] == "stop" and g["constraint_met"] for g in gens.values())
+    assert (gens[0]["reasoning_content"], gens[0]["generated_text"], gens[0]["tool_calls"]) == \
+        ("plan it", "The answer is 4.", None)
+    assert gens[0]["score"] == gens[2]["score"] == 1.0  # the answer is scored, not the reasoning before it
+    assert gens[1]["generated_text"] == "" and gens[1]["reasoning_content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in gens[1]["tool_calls"]] == \
+        [("get_weather", {"city": "Oslo"})]
+    assert gens[3]["tool_calls"] is None and "not JSON" in gens[3]["tool_call_error"]
+    assert "<tool_call>" in gens[3]["generated_text"]
+    lines = {x["custom_id"]: x["response"]["body"]["choices"][0]
+             for x in map(json.loads, (out / "openai_batch_output.jsonl").read_text().splitlines())}
+    assert lines["0"]["message"] == {"role": "assistant", "content": "The answer is 4.", "reasoning_content": "plan it"}
+    assert lines["1"]["finish_reason"] == "tool_calls" and lines["1"]["message"]["content"] is None
+    assert lines["1"]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
