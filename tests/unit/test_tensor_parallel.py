@@ -192,3 +192,21 @@ def test_an_error_inside_a_step_stops_the_replica_and_close_stops_healthy_ranks(
     with pytest.raises(ReplicaBroken):
         engine.generate(prompts(1, (5,)), PARAMS)
     engine.close()
+
+
+def test_constrained_rows_on_a_replica():
+    """Grammar masks stay on rank 0, which samples for every rank: the same constrained tokens as one rank."""
+    from flashx_batch import Engine
+
+    schema = {"type": "object", "properties": {"kind": {"enum": ["licence", "lease"]},
+                                               "who": {"type": "string", "maxLength": 10}},
+              "required": ["kind", "who"], "additionalProperties": False}
+    texts = [f"Clause {i}: the licensee shall not sublicense." for i in range(5)]
+    params = [SamplingParams(max_new_tokens=32, json_schema=schema), SamplingParams(max_new_tokens=8),
+              SamplingParams(max_new_tokens=8, choice=["yes", "no"]), SamplingParams(max_new_tokens=32, regex="[0-9]{4}"),
+              SamplingParams(max_new_tokens=32, json_schema=schema, temperature=1.0, seed=3)]
+    want = Engine.from_pretrained(None, max_batch_size=2).generate(texts, params)
+    with Engine.from_pretrained(None, max_batch_size=2, tensor_parallel_size=2) as tp:
+        got = tp.generate(texts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.constraint_met for o in got] == [True, None, True, True, True]
