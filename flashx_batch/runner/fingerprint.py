@@ -74,8 +74,8 @@ ROW_RULES_KEY = "plan.row_rules"
 RESOLVED_KEYS = ("runtime.resolved",)
 
 
-def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_as: str | None = None
-            ) -> dict[str, Any]:
+def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_as: str | None = None,
+            answer_format: str | None = None) -> dict[str, Any]:
     """The fingerprint as a flat dict of dotted keys (so a diff names fields directly). `resolved_as`:
     `backend/dtype` as the job's engines run, `auto` resolved (`backends.resolved_run`, on this host or
     on a Ray worker by the cluster probe), where known. A job started where `auto` meant the CPU
@@ -112,8 +112,11 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_a
         fp["runtime.kv_evict_share"] = engine.evict_share
     if resolved_as is not None:
         fp["runtime.resolved"] = resolved_as
-    # logprobs / n / from_columns only when set: jobs written before these keys existed still resume
-    optional = {"logprobs": (None, 0), "n": (1,), "from_columns": ({},)}
+    if answer_format is not None:  # chat answers split (reasoning, tool calls): pieces written before never mix in
+        fp["output.answer_format"] = answer_format
+    # logprobs / n / from_columns / constraints only when set: jobs written before these keys existed still resume
+    optional = {"logprobs": (None, 0), "n": (1,), "from_columns": ({},), "json_schema": (None,), "regex": (None,),
+                "choice": (None,), "grammar": (None,), "json_fit_budget": (True,)}
     fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items() if v not in optional.get(k, ())})
     for k in ("id_column", "prompt_column", "messages_column", "passthrough_columns", "prompt_prefix", "limit",
               "max_row_bytes"):

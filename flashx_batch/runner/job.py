@@ -44,6 +44,7 @@ from flashx_batch.runner.layout import TornJobJsonError
 from flashx_batch.runner.outputs import Output, check_output_location, open_output, output_root
 from flashx_batch.runner.signals import Interrupted, StopFlag
 from flashx_batch.tasks import get_task, read_columns
+from flashx_batch.tasks.generate import chat_format
 from flashx_batch.tasks.tables import reserved_column_problem
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,10 @@ def plan_job(job: JobConfig) -> PlannedJob:
     if natural:
         job = replace(job, eval=replace(job.eval, metric=natural))
         validate_eval(job)
-    return PlannedJob(job, model_dir, loaded, task.plan(job, loaded, tokenizer), metric_from_task=bool(natural))
+    fmt = chat_format(job, tokenizer) if task.generates else None
+    answers = f"reasoning={fmt.reasoning},tool_calls={fmt.tool_calls}" if fmt is not None and fmt.parses else None
+    return PlannedJob(job, model_dir, loaded, task.plan(job, loaded, tokenizer), metric_from_task=bool(natural),
+                      answer_format=answers)
 
 
 def check_job_constraint(job: JobConfig, tokenizer) -> None:
@@ -214,7 +218,7 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
             job = planned.job
             log.info("%s: resumed without the task's default metric, as the job was started", output.root)
         model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
-        fp = fingerprint.compute(job, plan, model_stats, resolved_as)
+        fp = fingerprint.compute(job, plan, model_stats, resolved_as, planned.answer_format)
         differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []
         # a job finished under earlier row rules is still finished: nothing to rerun, nothing rewritten
         rules_only = all(d.startswith(fingerprint.ROW_RULES_KEY + ":") for d in differences)

@@ -53,6 +53,9 @@ class PlannedJob:
     loaded: LoadedInput
     plan: Plan
     metric_from_task: bool = False  # `job.eval.metric` is the task's default, not the user's setting
+    # chat answers split by the model's template into reasoning / tool calls / answer (`tasks.generate.chat_format`):
+    # in the fingerprint, so a chat job written before answers were split never resumes into mixed pieces
+    answer_format: str | None = None
 
     @property
     def task(self) -> Task:

@@ -151,6 +151,9 @@ def test_reasoning_and_tool_calls_split_from_chat_answers(tmp_path):
                    data=table) == 0
     gens = {g["id"]: g for g in pq.read_table(out / "generations").to_pylist()}
     assert all(g["finish_reason"] == "stop" and g["constraint_met"] for g in gens.values())
+    # split answers are in the fingerprint: a chat job written before they were split never resumes into them
+    fingerprint = json.loads((out / "job.json").read_text())["fingerprint"]
+    assert fingerprint["output.answer_format"] == "reasoning=True,tool_calls=hermes"
     assert (gens[0]["reasoning_content"], gens[0]["generated_text"], gens[0]["tool_calls"]) == \
         ("plan it", "The answer is 4.", None)
     assert gens[0]["score"] == gens[2]["score"] == 1.0  # the answer is scored, not the reasoning before it

@@ -229,7 +229,11 @@ def test_fingerprint_holds_the_new_keys_only_when_set(tmp_path):
     job = _job(path, tmp_path / "out")
     plan = plan_job(job).plan
     plain = fingerprint.compute(job, plan, {})
-    assert not {"sampling.logprobs", "sampling.n", "sampling.from_columns"} & set(plain)  # older jobs still resume
+    new_keys = {"sampling.logprobs", "sampling.n", "sampling.from_columns", "sampling.json_schema", "sampling.regex",
+                "sampling.choice", "sampling.grammar", "sampling.json_fit_budget", "output.answer_format"}
+    assert not new_keys & set(plain)  # older jobs still resume
+    constrained = fingerprint.compute(_job(path, tmp_path / "out", 'sampling.regex="[0-9]+"'), plan, {})
+    assert constrained["sampling.regex"] == "[0-9]+"
     asked = fingerprint.compute(_job(path, tmp_path / "out", "sampling.logprobs=3", "sampling.n=2",
                                      "sampling.temperature=1.0", "+sampling.from_columns={seed:id}"), plan, {})
     assert (asked["sampling.logprobs"], asked["sampling.n"], asked["sampling.from_columns"]) == (3, 2, {"seed": "id"})

@@ -203,7 +203,8 @@ def test_constrained_rows_on_a_replica():
               "required": ["kind", "who"], "additionalProperties": False}
     texts = [f"Clause {i}: the licensee shall not sublicense." for i in range(5)]
     params = [SamplingParams(max_new_tokens=32, json_schema=schema), SamplingParams(max_new_tokens=8),
-              SamplingParams(max_new_tokens=8, choice=["yes", "no"]), SamplingParams(max_new_tokens=32, regex="[0-9]{4}"),
+              SamplingParams(max_new_tokens=8, choice=["yes", "no"]),
+              SamplingParams(max_new_tokens=32, regex="[0-9]{4}"),
               SamplingParams(max_new_tokens=32, json_schema=schema, temperature=1.0, seed=3)]
     want = Engine.from_pretrained(None, max_batch_size=2).generate(texts, params)
     with Engine.from_pretrained(None, max_batch_size=2, tensor_parallel_size=2) as tp:
