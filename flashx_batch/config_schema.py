@@ -87,8 +87,9 @@ SamplingSection = dataclasses.make_dataclass(
 # logprobs stay job-wide: they shape the output (rows per id, columns)
 SAMPLING_COLUMN_KEYS = {"max_new_tokens": "int", "temperature": "float", "top_k": "int", "top_p": "float",
                         "seed": "seed", "stop": "stop", "ignore_eos": "bool",
-                        # a row's constraint (runtime/constraints.py): a schema as JSON text or a struct / map
-                        # cell, a choice list as a list or its JSON text; a bad one is a bad_constraint row
+                        # a row's constraint (runtime/constraints.py): a schema as JSON text or a struct cell
+                        # (its null fields dropped), a choice list as a list or its JSON text; a bad one is a
+                        # bad_constraint row
                         "json_schema": "json_schema", "regex": "text", "choice": "choice", "grammar": "text"}
 CONSTRAINT_KEYS = ("json_schema", "regex", "choice", "grammar")
 

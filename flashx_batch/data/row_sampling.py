@@ -67,7 +67,8 @@ def row_params(sampling: SamplingSection, columns: Mapping[str, list[Any]], row:
         return RowProblem(BAD_SAMPLING_PARAM, f"{str(exc).rstrip('.')} (from {where})")
     made = params.constraint  # what the engine compiles (a schema fitted to the row's budget)
     if made is not None and constraint_problem is not None and (problem := constraint_problem(made)) is not None:
-        return RowProblem(BAD_CONSTRAINT, f"{problem} (from {constraint_from})")
+        return RowProblem(BAD_CONSTRAINT, f"{params.describe_constraint()} cannot be compiled: {problem} "
+                                          f"(from {constraint_from})")
     if params.max_new_tokens > max_output_len:
         return RowProblem(BAD_SAMPLING_PARAM, f"sampling.max_new_tokens={params.max_new_tokens} exceeds "
                                               f"runtime.max_output_len={max_output_len} (from {where})")
@@ -90,6 +91,14 @@ def may_constrain(sampling: SamplingSection) -> bool:
     return any(getattr(sampling, key) is not None or key in sampling.from_columns for key in CONSTRAINT_KEYS)
 
 
+def _without_nulls(value: Any) -> Any:
+    """A struct cell's schema without its null fields: a struct column holds every field any row of the file
+    has, null where a row lacks it (a schema's own `"const": null` needs the schema as JSON text)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return [_without_nulls(v) for v in value] if isinstance(value, list) else value
+
+
 _EXPECTED = {"int": "an integer in int64's range", "float": "a finite number", "seed": "an integer in [0, 2**63)",
              "stop": "a string or a list of strings", "bool": "true or false",
              "json_schema": "a JSON schema object, or its JSON text", "text": "a non-empty string",
@@ -98,8 +107,8 @@ _EXPECTED = {"int": "an integer in int64's range", "float": "a finite number", "
 
 def _parse(kind: str, raw: Any) -> Any:
     """A cell as the key's type (`data.row_values`), or None when it is not one."""
-    if kind == "json_schema":  # a struct cell is a dict; its JSON text is checked by `constraint_of`
-        return raw if isinstance(raw, str | dict) else None
+    if kind == "json_schema":  # JSON text, or a struct cell (a dict; its JSON text is checked by `constraint_of`)
+        return raw if isinstance(raw, str) else _without_nulls(raw) if isinstance(raw, dict) else None
     if kind == "text":
         return raw if isinstance(raw, str) and raw else None
     if kind == "choice":

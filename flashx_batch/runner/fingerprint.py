@@ -18,6 +18,7 @@ import flashx_batch
 from flashx_batch.config import JobConfig
 from flashx_batch.data.plan import Plan, bucket_edges
 from flashx_batch.job_errors import ModelChangedError
+from flashx_batch.runtime.constraints import canonical_schema
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -67,7 +68,7 @@ def model_file_stats(model_dir: Path, cache: dict[str, Any] | None) -> dict[str,
 # The version of the per-row checks and ids the plan applies (which rows are error rows, what a line without
 # an id is called): a plan of the same input under other checks may hold other ids, so a job planned under
 # other rules never resumes (a finished one stays finished: `runner.job`). Raise it with any such change.
-ROW_RULES = 2
+ROW_RULES = 3  # 3: OpenAI Batch lines with response_format are rows (they were bad_request)
 ROW_RULES_KEY = "plan.row_rules"
 # keys compared only when both records hold them: jobs written before they existed, and a finished job
 # rerun without a cluster to resolve `auto` on, still resume
@@ -118,6 +119,10 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_a
     optional = {"logprobs": (None, 0), "n": (1,), "from_columns": ({},), "json_schema": (None,), "regex": (None,),
                 "choice": (None,), "grammar": (None,), "json_fit_budget": (True,)}
     fp.update({f"sampling.{k}": v for k, v in asdict(job.sampling).items() if v not in optional.get(k, ())})
+    if job.sampling.json_schema is not None:  # as text: the order of its keys is the order answers are written in
+        fp["sampling.json_schema"] = canonical_schema(job.sampling.json_schema)
+    if d.format == "openai_batch":  # the column a request's response_format is read into: not the user's setting
+        fp["sampling.from_columns"] = {k: v for k, v in job.sampling.from_columns.items() if k != "json_schema"}
     for k in ("id_column", "prompt_column", "messages_column", "passthrough_columns", "prompt_prefix", "limit",
               "max_row_bytes"):
         fp[f"data.{k}"] = getattr(d, k)

@@ -156,7 +156,7 @@ def check_job_constraint(job: JobConfig, tokenizer) -> None:
     problem = compile_check(tokenizer)(constraint)
     if problem is not None:
         raise ConfigError(f"sampling.{constraint.kind} cannot be compiled: {problem}. Fix it, or give it per row "
-                          f"(sampling.from_columns.{constraint.kind}) so that only those rows fail.")
+                          f"(sampling.from_columns) so that only those rows fail.")
 
 
 def preflight_model(job: JobConfig, model_dir: Path) -> None:

@@ -7,7 +7,10 @@ Formats, found in the template's text (`output_format`):
 - tool calls, "hermes" (Qwen2.5 / Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - tool calls, "glm" (GLM-4.5 / 4.6): `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`,
   a value as text when the tool's parameter is a string, else as JSON (the template writes it that way).
-- tool calls, "llama3_json" (Llama-3.1 / 3.3): the whole answer one `{"name": ..., "parameters": {...}}`.
+- tool calls, "llama3_json" (Llama-3.1 / 3.3): the whole answer one `{"name": ..., "parameters": {...}}`
+  naming one of the row's tools.
+
+Calls are looked for only in rows that offered tools (the row's tools column, or `data.tools`).
 
 A call that cannot be parsed stays in the text and `tool_call_error` says why: never dropped. Calls come out
 in OpenAI's shape: `{"id", "type": "function", "function": {"name", "arguments": <JSON text>}}`.
@@ -20,6 +23,11 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+# the tags the formats below are written in: some vocabularies mark them special, and the text parsed then
+# keeps them (`Tokenizer.decode_keeping`) where generated_text would skip them
+MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+           "</arg_value>")
 
 
 @dataclass(frozen=True)
@@ -50,14 +58,18 @@ def output_format(template: str | None) -> OutputFormat:
 
 
 def parse(text: str, fmt: OutputFormat, tools: list[dict[str, Any]] | None = None) -> ParsedOutput:
-    """`text` split by `fmt`; `tools`: the row's tool definitions (OpenAI shape), which tell the "glm"
-    format's string parameters from the others."""
+    """`text` split by `fmt`. `tools`: the row's tool definitions (OpenAI shape); calls are parsed only for
+    a row that offered tools (an answer that merely looks like a call stays the answer), a "llama3_json"
+    call only when it names one of them, and they tell the "glm" format's string parameters from the rest."""
     reasoning, content = split_reasoning(text) if fmt.reasoning else (None, text)
     out = ParsedOutput(content.strip() if reasoning is not None else content, reasoning)
+    if not tools:
+        return out
+    params = _string_params(tools)
     if fmt.tool_calls == "llama3_json":
-        _llama3_json(out)
+        _llama3_json(out, set(params))
     elif fmt.tool_calls is not None:
-        _tagged_calls(out, fmt.tool_calls, _string_params(tools))
+        _tagged_calls(out, fmt.tool_calls, params)
     return out
 
 
@@ -125,17 +137,17 @@ def _glm(body: str, string_params: dict[str, set[str]]) -> tuple[str, Any] | str
     return name, args
 
 
-def _llama3_json(out: ParsedOutput) -> None:
+def _llama3_json(out: ParsedOutput, names: set[str]) -> None:
     text = out.content.strip()
-    if not text.startswith("{") or '"name"' not in text:
+    if not text.startswith("{") or not any(f'"{n}"' in text for n in names):
         return
     try:
         call = json.loads(text)
     except ValueError as exc:
-        out.tool_call_error = f"the answer looks like a tool call and is not JSON ({exc})"
+        out.tool_call_error = f"the answer looks like a call of a given tool and is not JSON ({exc})"
         return
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return  # a JSON answer, not a call
+    if not isinstance(call, dict) or call.get("name") not in names:
+        return  # a JSON answer, not a call of a tool the row offered
     args = call.get("parameters", call.get("arguments", {}))
     out.tool_calls, out.content = [_openai_call(call["name"], args, 0, "")], ""
 

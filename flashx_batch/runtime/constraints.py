@@ -4,7 +4,8 @@ compiles it with llguidance; `SamplingParams` builds one from its `json_schema` 
 `grammar` fields.
 
 `source` is canonical text, so two rows asking for the same thing share one compiled grammar: a schema
-is its JSON with sorted keys, a choice list its JSON array.
+is its compact JSON, keys in the order given (the grammar writes an object's properties in the order its
+schema lists them: a "reasoning" listed before an "answer" is written first), a choice list its JSON array.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def canonical_schema(value: Any, where: str = "sampling.json_schema") -> str:
     if not isinstance(value, dict) and value is not True:
         raise ConfigError(f"{where} must be a JSON schema object, got {type(value).__name__}.")
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where} cannot be written as JSON: {exc}.") from None
 
@@ -66,7 +67,7 @@ def constraint_of(json_schema: Any = None, regex: str | None = None, choice: Any
     if not given:
         return None
     if len(given) > 1:
-        raise ConfigError(f"{where}: {' and '.join(given)} are both set; a row takes one constraint "
+        raise ConfigError(f"{where}: {', '.join(given)} are set at once; a row takes one constraint "
                           "(json_schema, regex, choice or grammar).")
     kind, value = next(iter(given.items()))
     if kind == "json_schema":

@@ -281,7 +281,7 @@ class Engine:
             seen.add(c)
             problem = self.grammars.problem(c)
             if problem is not None:
-                raise BadConstraint(f"prompt {i}: {problem}")
+                raise BadConstraint(f"prompt {i}: {p.describe_constraint()} cannot be compiled: {problem}")
         return before
 
     def warm_up(self) -> None:

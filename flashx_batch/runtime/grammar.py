@@ -53,8 +53,8 @@ class RowGrammar:
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token) or self.matcher.is_error():
-            raise RuntimeError(f"token {token} was sampled where the row's grammar does not allow it "
-                               f"({self.matcher.get_error()}); the step's token mask was not applied")
+            raise RuntimeError(f"the grammar library refused token {token} of a constrained row: "
+                               f"{self.matcher.get_error() or 'not allowed by the step mask'}")
 
     @property
     def finished(self) -> bool:
@@ -95,27 +95,32 @@ class GrammarBook:
                                          eos_token=list(eos_token_ids) or None)
         self.width = (self.tokenizer.vocab_size + 31) // 32
         self.executor = lib.LLExecutor()
-        self._compiled: OrderedDict[Constraint, str] = OrderedDict()
+        # per constraint, a fresh matcher: the compiled grammar (its parser built once); each row gets a copy
+        self._compiled: OrderedDict[Constraint, object] = OrderedDict()
         self.compiles = 0  # grammars compiled by this engine (cache misses), for the shard stats
 
-    def compile(self, constraint: Constraint) -> str:
-        """The constraint as a validated llguidance grammar (cached); `BadConstraint` when it cannot be."""
-        cached = self._compiled.get(constraint)
-        if cached is not None:
+    def compile(self, constraint: Constraint):
+        """The constraint's fresh llguidance matcher (compiled once, then cached); `BadConstraint` with the
+        library's message when it cannot be compiled."""
+        fresh = self._compiled.get(constraint)
+        if fresh is not None:
             self._compiled.move_to_end(constraint)
-            return cached
+            return fresh
         grammar = self._grammar_text(constraint)
         failed, messages = self._lib.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
-            raise BadConstraint(f"{constraint.describe()}: {messages[0]}")
+            raise BadConstraint(messages[0])
+        fresh = self._lib.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if fresh.is_error():
+            raise BadConstraint(fresh.get_error())
         self.compiles += 1
-        self._compiled[constraint] = grammar
+        self._compiled[constraint] = fresh
         if len(self._compiled) > COMPILED_KEEP:
             self._compiled.popitem(last=False)
-        return grammar
+        return fresh
 
     def problem(self, constraint: Constraint) -> str | None:
-        """Why the constraint cannot be compiled, or None."""
+        """The library's reason the constraint cannot be compiled, or None."""
         try:
             self.compile(constraint)
         except BadConstraint as exc:
@@ -123,10 +128,8 @@ class GrammarBook:
         return None
 
     def matcher(self, constraint: Constraint) -> RowGrammar:
-        matcher = self._lib.LLMatcher(self.tokenizer, self.compile(constraint), log_level=0)
-        if matcher.is_error():
-            raise BadConstraint(f"{constraint.describe()}: {matcher.get_error()}")
-        return RowGrammar(matcher)
+        """A row's own matcher: a copy of the constraint's compiled one."""
+        return RowGrammar(self.compile(constraint).deep_copy())
 
     def masks(self, grammars: list[RowGrammar | None]) -> StepMasks | None:
         """The step's masks for rows in batch order (None: no row is constrained)."""
@@ -148,7 +151,7 @@ class GrammarBook:
             lark = c.source
             return m.grammar_from_lark(lark)
         except Exception as exc:  # noqa: BLE001 — the library's parse errors are many types; all are the user's
-            raise BadConstraint(f"{c.describe()}: {exc}") from None
+            raise BadConstraint(str(exc)) from None
 
 
 def compile_check(tokenizer) -> Callable[[Constraint], str | None]:

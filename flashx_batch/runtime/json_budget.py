@@ -8,12 +8,15 @@ schema as given (its output validates against the original):
 
 - an object with `properties` and no `additionalProperties` gets `additionalProperties: false` (as OpenAI's
   strict mode and xgrammar's default treat it), unless that could exclude every answer: a required key that
-  is not a listed property, `patternProperties`, `minProperties` above the listed properties, or an
-  `allOf` anywhere in the schema (where another branch may list the keys);
+  is not a listed property, `minProperties` above the listed properties, a keyword beside `properties`
+  that may admit or require other keys (`patternProperties`, `anyOf`, `oneOf`, `$ref`, `if`, dependencies,
+  ...), or an `allOf` anywhere in the schema (where another branch may list the keys);
 - an integer or number without `maximum` / `minimum` gets ±(10**9 - 1); a number without `multipleOf`
-  gets `multipleOf: 0.0001` (at most four digits after the point);
+  gets `multipleOf: 0.0001` (at most four digits after the point) unless its range is narrower than 1;
 - a string without `maxLength`, `enum`, `const`, `pattern` or `format` gets `maxLength` (its
-  `minLength` at least); an array without `maxItems` gets one (its `minItems` at least);
+  `minLength` at least); an array without `maxItems`, `enum` or `const` gets one (its `minItems` at least);
+- nothing inside `not` or `if` is touched (tightening there would loosen the schema, or change which
+  branch applies);
 - then, while the longest answer the schema allows would not fit the budget (counting a token per
   character, which byte-level vocabularies never beat for ASCII text), those added string bounds and every
   array's `maxItems` shrink by a quarter, never below their minimums.
@@ -37,13 +40,16 @@ OPEN = 10**6  # the cost of what no bound limits
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _BOUNDED_STRING = ("maxLength", "enum", "const", "pattern", "format")
+# keywords beside `properties` that may admit or require other keys: an object with one is never closed
+_APPLICATORS = ("patternProperties", "unevaluatedProperties", "anyOf", "oneOf", "allOf", "$ref", "if", "then",
+                "else", "dependentRequired", "dependentSchemas", "dependencies", "not", "enum", "const")
 _FORMAT_LENGTH = {"date": 10, "time": 15, "date-time": 32, "uuid": 36, "ipv4": 15}
 
 
 @lru_cache(maxsize=4096)
 def fit_schema(schema_text: str, budget: int) -> str:
     """The schema (canonical JSON text) with its open ends bounded for `budget` new tokens, as canonical
-    JSON text (the text as given when it is not an object schema)."""
+    JSON text, keys in their order (the text as given when it is not an object schema)."""
     schema = json.loads(schema_text)
     if not isinstance(schema, dict):
         return schema_text
@@ -67,7 +73,7 @@ def fit_schema(schema_text: str, budget: int) -> str:
             node["maxItems"] = new
         if not changed:
             break
-    return json.dumps(fitted, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(fitted, separators=(",", ":"), ensure_ascii=False)  # keys in the order given: see constraints
 
 
 def _int(value: Any, default: int) -> int:
@@ -86,7 +92,8 @@ def _walk(node: Any, visit) -> None:
         if isinstance(node.get(key), list):
             for child in node[key]:
                 _walk(child, visit)
-    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+    # not `not` (a tighter subschema there loosens the whole) nor `if` (it would change which branch applies)
+    for key in ("items", "additionalProperties", "then", "else"):
         if isinstance(node.get(key), dict):
             _walk(node[key], visit)
 
@@ -107,20 +114,22 @@ def _bound(node: dict, budget: int, closes_objects: bool, added: list[dict], arr
             node["maximum"] = limit
         if low is None and not (isinstance(high, int | float) and high <= -limit):
             node["minimum"] = -limit
-        if "number" in types and "multipleOf" not in node:
+        low, high = node.get("minimum", node.get("exclusiveMinimum")), node.get("maximum", node.get("exclusiveMaximum"))
+        wide = not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) or high - low >= 1
+        if "number" in types and "multipleOf" not in node and wide:  # a narrow range may hold no multiple
             node["multipleOf"] = FRACTION
     if "string" in types and not any(k in node for k in _BOUNDED_STRING):
         node["maxLength"] = max(_int(node.get("minLength"), 0), budget)
         added.append(node)
-    if "array" in types or isinstance(node.get("items"), dict):
+    if ("array" in types or isinstance(node.get("items"), dict)) and not fixed:
         if "maxItems" not in node:
             node["maxItems"] = max(_int(node.get("minItems"), 0), max(1, budget // 8))
         if isinstance(node["maxItems"], int):
             arrays.append(node)
     if closes_objects and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         listed, required = node["properties"], node.get("required", [])
-        if (isinstance(required, list) and all(k in listed for k in required) and "patternProperties" not in node
-                and "unevaluatedProperties" not in node and _int(node.get("minProperties"), 0) <= len(listed)):
+        if (isinstance(required, list) and all(k in listed for k in required)
+                and not any(k in node for k in _APPLICATORS) and _int(node.get("minProperties"), 0) <= len(listed)):
             node["additionalProperties"] = False
 
 

@@ -87,6 +87,13 @@ class SamplingParams:
             return Constraint("regex", self.regex)
         return Constraint("grammar", self.grammar) if self.grammar is not None else None
 
+    def describe_constraint(self, limit: int = 80) -> str:
+        """The constraint as the caller gave it (a schema before budget fitting), cut to `limit` characters."""
+        kind = next(k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None)
+        value = getattr(self, kind)
+        text = value if isinstance(value, str) else json.dumps(list(value), ensure_ascii=False)
+        return f"{kind} {text if len(text) <= limit else text[: limit - 3] + '...'}"
+
     @property
     def wants_logprobs(self) -> int:
         """K alternatives per token (0 = logprobs off)."""

@@ -54,6 +54,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def special_among(self, texts: tuple[str, ...]) -> set[str]:
+        """Those of `texts` that are special tokens of this vocabulary (decode skips them by default)."""
+        specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        return {t for t in texts if t in specials}
+
+    def decode_keeping(self, ids: list[int], keep: set[str]) -> str:
+        """`decode` with special tokens skipped except those spelled as one of `keep`."""
+        skip = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special and t.content not in keep}
+        return self._tok.decode([i for i in ids if i not in skip], skip_special_tokens=False)
+
     def template_for(self, tools: list[Any] | None = None) -> str:
         """The template a render uses: the only one, or of several named ones `tool_use` when there are
         tools and the model has one, else `default` (transformers' choice)."""

@@ -13,7 +13,7 @@ from flashx_batch.data.preflight import prompt_roles
 from flashx_batch.data.row_sampling import may_constrain, row_params
 from flashx_batch.data.validate import RowProblem, build_prompt, row_tools
 from flashx_batch.evaluation.metrics import score_row as metric_score
-from flashx_batch.runtime.chat_output import OutputFormat, output_format
+from flashx_batch.runtime.chat_output import MARKERS, OutputFormat, output_format
 from flashx_batch.tasks.base import ShardResult, ShardRows, ShardSource, Task, passthrough_arrays, register
 from flashx_batch.tasks.tables import (
     GENERATION_COLUMNS,
@@ -30,6 +30,14 @@ def chat_format(job, tokenizer) -> OutputFormat:
     if not job.data.messages_column or tokenizer is None:
         return OutputFormat()
     return output_format("\n".join(tokenizer.chat_templates.values()))
+
+
+def _with_markers(tokenizer, ids: list[int], markers: set[str], stops: tuple[str, ...]) -> str:
+    """A generation's text with the chat tags kept (the other special tokens skipped, as in generated_text)
+    and cut at the first stop string, as generated_text is."""
+    text = tokenizer.decode_keeping(ids, markers)
+    cuts = [i for s in stops if (i := text.find(s)) >= 0]
+    return text[: min(cuts)] if cuts else text
 
 
 def row_seed(job_seed: int, row_id: Any) -> int:
@@ -91,6 +99,7 @@ class Generate(Task):
     def compute(self, source: ShardSource, rows: ShardRows, spec: ShardSpec) -> ShardResult:
         job, engine = source.job, source.engine
         texts, params, references, tools = rows.inputs
+        job_tools = list(job.data.tools) if job.data.tools else None
         # chat rows are template-rendered text that already carries BOS / role tokens
         token_lists = engine.tokenizer.encode_batch(texts, add_special_tokens=not job.data.messages_column)
         outs = engine.generate(token_lists, params)  # sampling.n > 1: n outputs per row, in row order
@@ -103,12 +112,13 @@ class Generate(Task):
                                  [o.top_logprobs for o in outs] if logprobs else None)
         if may_constrain(job.sampling):  # null for a row without a constraint
             samples["constraint_met"] = pa.array([o.constraint_met for o in outs], pa.bool_())
-        if may_constrain(job.sampling):  # null for a row without a constraint
-            samples["constraint_met"] = pa.array([o.constraint_met for o in outs], pa.bool_())
         answers = [o.text or "" for o in outs]
         fmt = chat_format(job, engine.tokenizer)
         if fmt.parses:  # chat rows: the answer without its reasoning and tool calls (runtime.chat_output)
-            answers = chat_columns(fmt, answers, [tools[o.index] for o in outs], samples)
+            markers = engine.tokenizer.special_among(MARKERS)  # a template's tags some vocabularies mark special
+            if markers:
+                answers = [_with_markers(engine.tokenizer, o.token_ids, markers, params[o.index].stop) for o in outs]
+            answers = chat_columns(fmt, answers, [tools[o.index] or job_tools for o in outs], samples)
         if references is not None:  # the answer is scored, not the reasoning
             samples.update(score_column([metric_score(job.eval.metric, a, references[o.index],
                                                       source.metric_pattern) for a, o in zip(answers, outs)]))

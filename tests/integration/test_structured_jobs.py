@@ -81,7 +81,7 @@ def test_a_job_wide_constraint_the_library_refuses_stops_the_job(tmp_path):
     assert code == 2 and not out.exists()
     with pytest.raises(ConfigError, match="uniqueItems"):
         plan_job(compose_job([*BASE, f"output.dir={out}", "sampling.json_schema={type: array, uniqueItems: true}"]))
-    with pytest.raises(ConfigError, match="both set"):
+    with pytest.raises(ConfigError, match="set at once"):
         plan_job(compose_job([*BASE, f"output.dir={out}", "sampling.regex=a", "sampling.choice=[a]"]))
 
 
@@ -147,6 +147,7 @@ def test_reasoning_and_tool_calls_split_from_chat_answers(tmp_path):
     out = tmp_path / "out"
     assert run_job(["conf=legal_docs", "executor.kind=local", f"model.path={model}", "data.messages_column=messages",
                     f"output.dir={out}", "output.format=openai_batch", "sampling.max_new_tokens=60",
+                    'data.tools=[{type: function, function: {name: get_weather, parameters: {type: object}}}]',
                     "+sampling.from_columns={regex: force}", "eval.metric=exact_match", "eval.reference_column=ref"],
                    data=table) == 0
     gens = {g["id"]: g for g in pq.read_table(out / "generations").to_pylist()}
@@ -167,3 +168,22 @@ def test_reasoning_and_tool_calls_split_from_chat_answers(tmp_path):
     assert lines["0"]["message"] == {"role": "assistant", "content": "The answer is 4.", "reasoning_content": "plan it"}
     assert lines["1"]["finish_reason"] == "tool_calls" and lines["1"]["message"]["content"] is None
     assert lines["1"]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_schemas_written_as_objects_in_a_jsonl_file(tmp_path):
+    """A JSONL file's schema objects read as one struct column holding every row's fields, null where a row
+    lacks one: each row's own schema is used, without the other rows' null fields."""
+    rows = [{"id": i, "prompt": f"Clause {i} of the licence.", "schema": [ENUM, NESTED][i % 2]} for i in range(6)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert run_job([*BASE, f"data.path={src}", f"output.dir={out}",
+                    "+sampling.from_columns={json_schema: schema}"]) == 0
+    gens = {g["id"]: g for g in pq.read_table(out / "generations").to_pylist()}
+    assert len(gens) == 6
+    assert not (out / "errors").exists() or pq.read_table(out / "errors").num_rows == 0
+    for r in rows:
+        g = gens[r["id"]]
+        assert g["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(g["generated_text"]), r["schema"])
+        assert set(json.loads(g["generated_text"])) == set(r["schema"]["properties"])

@@ -75,19 +75,20 @@ def test_reasoning_round_trip_through_the_template(name):
 def test_reasoning_and_a_call_with_text_around_it():
     text = '<think>\nneed weather\n</think>\n\nLet me check.\n<tool_call>\n{"name": "get_weather", ' \
            '"arguments": {"city": "Oslo"}}\n</tool_call>'
-    parsed = parse(text, OutputFormat(reasoning=True, tool_calls="hermes"))
+    parsed = parse(text, OutputFormat(reasoning=True, tool_calls="hermes"), tools=[WEATHER])
     assert parsed.reasoning == "need weather" and parsed.content == "Let me check."
     assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
 
 
 def test_an_unparseable_call_stays_in_the_text_with_a_flag():
     text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'
-    parsed = parse(text, OutputFormat(tool_calls="hermes"))
+    parsed = parse(text, OutputFormat(tool_calls="hermes"), tools=[WEATHER])
     assert parsed.tool_calls is None and "not JSON" in parsed.tool_call_error
     assert "<tool_call>" in parsed.content and '"city"' in parsed.content
-    cut = parse('<tool_call>\n{"name": "get_weather", "argu', OutputFormat(tool_calls="hermes"))
+    cut = parse('<tool_call>\n{"name": "get_weather", "argu', OutputFormat(tool_calls="hermes"), tools=[WEATHER])
     assert cut.tool_calls is None and "not closed" in cut.tool_call_error and "get_weather" in cut.content
-    llama = parse('{"name": "get_weather", "parameters": {"city"', OutputFormat(tool_calls="llama3_json"))
+    llama = parse('{"name": "get_weather", "parameters": {"city"', OutputFormat(tool_calls="llama3_json"),
+                  tools=[WEATHER])
     assert llama.tool_calls is None and llama.tool_call_error and llama.content.startswith('{"name"')
 
 
@@ -97,3 +98,25 @@ def test_thinking_opened_by_the_prompt_and_cut_by_the_budget():
     assert split_reasoning("No thinking here.") == (None, "No thinking here.")
     plain = parse("No thinking here.", OutputFormat(reasoning=True))
     assert (plain.reasoning, plain.content) == (None, "No thinking here.")
+
+
+def test_calls_are_parsed_only_where_the_row_offered_tools():
+    """A JSON answer with a "name" is an answer, not a call, unless it names a tool the row offered."""
+    answer = '{"name": "Bob", "age": 3}'
+    for tools in (None, [WEATHER]):
+        parsed = parse(answer, OutputFormat(tool_calls="llama3_json"), tools=tools)
+        assert (parsed.content, parsed.tool_calls, parsed.tool_call_error) == (answer, None, None)
+    tagged = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    assert parse(tagged, OutputFormat(tool_calls="hermes")).tool_calls is None  # no tools offered
+    assert parse(tagged, OutputFormat(tool_calls="hermes"), tools=[WEATHER]).tool_calls is not None
+
+
+def test_tags_a_vocabulary_marks_special_are_kept_for_parsing():
+    from flashx_batch.runtime.options import bundled_model_dir
+    from flashx_batch.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(bundled_model_dir())  # its <|assistant|> is a special token, as GLM's tags may be
+    ids = [tok.token_to_id("<|assistant|>"), *tok.encode("hi", add_special_tokens=False), tok.token_to_id("</s>")]
+    assert tok.special_among(("<|assistant|>", "<think>")) == {"<|assistant|>"}
+    assert tok.decode(ids) == "hi"
+    assert tok.decode_keeping(ids, {"<|assistant|>"}) == "<|assistant|>hi"

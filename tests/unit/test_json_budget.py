@@ -120,3 +120,16 @@ def test_bounds_that_could_exclude_every_answer_are_not_added():
     assert json.loads(fit_schema(json.dumps(long_min), 16))["maxLength"] >= 100
     few = {"type": "array", "minItems": 6, "items": {"type": "string"}}
     assert json.loads(fit_schema(json.dumps(few), 16))["maxItems"] >= 6
+    # keys another applicator may admit or require: the object stays open
+    branches = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"],
+                "anyOf": [{"properties": {"x": {"type": "boolean"}}, "required": ["x"]}, {"required": ["kind"]}]}
+    assert "additionalProperties" not in json.loads(fit_schema(json.dumps(branches), 64))
+    # inside `not` a tighter schema would loosen the whole; inside `if` it would change the branch taken
+    negated = {"type": "object", "properties": {"a": {"not": {"type": "string"}}},
+               "if": {"properties": {"a": {"type": "string"}}}, "then": {"required": ["a"]}}
+    fitted = json.loads(fit_schema(json.dumps(negated), 64))
+    assert fitted["properties"]["a"]["not"] == {"type": "string"} and fitted["if"] == negated["if"]
+    narrow = {"type": "number", "minimum": 1e-5, "maximum": 5e-5}
+    assert "multipleOf" not in json.loads(fit_schema(json.dumps(narrow), 64))
+    fixed = {"type": "array", "const": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]}
+    assert "maxItems" not in json.loads(fit_schema(json.dumps(fixed), 16))

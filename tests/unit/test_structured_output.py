@@ -146,7 +146,7 @@ def test_bad_constraints_are_refused_with_the_reason(engine):
                                       SamplingParams(json_schema={"type": "array", "uniqueItems": True})])
     with pytest.raises(BadConstraint, match="regex"):
         engine.generate(PROMPTS[:1], SamplingParams(regex="(unclosed"))
-    with pytest.raises(ConfigError, match="both set"):
+    with pytest.raises(ConfigError, match="set at once"):
         SamplingParams(regex="a", choice=["a"])
     with pytest.raises(ConfigError, match="not valid JSON"):
         SamplingParams(json_schema="{nope")
@@ -173,8 +173,22 @@ def test_open_schemas_finish_within_their_budget(engine):
     assert exact.constraint.source == exact.json_schema != params[0].constraint.source
 
 
-def test_params_keep_a_canonical_constraint():
-    a = SamplingParams(json_schema={"b": 1, "type": "object"})
-    b = SamplingParams(json_schema='{"type": "object", "b": 1}')
+def test_params_keep_a_canonical_constraint_in_the_order_given():
+    a = SamplingParams(json_schema={"type": "object", "properties": {"why": {"type": "string"}}})
+    b = SamplingParams(json_schema='{"type": "object",  "properties": {"why": {"type": "string"}}}')
     assert a.json_schema == b.json_schema and a.constraint == b.constraint and hash(a) == hash(b)
     assert SamplingParams(**a.__dict__) == a
+    # the grammar writes properties in the schema's order: "reasoning" before "answer" stays first
+    ordered = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 6},
+                                                "answer": {"enum": ["yes", "no"]}},
+               "required": ["reasoning", "answer"], "additionalProperties": False}
+    assert list(json.loads(SamplingParams(json_schema=ordered).constraint.source)["properties"]) == \
+        ["reasoning", "answer"]
+
+
+def test_properties_are_written_in_the_order_the_schema_lists_them(engine):
+    schema = {"type": "object", "properties": {"z_reasoning": {"type": "string", "maxLength": 8},
+                                               "a_answer": {"enum": ["yes", "no"]}},
+              "required": ["z_reasoning", "a_answer"], "additionalProperties": False}
+    out = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=40, json_schema=schema))[0]
+    assert out.finish_reason == "stop" and out.text.index('"z_reasoning"') < out.text.index('"a_answer"')
