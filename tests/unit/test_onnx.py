@@ -85,6 +85,13 @@ def test_bundled_model_greedy_tokens_equal_torch_runtime(tmp_path):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ours, ref = onnx_engine.generate(prompts, params), torch_engine.generate(prompts, params)
     assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+    # constrained rows: the ONNX runner applies the same grammar masks
+    schema = {"type": "object", "properties": {"kind": {"enum": ["lease", "licence"]}}, "required": ["kind"]}
+    constrained = [SamplingParams(max_new_tokens=24, json_schema=schema), SamplingParams(max_new_tokens=8),
+                   SamplingParams(max_new_tokens=24, regex="[0-9]{3}"), SamplingParams(max_new_tokens=8, choice=["a"])]
+    ours, ref = onnx_engine.generate(prompts, constrained), torch_engine.generate(prompts, constrained)
+    assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+    assert [o.constraint_met for o in ours] == [True, None, True, True]
 
 
 def test_knobs_an_onnx_runner_cannot_use_leave_its_tokens_alone(llama):
