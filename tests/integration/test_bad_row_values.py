@@ -21,7 +21,10 @@ from flashx_batch.data.row_sampling import row_params
 from flashx_batch.data.row_values import as_float, as_int, describe
 from flashx_batch.data.validate import RowProblem, ScoreRow, score_row
 from flashx_batch.runner import run
+from flashx_batch.runtime.grammar import compile_check
+from flashx_batch.runtime.options import bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
+from flashx_batch.runtime.tokenizer import Tokenizer
 
 
 def _write(path, lines):
@@ -114,13 +117,15 @@ def test_no_row_value_ends_a_job():
     sampling = SamplingSection(from_columns={k: k for k in keys})
     data = DataSection(answer_column="answer", prompt_column="text")
     examples, kinds = 0, Counter()
+    # a row's constraint is compiled by the grammar library while planning: no value may make it raise
+    compiles = compile_check(Tokenizer(bundled_model_dir()))
     for value in values:
         assert isinstance(describe(value), str)
         assert as_int(value) is None or -(2**63) <= as_int(value) < 2**63
         assert as_float(value) is None or abs(as_float(value)) < float("inf")
         for key in keys:
             columns = {k: [value if k == key else None] for k in keys}
-            got = row_params(sampling, columns, 0, 7, 64)
+            got = row_params(sampling, columns, 0, 7, 64, compiles)
             examples += 1
             assert isinstance(got, RowProblem | SamplingParams)
             if isinstance(got, RowProblem):
@@ -128,7 +133,7 @@ def test_no_row_value_ends_a_job():
             else:
                 assert abs(got.temperature) < float("inf") and got.top_k < 2**63 and got.max_new_tokens <= 64
         for field in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs", "top_logprobs",
-                      "prompt", "messages", "tools", "model", "stream"):
+                      "prompt", "messages", "tools", "model", "stream", "response_format"):
             for url in (openai_batch.CHAT, openai_batch.COMPLETIONS):
                 try:  # a value JSON cannot write (past Python's 4,300 digits) never reaches a line
                     text = json.dumps(_line("x", url=url, **{field: value}))
@@ -150,7 +155,7 @@ def test_no_row_value_ends_a_job():
             assert isinstance(got, RowProblem | ScoreRow)
             if isinstance(got, RowProblem):
                 kinds["score row"] += 1
-    assert examples > 8_500 and set(kinds) == {"bad_sampling_param", "bad_request", "score row"}
+    assert examples > 8_500 and set(kinds) == {"bad_sampling_param", "bad_constraint", "bad_request", "score row"}
 
 
 def test_a_resume_where_auto_resolves_to_another_dtype_is_refused(tmp_path, monkeypatch, caplog):
