@@ -193,7 +193,9 @@ def cost(repeats: int, tokens: int) -> dict:
             "free_tok_per_s_median": round(statistics.median(rates["free"]), 1),
             "constrained_tok_per_s_median": round(statistics.median(rates["constrained"]), 1),
             "constrained_over_free_median": round(statistics.median(ratios), 3),
-            "constrained_over_free_min": round(min(ratios), 3)}
+            "constrained_over_free_min": round(min(ratios), 3),
+            "free_tok_per_s": [round(r, 1) for r in rates["free"]],
+            "constrained_tok_per_s": [round(r, 1) for r in rates["constrained"]]}
 
 
 def main() -> None:
@@ -202,6 +204,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--cost-only", action="store_true", help="only the constrained / free cost")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     report = {"date": time.strftime("%Y-%m-%d"), "commit": commit.strip(), "model": "bundled legal-tiny",
@@ -211,6 +214,9 @@ def main() -> None:
         work = Path(tmp)
         report["cost"] = cost(args.repeats, 48)
         print("cost", report["cost"], flush=True)
+        if args.cost_only:
+            print(json.dumps(report, indent=1))
+            return
         report["extraction_job"] = extraction(table, work, args.max_new_tokens)
         print("job", report["extraction_job"], flush=True)
         report["python_api"] = python_api(table.slice(0, 100), work, args.max_new_tokens)
