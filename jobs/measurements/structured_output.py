@@ -13,6 +13,7 @@
    constrained rows' schema asks for more array items than the budget holds, so no row ends early).
 
     python jobs/measurements/structured_output.py --out docs/results/structured_output [--rows 1000]
+    python jobs/measurements/structured_output.py --out docs/results/structured_output_cost --cost-only --repeats 9
 """
 
 from __future__ import annotations
@@ -214,17 +215,20 @@ def main() -> None:
         work = Path(tmp)
         report["cost"] = cost(args.repeats, 48)
         print("cost", report["cost"], flush=True)
-        if args.cost_only:
-            print(json.dumps(report, indent=1))
-            return
-        report["extraction_job"] = extraction(table, work, args.max_new_tokens)
-        print("job", report["extraction_job"], flush=True)
-        report["python_api"] = python_api(table.slice(0, 100), work, args.max_new_tokens)
-        print("api", report["python_api"], flush=True)
-        report["openai_batch"] = openai_file(table.slice(0, 120), work, args.max_new_tokens)
-        print("openai", report["openai_batch"], flush=True)
+        if not args.cost_only:
+            run_jobs(report, table, work, args.max_new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "structured_output.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def run_jobs(report: dict, table: pa.Table, work: Path, max_new: int) -> None:
+    """The three runs of part 1 into `report`."""
+    report["extraction_job"] = extraction(table, work, max_new)
+    print("job", report["extraction_job"], flush=True)
+    report["python_api"] = python_api(table.slice(0, 100), work, max_new)
+    print("api", report["python_api"], flush=True)
+    report["openai_batch"] = openai_file(table.slice(0, 120), work, max_new)
+    print("openai", report["openai_batch"], flush=True)
 
 
 if __name__ == "__main__":
