@@ -32,6 +32,7 @@ from flashx_batch.runtime.capabilities import Capabilities, capabilities
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.grammar import BadConstraint, GrammarBook
 from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
+from flashx_batch.runtime.json_budget import bound_reached
 from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length, protect_nats_for
 from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
@@ -242,10 +243,15 @@ class Engine:
         stats.grammar_compiles = self.grammar_compiles - compiles
         self.last_stats = stats
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return [RequestOutput(i, r.state.token_ids, r.state.final_text(decode) if decode else None,
+        outs = [RequestOutput(i, r.state.token_ids, r.state.final_text(decode) if decode else None,
                               r.state.finish_reason or "length", len(r.prompt), r.truncated, s,
                               r.state.logprobs, r.state.top_logprobs,
                               r.grammar.met if r.grammar is not None else None) for r, (i, s) in zip(rows, owners)]
+        for out, row in zip(outs, rows):
+            p = row.params
+            if p.json_schema is not None and p.json_fit_budget and out.text is not None:
+                out.json_bound_reached = bound_reached(p.json_schema, p.constraint.source, out.text)
+        return outs
 
     # ---- constrained decoding (runtime/grammar.py) -------------------------------------------
     @property

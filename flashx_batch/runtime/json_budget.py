@@ -21,7 +21,9 @@ schema as given (its output validates against the original):
   character, which byte-level vocabularies never beat for ASCII text), those added string bounds and every
   array's `maxItems` shrink by a quarter, never below their minimums.
 
-A schema this cannot make fit still runs (a row may then end at its budget, `constraint_met` false).
+A schema this cannot make fit still runs (a row may then end at its budget, `constraint_met` false). An
+answer that reached a bound fitting added may have been cut short of what the model would have written:
+`bound_reached` says so (`RequestOutput.json_bound_reached`, the `json_bound_reached` column).
 Who calls it: `SamplingParams.constraint`; the grammar cache is keyed by the tightened text, so rows with
 the same schema and budget share one compiled grammar.
 """
@@ -186,3 +188,47 @@ def _type_cost(kind: str, node: dict, root: dict, depth: int) -> int:
             return OPEN
         return 2 + sum(len(json.dumps(k)) + 4 + _cost(v, root, depth + 1) for k, v in props.items())
     return OPEN
+
+
+def bound_reached(given: str, fitted: str, text: str) -> bool:
+    """Whether an answer may have been cut short by a bound that fitting added: some string of it is exactly
+    as long as an added `maxLength`, or some array holds exactly an added or shrunk `maxItems` (compared by
+    value, not by place in the schema: it may say yes for a value that merely matches a bound's size)."""
+    if given == fitted:
+        return False
+    pairs: list[tuple[dict, dict]] = []
+    _walk_pairs(json.loads(given), json.loads(fitted), pairs)
+    lengths = {f["maxLength"] for g, f in pairs if "maxLength" in f and g.get("maxLength") != f["maxLength"]}
+    items = {f["maxItems"] for g, f in pairs if "maxItems" in f and g.get("maxItems") != f["maxItems"]}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return _reaches(value, lengths, items)
+
+
+def _walk_pairs(given: Any, fitted: Any, out: list[tuple[dict, dict]]) -> None:
+    """The schema's nodes beside the fitted schema's (fitting adds keywords, never nodes)."""
+    if not isinstance(given, dict) or not isinstance(fitted, dict):
+        return
+    out.append((given, fitted))
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(given.get(key), dict) and isinstance(fitted.get(key), dict):
+            for name, child in given[key].items():
+                _walk_pairs(child, fitted[key].get(name), out)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(given.get(key), list) and isinstance(fitted.get(key), list):
+            for a, b in zip(given[key], fitted[key]):
+                _walk_pairs(a, b, out)
+    for key in ("items", "additionalProperties", "then", "else"):
+        _walk_pairs(given.get(key), fitted.get(key), out)
+
+
+def _reaches(value: Any, lengths: set[int], items: set[int]) -> bool:
+    if isinstance(value, str):
+        return len(value) in lengths
+    if isinstance(value, list):
+        return len(value) in items or any(_reaches(v, lengths, items) for v in value)
+    if isinstance(value, dict):
+        return any(_reaches(v, lengths, items) for v in value.values())
+    return False

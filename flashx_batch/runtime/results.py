@@ -22,6 +22,9 @@ class RequestOutput:
     # a constrained row only (None otherwise): the text matches its constraint. True whenever finish_reason
     # is "stop"; a row cut at max_new_tokens ("length") is True only if its text happens to be a whole match
     constraint_met: bool | None = None
+    # a json_schema row fitted to its budget (`SamplingParams.json_fit_budget`) only: a string or array of the
+    # answer reached a bound the fitting added, so the model may have had more to write there
+    json_bound_reached: bool | None = None
 
     @property
     def num_generated_tokens(self) -> int:

@@ -110,8 +110,9 @@ class Generate(Task):
                                  [o.token_ids for o in outs] if logprobs else None,
                                  [o.logprobs for o in outs] if logprobs else None,
                                  [o.top_logprobs for o in outs] if logprobs else None)
-        if may_constrain(job.sampling):  # null for a row without a constraint
+        if may_constrain(job.sampling):  # null for a row without a constraint (a fitted JSON schema)
             samples["constraint_met"] = pa.array([o.constraint_met for o in outs], pa.bool_())
+            samples["json_bound_reached"] = pa.array([o.json_bound_reached for o in outs], pa.bool_())
         answers = [o.text or "" for o in outs]
         fmt = chat_format(job, engine.tokenizer)
         if fmt.parses:  # chat rows: the answer without its reasoning and tool calls (runtime.chat_output)

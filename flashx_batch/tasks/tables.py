@@ -18,7 +18,7 @@ GENERATION_COLUMNS = ("id", "generated_text", "finish_reason", "num_input_tokens
 SAMPLE_COLUMNS = ("sample_index", "token_ids", "token_logprobs", "top_logprobs")
 # what a generation's text holds, parsed: its constraint met (constrained jobs), and for chat rows of a model
 # whose template has them, the reasoning and the tool calls split from the answer
-STRUCTURED_COLUMNS = ("constraint_met", "reasoning_content", "tool_calls", "tool_call_error")
+STRUCTURED_COLUMNS = ("constraint_met", "json_bound_reached", "reasoning_content", "tool_calls", "tool_call_error")
 TOP_LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
 ERROR_COLUMNS = ("id", "error_code", "error_message", "stage")
 STATS_COLUMNS = ("shard_id", "bucket_min_len", "bucket_max_len", "rows", "rows_failed", "input_tokens",

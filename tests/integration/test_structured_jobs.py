@@ -70,6 +70,8 @@ def test_per_row_constraints_in_a_job(tmp_path):
         else:
             assert g["generated_text"] in r["options"]
     assert finished >= 0.9 * len(gens) and len(gens) == 16
+    assert all(isinstance(g["json_bound_reached"], bool) for g in gens.values() if rows[g["id"]]["schema"])
+    assert all(g["json_bound_reached"] is None for g in gens.values() if not rows[g["id"]]["schema"])
     stats = pq.read_table(tmp_path / "out" / "stats").to_pylist()
     assert 1 <= sum(s["grammar_compiles"] for s in stats) <= 4  # 4 distinct good constraints, one engine
 

@@ -133,3 +133,21 @@ def test_bounds_that_could_exclude_every_answer_are_not_added():
     assert "multipleOf" not in json.loads(fit_schema(json.dumps(narrow), 64))
     fixed = {"type": "array", "const": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]}
     assert "maxItems" not in json.loads(fit_schema(json.dumps(fixed), 16))
+
+
+def test_an_answer_at_an_added_bound_is_flagged():
+    from flashx_batch.runtime.json_budget import bound_reached
+
+    schema = json.dumps({"type": "object", "properties": {"who": {"type": "string"}, "code": {
+        "type": "string", "maxLength": 3}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+        "required": ["who", "code", "tags"]})
+    fitted = fit_schema(schema, 48)
+    fitted_props = json.loads(fitted)["properties"]
+    cap, items = fitted_props["who"]["maxLength"], fitted_props["tags"]["maxItems"]
+    assert bound_reached(schema, fitted, json.dumps({"who": "x" * cap, "code": "abc", "tags": []}))
+    assert bound_reached(schema, fitted, json.dumps({"who": "x", "code": "abc", "tags": ["a"] * items}))
+    # the user's own bound (code: 3) is the user's: reaching it is no news; short values are not flagged
+    assert not bound_reached(schema, fitted, json.dumps({"who": "x" * (cap - 1), "code": "abc", "tags": ["a"]}))
+    closed = json.dumps({"type": "object", "properties": {"k": {"enum": ["a"]}}, "required": ["k"],
+                         "additionalProperties": False}, separators=(",", ":"))
+    assert fit_schema(closed, 48) == closed and not bound_reached(closed, closed, '{"k": "a"}')
