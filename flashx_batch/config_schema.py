@@ -157,6 +157,15 @@ class EvalSection:
 
 
 @dataclass
+class EmbedSection:
+    """task=embed (flashx_batch/runtime/pooling.py): how a prompt's final hidden states become its vector."""
+
+    pooling: str | None = None  # last | mean | cls; null: the checkpoint's own (sentence-transformers), else last
+    normalize: bool | None = None  # unit length; null: the checkpoint's own, else true
+    dimensions: int | None = None  # Matryoshka: keep the first D components (before normalising); null: all
+
+
+@dataclass
 class OutputSection:
     dir: str = "outputs/job"
     report: bool = True
@@ -192,7 +201,8 @@ class JobConfig:
     output: OutputSection = field(default_factory=OutputSection)
     storage: StorageSection = field(default_factory=StorageSection)
     eval: EvalSection = field(default_factory=EvalSection)
-    task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity
+    embed: EmbedSection = field(default_factory=EmbedSection)
+    task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity | embed
     dry_run: bool = False
     log_level: str = "INFO"
 

@@ -37,6 +37,7 @@ from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length, 
 from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
+from flashx_batch.runtime.pooling import Pooler, PoolingConfig, model_pooling
 from flashx_batch.runtime.results import GenerateStats, RequestOutput
 from flashx_batch.runtime.rows import Row
 from flashx_batch.runtime.runner import ModelRunner
@@ -389,6 +390,23 @@ class Engine:
                         delimiter: str = "", max_length: int | None = None) -> ChoiceScores:
         """`choice_logprobs` for one item."""
         return self.choice_logprobs([(context, choices)], delimiter, max_length)[0]
+
+    def embed(self, prompts: list[str] | list[list[int]], pooling: str | None = None, normalize: bool | None = None,
+              dimensions: int | None = None) -> torch.Tensor:
+        """[len(prompts), D] float32 embeddings: the final hidden state pooled (`last`, `mean` or `cls`), the
+        first `dimensions` components, unit length when `normalize` (`runtime/pooling.py`). None: the
+        checkpoint's own sentence-transformers pooling where it ships one, else `last`, normalized."""
+        own = model_pooling(self.model_dir)
+        config = PoolingConfig(pooling or (own.pooling if own else "last"),
+                               normalize if normalize is not None else (own.normalize if own else True), dimensions)
+        config.check(self.config.hidden_size)
+        scorer = getattr(self.runner, "scorer", None)
+        if scorer is None:
+            raise ConfigError(f"embed needs every position's hidden states, which {type(self.runner).__name__} does "
+                              "not expose; embed on a torch backend with tensor_parallel_size=1.")
+        token_lists, _ = fit_prompts([self.encode(p) for p in prompts], self.run_options, self.config.vocab_size)
+        pack = self.geometry.base_rows * self.run_options.max_input_len
+        return Pooler(scorer, pack).embed(token_lists, config)
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -1,0 +1,113 @@
+"""Embeddings: the final hidden state (after the final norm) of each prompt, pooled into one vector.
+
+Pooling: `last` (the last token's state: the decoder-embedding default of Qwen3-Embedding, gte-Qwen,
+e5-mistral), `mean` (over the prompt's tokens) or `cls` (the first token's). Then Matryoshka `dimensions`
+(the first D components) and `normalize` (unit L2 norm), in that order, as sentence-transformers does.
+
+A prompt is prefill only: no KV is kept. Prompts are sorted by length and cut into packs of at most
+`pack_tokens` tokens, each pack one teacher-forced pass with its rows end to end and no padding
+(`PackedTrees`), where the model's attention packs rows (`Scorer.packs_rows`); otherwise right-padded
+rows (each row attends to its own tokens only: causal attention never looks at the padding after it).
+
+`model_pooling(model_dir)` reads a checkpoint's own pooling where it ships sentence-transformers'
+`modules.json` and `1_Pooling/config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashx_batch.backends.attention.meta import PackedTrees, TeacherForced
+from flashx_batch.errors import ConfigError
+
+POOLINGS = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None  # Matryoshka: keep the first D components (None: all)
+
+    def check(self, hidden_size: int) -> None:
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"pooling={self.pooling!r}: one of {', '.join(POOLINGS)}.")
+        if self.dimensions is not None and not 0 < self.dimensions <= hidden_size:
+            raise ConfigError(f"dimensions={self.dimensions}: the model's vectors have {hidden_size} components; "
+                              f"give 1..{hidden_size} (or null for all).")
+
+
+def model_pooling(model_dir: Path) -> PoolingConfig | None:
+    """The pooling a sentence-transformers checkpoint declares (`modules.json` naming a Pooling module and
+    maybe a Normalize one), or None when it declares none."""
+    modules_file = Path(model_dir) / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+        pooling_dir = next(m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Pooling"))
+        config = json.loads((Path(model_dir) / pooling_dir / "config.json").read_text())
+    except (StopIteration, OSError, ValueError, AttributeError):
+        return None
+    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+    for key, name in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                      ("pooling_mode_cls_token", "cls")):
+        if config.get(key):
+            return PoolingConfig(name, normalize)
+    return None
+
+
+class Pooler:
+    """Embeds token lists through a `Scorer`'s model (its passes, rotary table and packing ability)."""
+
+    def __init__(self, scorer, pack_tokens: int) -> None:
+        self.scorer, self.pack_tokens = scorer, max(1, pack_tokens)
+
+    @torch.inference_mode()
+    def embed(self, prompts: list[list[int]], config: PoolingConfig) -> torch.Tensor:
+        """[len(prompts), D] float32 vectors, in the prompts' order."""
+        if any(not p for p in prompts):
+            raise ConfigError(f"embed: prompt {next(i for i, p in enumerate(prompts) if not p)} has no tokens.")
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[torch.Tensor | None] = [None] * len(prompts)
+        start = 0
+        while start < len(order):
+            end, tokens = start, 0
+            while end < len(order) and (end == start or tokens + len(prompts[order[end]]) <= self.pack_tokens):
+                tokens += len(prompts[order[end]])
+                end += 1
+            rows = [prompts[i] for i in order[start:end]]
+            for i, vector in zip(order[start:end], self._pool(rows, config.pooling)):
+                out[i] = vector
+            start = end
+        vectors = torch.stack(out)
+        if config.dimensions is not None:
+            vectors = vectors[:, : config.dimensions]
+        if config.normalize:
+            vectors = torch.nn.functional.normalize(vectors, dim=-1)
+        return vectors
+
+    def _pool(self, rows: list[list[int]], pooling: str) -> torch.Tensor:
+        s = self.scorer
+        lengths = [len(r) for r in rows]
+        if s.packs_rows:
+            ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=s.device)
+            positions = torch.cat([torch.arange(n) for n in lengths]).to(s.device)[None]
+            cos, sin = s._rotary(positions, max(lengths))
+            hidden = s.model.hidden_states(ids[None], PackedTrees(cos, sin, tuple(lengths), (None,) * len(rows)))[0]
+            starts = torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist()
+            spans = [hidden[a : a + n] for a, n in zip(starts, lengths)]
+        else:
+            width = max(lengths)
+            ids = torch.full((len(rows), width), s.pad_id, dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            cos, sin = s._rotary(s.passes.arange(width)[None, :], width)
+            hidden = s.model.hidden_states(ids.to(s.device), TeacherForced(cos, sin))
+            spans = [hidden[i, :n] for i, n in enumerate(lengths)]
+        pick = {"last": lambda h: h[-1], "mean": lambda h: h.float().mean(0), "cls": lambda h: h[0]}[pooling]
+        return torch.stack([pick(h).float() for h in spans])

@@ -1,0 +1,87 @@
+"""Embeddings equal to `transformers`' own final hidden states pooled the same way: tiny random Qwen3 and
+Llama models, last / mean / cls pooling, mixed lengths in one pack, Matryoshka truncation before the
+normalisation; a sentence-transformers checkpoint's own pooling is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from model_factory import build
+
+from flashx_batch import Engine
+from flashx_batch.errors import ConfigError
+from flashx_batch.runtime.pooling import PoolingConfig, model_pooling
+
+LENGTHS = (5, 31, 12, 1, 24, 9)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = build(request.param, directory)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in LENGTHS]
+    return directory, hf, prompts
+
+
+def _reference(hf, prompts, pooling: str) -> torch.Tensor:
+    """transformers' final-norm hidden states (its base model's last_hidden_state), one prompt at a time."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            h = hf.model(torch.tensor([p])).last_hidden_state[0].float()
+            out.append({"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_embeddings_equal_transformers(model, pooling):
+    directory, hf, prompts = model
+    engine = Engine.from_pretrained(directory, max_batch_size=4, max_input_len=64, max_output_len=8)
+    got = engine.embed(prompts, pooling=pooling, normalize=False)
+    want = _reference(hf, prompts, pooling)
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert got.shape == want.shape and cosine.min().item() >= 0.99999
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    # Matryoshka: the first D components, then unit length
+    small = engine.embed(prompts, pooling=pooling, dimensions=16)
+    expect = torch.nn.functional.normalize(want[:, :16], dim=-1)
+    assert small.shape == (len(prompts), 16) and torch.allclose(small, expect, atol=1e-4)
+    assert torch.allclose(small.norm(dim=-1), torch.ones(len(prompts)), atol=1e-5)
+
+
+def test_small_packs_give_the_same_vectors(model):
+    """Packs of one row each (a pack budget smaller than any prompt) against one pack of all."""
+    from flashx_batch.runtime.pooling import Pooler
+
+    directory, _, prompts = model
+    engine = Engine.from_pretrained(directory, max_batch_size=4, max_input_len=64, max_output_len=8)
+    config = PoolingConfig("mean", True)
+    together = Pooler(engine.runner.scorer, 10_000).embed(prompts, config)
+    alone = Pooler(engine.runner.scorer, 1).embed(prompts, config)
+    assert torch.allclose(together, alone, atol=1e-5)
+
+
+def test_the_checkpoints_own_pooling_is_read(tmp_path):
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+        "pooling_mode_lasttoken": False}))
+    assert model_pooling(tmp_path) == PoolingConfig("mean", True)
+    assert model_pooling(tmp_path / "1_Pooling") is None
+
+
+def test_bad_pooling_settings_are_refused():
+    engine = Engine.from_pretrained(None, max_batch_size=2)
+    with pytest.raises(ConfigError, match="pooling='max'"):
+        engine.embed(["a"], pooling="max")
+    with pytest.raises(ConfigError, match="dimensions=9999"):
+        engine.embed(["a"], dimensions=9999)
+    vectors = engine.embed(["The licensee shall not sublicense.", "Warranty disclaimed."])
+    assert vectors.shape == (2, engine.config.hidden_size) and vectors.dtype == torch.float32
