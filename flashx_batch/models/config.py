@@ -53,6 +53,7 @@ ARCHITECTURES: dict[str, FamilyFlags] = {
     "DeepseekV3ForCausalLM": FamilyFlags(),
     "GlmMoeDsaForCausalLM": FamilyFlags(),
 }
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
@@ -211,6 +212,26 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 @dataclass(frozen=True)
+class ClassifierSpec:
+    """A `*ForSequenceClassification` checkpoint: its `score` head ([num_labels, hidden], no bias) takes the
+    place of the LM head, and reads the last token's final hidden state."""
+
+    labels: tuple[str, ...]  # id2label in index order (LABEL_i where the config names none)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+
+def _read_classifier(raw: dict[str, Any], classify: bool) -> ClassifierSpec | None:
+    if not classify:
+        return None
+    id2label = raw.get("id2label") or {}
+    count = int(raw.get("num_labels") or len(id2label) or 2)
+    return ClassifierSpec(tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     flags: FamilyFlags
@@ -234,6 +255,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int | None
+    classifier: ClassifierSpec | None = None  # a sequence classifier (reward model, reranker): no LM head
 
     @property
     def rotary_dim(self) -> int:
@@ -280,6 +302,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
+        # a sequence classifier is its family's decoder with a score head: the family's name for the rest
+        classify = [a for a in archs if a.endswith(CLASSIFIER_SUFFIX)
+                    and a[: -len(CLASSIFIER_SUFFIX)] + "ForCausalLM" in ARCHITECTURES]
+        if classify:
+            archs = [classify[0][: -len(CLASSIFIER_SUFFIX)] + "ForCausalLM"]
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
@@ -312,7 +339,7 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)) and not classify,
             # Qwen2's modeling code hard-wires q/k/v bias; its config.json does not say so.
             attention_bias=flags.qkv_bias_default if arch == "Qwen2ForCausalLM" or bias is None else bool(bias),
             rope=rope,
@@ -324,6 +351,7 @@ class ModelConfig:
             eos_token_ids=_as_ids(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
+            classifier=_read_classifier(raw, bool(classify)),
         )
 
 

@@ -142,7 +142,9 @@ class DecoderModel(nn.Module):
         choice = IndexerChoice()  # sparse attention: shared layers follow the last full indexer layer's choice
         self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, device, choice, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = Linear(vocab_rows, cfg.hidden_size, False, dtype, device)
+        # a sequence classifier's score head stands where the LM head would ([num_labels, hidden])
+        head_rows = cfg.classifier.num_labels if cfg.classifier is not None else vocab_rows
+        self.lm_head = Linear(head_rows, cfg.hidden_size, False, dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed
         self.rotary: RotaryTable | None = None

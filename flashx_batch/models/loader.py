@@ -79,7 +79,7 @@ EXPERTS = (
     (re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(?:down_proj|w2)\.weight$"), "mlp.experts_down", 1, 0),
 )
 TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "lm_head.weight"}
+             "lm_head.weight": "lm_head.weight", "score.weight": "lm_head.weight"}  # score: a classifier's head
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}  # safetensors dtype names we convert exactly
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -37,7 +37,7 @@ from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length, 
 from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
-from flashx_batch.runtime.pooling import Pooler, PoolingConfig, model_pooling
+from flashx_batch.runtime.pooling import Classification, Pooler, PoolingConfig, classifications, model_pooling
 from flashx_batch.runtime.results import GenerateStats, RequestOutput
 from flashx_batch.runtime.rows import Row
 from flashx_batch.runtime.runner import ModelRunner
@@ -228,6 +228,7 @@ class Engine:
         whose params ask for n > 1 samples gives n consecutive outputs (sample_index 0..n-1), each a
         row of its own seeded by `SamplingParams.sample_seed` (prefix reuse computes their shared
         prompt once; without it each sample prefills its own copy)."""
+        self._need_lm_head("generate")
         params = per_row_params(sampling, len(prompts), self.run_options.max_output_len)
         compiles = self._check_constraints(params)
         token_lists, truncated = fit_prompts([self.encode(p) for p in prompts], self.run_options,
@@ -321,9 +322,16 @@ class Engine:
             raise
 
     # ---- log-likelihoods (runtime/loglikelihood.py; encoding rules: runtime/lm_requests.py) -----
+    def _need_lm_head(self, what: str) -> None:
+        if self.config.classifier is not None:
+            raise ConfigError(f"{self.model_dir.name} is a sequence classifier (a score head over "
+                              f"{self.config.classifier.num_labels} labels, no LM head): it cannot {what}; use "
+                              "classify (task=classify) or embed.")
+
     @property
     def lm(self) -> LogLikelihood:
         """The log-likelihood scorer (built on first use)."""
+        self._need_lm_head("score log-likelihoods")
         if self._lm is None:
             self._lm = LogLikelihood(self.runner, self.config, self.tokenizer, str(self.model_dir),
                                      self.run_options.max_input_len)
@@ -400,13 +408,26 @@ class Engine:
         config = PoolingConfig(pooling or (own.pooling if own else "last"),
                                normalize if normalize is not None else (own.normalize if own else True), dimensions)
         config.check(self.config.hidden_size)
+        return self._pooler().embed(self._fitted(prompts), config)
+
+    def classify(self, prompts: list[str] | list[list[int]]) -> list[Classification]:
+        """A sequence classifier's (`*ForSequenceClassification`: reward models, classifiers) logits at each
+        prompt's last token, with probabilities and the top label (`runtime/pooling.py`)."""
+        if self.config.classifier is None:
+            raise ConfigError(f"{self.model_dir.name} is not a sequence classifier (config.json names "
+                              f"{self.config.architecture}); classify needs a *ForSequenceClassification checkpoint.")
+        return classifications(self._pooler().classify(self._fitted(prompts)), self.config.classifier.labels)
+
+    def _fitted(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        return fit_prompts([self.encode(p) for p in prompts], self.run_options, self.config.vocab_size)[0]
+
+    def _pooler(self) -> Pooler:
         scorer = getattr(self.runner, "scorer", None)
         if scorer is None:
-            raise ConfigError(f"embed needs every position's hidden states, which {type(self.runner).__name__} does "
-                              "not expose; embed on a torch backend with tensor_parallel_size=1.")
-        token_lists, _ = fit_prompts([self.encode(p) for p in prompts], self.run_options, self.config.vocab_size)
-        pack = self.geometry.base_rows * self.run_options.max_input_len
-        return Pooler(scorer, pack).embed(token_lists, config)
+            raise ConfigError(f"embed and classify need every position's hidden states, which "
+                              f"{type(self.runner).__name__} does not expose; use a torch backend with "
+                              "tensor_parallel_size=1.")
+        return Pooler(scorer, self.geometry.base_rows * self.run_options.max_input_len)
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:

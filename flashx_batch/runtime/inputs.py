@@ -40,6 +40,10 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
         if options.cache_policy != "static" or options.long_input not in ("error", "truncate"):
             raise ConfigError(f"runtime.backend=onnx supports cache_policy=static and long_input=error|truncate, "
                               f"not cache_policy={options.cache_policy} long_input={options.long_input}.")
+    split = options.backend == "onnx" or options.tensor_parallel_size > 1
+    if cfg is not None and cfg.classifier is not None and split:
+        raise ConfigError("a sequence classifier (*ForSequenceClassification) runs on a torch backend with "
+                          "tensor_parallel_size=1 (its score head is neither split nor exported).")
     if cfg is not None:
         cfg = effective_config(cfg, options)
         needed = options.max_input_len + options.max_output_len

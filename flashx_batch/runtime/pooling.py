@@ -61,11 +61,35 @@ def model_pooling(model_dir: Path) -> PoolingConfig | None:
     return None
 
 
+@dataclass
+class Classification:
+    """One prompt through a sequence classifier: the score head's logits at its last token, their
+    probabilities (softmax; a one-label head, a reward model's, gets the sigmoid) and the top label."""
+
+    logits: list[float]
+    probs: list[float]
+    label: str
+    index: int
+
+
+def classifications(logits: torch.Tensor, labels: tuple[str, ...]) -> list[Classification]:
+    probs = logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(dim=-1)
+    top = logits.argmax(dim=-1).tolist()
+    return [Classification(lg, pr, labels[i], i) for lg, pr, i in zip(logits.tolist(), probs.tolist(), top)]
+
+
 class Pooler:
     """Embeds token lists through a `Scorer`'s model (its passes, rotary table and packing ability)."""
 
     def __init__(self, scorer, pack_tokens: int) -> None:
         self.scorer, self.pack_tokens = scorer, max(1, pack_tokens)
+
+    @torch.inference_mode()
+    def classify(self, prompts: list[list[int]]) -> torch.Tensor:
+        """[len(prompts), num_labels] float32 logits of the score head at each prompt's last token."""
+        last = self.embed(prompts, PoolingConfig("last", normalize=False))
+        model = self.scorer.model
+        return model.logits(last.to(model.embed.dtype)).float()
 
     @torch.inference_mode()
     def embed(self, prompts: list[list[int]], config: PoolingConfig) -> torch.Tensor:

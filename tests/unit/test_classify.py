@@ -1,0 +1,66 @@
+"""Sequence classifiers (`*ForSequenceClassification`: classifiers, reward models) loaded from their own
+checkpoints: logits within 1e-4 of `transformers` for Llama and Qwen3 with a batch of mixed lengths, the
+labels from id2label, softmax / sigmoid probabilities; what a classifier cannot do is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashx_batch import Engine
+from flashx_batch.errors import ConfigError
+from flashx_batch.runtime.params import SamplingParams
+
+LENGTHS = (7, 30, 1, 18, 11, 25)
+
+
+def _classifier(kind: str, directory, num_labels: int):
+    import transformers as tf
+
+    config_class, model_class, extra = {
+        "llama": (tf.LlamaConfig, tf.LlamaForSequenceClassification, {}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForSequenceClassification, {"head_dim": 16}),
+    }[kind]
+    labels = {i: name for i, name in enumerate(["negative", "neutral", "positive"][:num_labels])} \
+        if num_labels > 1 else {0: "reward"}
+    config = config_class(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                          num_labels=num_labels, id2label=labels, label2id={v: k for k, v in labels.items()},
+                          tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("kind, num_labels", [("llama", 3), ("qwen3", 3), ("llama", 1)])
+def test_logits_equal_transformers(tmp_path, kind, num_labels):
+    hf = _classifier(kind, tmp_path, num_labels)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in LENGTHS]  # no pad id inside
+    engine = Engine.from_pretrained(tmp_path, max_batch_size=4, max_input_len=64, max_output_len=8)
+    got = engine.classify(prompts)
+    with torch.no_grad():
+        want = torch.cat([hf(torch.tensor([p])).logits for p in prompts]).float()
+    assert torch.allclose(torch.tensor([c.logits for c in got]), want, atol=1e-4, rtol=0)
+    labels = list(hf.config.id2label.values())
+    assert [c.label for c in got] == [labels[i] for i in want.argmax(-1).tolist()]
+    probs = torch.tensor([c.probs for c in got])
+    expect = want.sigmoid() if num_labels == 1 else want.softmax(-1)
+    assert torch.allclose(probs, expect, atol=1e-5)
+
+
+def test_what_a_classifier_cannot_do_is_refused(tmp_path):
+    _classifier("llama", tmp_path, 3)
+    engine = Engine.from_pretrained(tmp_path, max_batch_size=2, max_input_len=32, max_output_len=8)
+    with pytest.raises(ConfigError, match="sequence classifier.*cannot generate"):
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ConfigError, match="cannot score log-likelihoods"):
+        engine.loglikelihood([([5, 6], [7])])
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
+        Engine.from_pretrained(tmp_path, tensor_parallel_size=2)
+    assert engine.embed([[5, 6, 7]]).shape == (1, 64)  # its hidden states still embed
+    with pytest.raises(ConfigError, match="not a sequence classifier"):
+        Engine.from_pretrained(None, max_batch_size=2).classify(["a"])
