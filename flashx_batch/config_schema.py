@@ -202,7 +202,7 @@ class JobConfig:
     storage: StorageSection = field(default_factory=StorageSection)
     eval: EvalSection = field(default_factory=EvalSection)
     embed: EmbedSection = field(default_factory=EmbedSection)
-    task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity | embed
+    task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity | embed | classify
     dry_run: bool = False
     log_level: str = "INFO"
 

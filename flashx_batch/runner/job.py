@@ -168,6 +168,12 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
     from flashx_batch.runtime.engine import check_options
 
     cfg = check_checkpoint(model_dir)
+    if cfg.classifier is not None and job.task not in ("classify", "embed"):
+        raise ConfigError(f"model.path={job.model.path} is a sequence classifier (a score head, no LM head) and "
+                          f"task={job.task} needs a language model: use task=classify (or task=embed).")
+    if cfg.classifier is None and job.task == "classify":
+        raise ConfigError(f"task=classify needs a sequence classifier (*ForSequenceClassification), and "
+                          f"model.path={job.model.path} is {cfg.architecture}.")
     options = job.engine_options()
     check_known(options.backend)
     local = job.executor.kind == "local" and options.backend != "onnx"

@@ -57,7 +57,7 @@ def test_killed_between_publish_and_manifest_then_resumed(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["data.messages_column=messages"], "task=embed embeds text"),
+    (["data.messages_column=messages"], "task=embed reads text"),
     (["sampling.n=2", "sampling.temperature=1"], "generates none"),
     (["embed.pooling=max"], "embed.pooling='max'"),
     (["embed.dimensions=0"], "embed.dimensions=0"),

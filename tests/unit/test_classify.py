@@ -14,7 +14,7 @@ from flashx_batch.runtime.params import SamplingParams
 LENGTHS = (7, 30, 1, 18, 11, 25)
 
 
-def _classifier(kind: str, directory, num_labels: int):
+def _classifier(kind: str, directory, num_labels: int, vocab: int = 256):
     import transformers as tf
 
     config_class, model_class, extra = {
@@ -23,7 +23,7 @@ def _classifier(kind: str, directory, num_labels: int):
     }[kind]
     labels = {i: name for i, name in enumerate(["negative", "neutral", "positive"][:num_labels])} \
         if num_labels > 1 else {0: "reward"}
-    config = config_class(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                           num_labels=num_labels, id2label=labels, label2id={v: k for k, v in labels.items()},
                           tie_word_embeddings=False, **extra)
@@ -64,3 +64,35 @@ def test_what_a_classifier_cannot_do_is_refused(tmp_path):
     assert engine.embed([[5, 6, 7]]).shape == (1, 64)  # its hidden states still embed
     with pytest.raises(ConfigError, match="not a sequence classifier"):
         Engine.from_pretrained(None, max_batch_size=2).classify(["a"])
+
+
+def test_a_classify_job_every_id_once(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flashx_batch import run_job
+    from flashx_batch.config import compose_job
+    from flashx_batch.runner.job import plan_job
+    from flashx_batch.runtime.options import bundled_model_dir
+
+    _classifier("qwen3", tmp_path / "model", 3, vocab=4096)  # the bundled tokenizer's vocabulary, copied in
+    rows = range(7)
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "model" / name).write_bytes((bundled_model_dir() / name).read_bytes())
+    texts = [f"clause {i}: the licensee shall not sublicense" for i in rows]
+    out = tmp_path / "out"
+    base = ["conf=legal_docs", "executor.kind=local", f"model.path={tmp_path / 'model'}", "task=classify",
+            "runtime.shard_size=3"]
+    assert run_job([*base, f"output.dir={out}"], data=pa.table({"id": list(rows), "prompt": texts})) == 0
+    table = pq.read_table(out / "generations").to_pylist()
+    assert sorted(r["id"] for r in table) == list(rows)
+    assert all(len(r["probs"]) == 3 and abs(sum(r["probs"]) - 1) < 1e-5 for r in table)
+    engine = Engine.from_pretrained(tmp_path / "model")
+    want = {i: c for i, c in zip(rows, engine.classify(texts))}
+    for r in table:
+        assert r["label"] == want[r["id"]].label and r["logits"] == pytest.approx(want[r["id"]].logits, abs=1e-5)
+    with pytest.raises(ConfigError, match="needs a language model"):
+        plan_job(compose_job(["conf=legal_docs", f"model.path={tmp_path / 'model'}", f"output.dir={out}2"]))
+    with pytest.raises(ConfigError, match="needs a sequence classifier"):
+        plan_job(compose_job(["conf=legal_docs", "task=classify", f"output.dir={out}3"]))
