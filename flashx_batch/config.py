@@ -97,8 +97,9 @@ def validate(job: JobConfig) -> None:
          f"data.format={job.data.format!r} is not one of auto, parquet, jsonl, csv, arrow, openai_batch"),
         (job.output.format in ("parquet", "openai_batch"),
          f"output.format={job.output.format!r} is not one of parquet, openai_batch"),
-        (job.output.format != "openai_batch" or job.task == "generate",
-         f"output.format=openai_batch writes completions: it needs task=generate, not {job.task}"),
+        (job.output.format != "openai_batch" or job.task in ("generate", "embed"),
+         f"output.format=openai_batch writes completions or embeddings: it needs task=generate or task=embed, not "
+         f"{job.task}"),
         # an OpenAI response carries the choices its request asked for: one (lines asking n > 1 are refused)
         ("openai_batch" not in (job.data.format, job.output.format) or job.sampling.n == 1,
          f"sampling.n={job.sampling.n} with OpenAI Batch files would give every response {job.sampling.n} choices "

@@ -214,6 +214,8 @@ class JobConfig:
             roles.setdefault(self.eval.reference_column, "eval.reference_column")
         if self.data.format == "openai_batch":  # an OpenAI Batch line's own checks (data/openai_batch.py)
             roles.update({c: "data.format=openai_batch" for c in ("url", "request_error", "logprobs")})
+            if self.task == "embed":
+                roles["dimensions"] = "data.format=openai_batch"
         return roles
 
     def engine_options(self, num_threads: int | None = None) -> EngineOptions:

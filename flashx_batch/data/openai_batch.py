@@ -31,7 +31,8 @@ from flashx_batch.data.validate import RowProblem
 from flashx_batch.errors import ConfigError
 
 log = logging.getLogger(__name__)
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 BAD_REQUEST = "bad_request"
 # body field -> the row column it becomes (a per-row sampling column where it is a sampling knob)
 SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
@@ -39,11 +40,14 @@ SAMPLING_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max
 # fields accepted and not acted on: identification, and knobs whose value here is their default
 INERT = {"model", "user", "stream", "n", "logprobs", "top_logprobs", "metadata", "store"}
 BODY_FIELDS = {CHAT: {"messages", "tools", "response_format", *SAMPLING_FIELDS, *INERT},
-               COMPLETIONS: {"prompt", "response_format", *SAMPLING_FIELDS, *INERT}}
+               COMPLETIONS: {"prompt", "response_format", *SAMPLING_FIELDS, *INERT},
+               # task=embed: one text per line; `dimensions` must be the job's embed.dimensions (the vectors of
+               # a job share one width); vectors are written as floats
+               EMBEDDINGS: {"input", "model", "user", "encoding_format", "dimensions"}}
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
 # the columns every openai_batch file reads as (the job's data.* keys are pointed at them: `derive`)
 COLUMNS = ("custom_id", "url", "prompt", "messages", "tools", "model", "request_error", "logprobs", "json_schema",
-           *dict.fromkeys(SAMPLING_FIELDS.values()))
+           "dimensions", *dict.fromkeys(SAMPLING_FIELDS.values()))
 
 
 def derive(job: JobConfig, endpoint: str) -> JobConfig:
@@ -51,6 +55,9 @@ def derive(job: JobConfig, endpoint: str) -> JobConfig:
     the file reads as, for the batch's `endpoint` (CHAT: messages through the chat template; COMPLETIONS:
     the prompt as is). `job` itself is not changed. A request line carries no column but `model`: a
     passthrough column the user asked for is refused; a preset's `data.passthrough_if_present` finds none."""
+    if (endpoint == EMBEDDINGS) != (job.task == "embed"):
+        raise ConfigError(f"the batch's requests are for {endpoint} and task={job.task}: an embeddings batch runs as "
+                          "task=embed, a chat or completions batch as task=generate; set task accordingly.")
     asked = [c for c in job.data.passthrough_columns if c != "model"]
     if asked:
         raise ConfigError(f"data.passthrough_columns={asked}: OpenAI Batch request lines have no such column (a "
@@ -60,6 +67,8 @@ def derive(job: JobConfig, endpoint: str) -> JobConfig:
                                messages_column="messages" if endpoint == CHAT else None,
                                tools_column="tools" if endpoint == CHAT else None, passthrough_columns=["model"],
                                passthrough_if_present=[])
+    if endpoint == EMBEDDINGS:  # no sampling: the lines' own checks (dimensions) are `row_problem`'s
+        return dataclasses.replace(job, data=data)
     sampling = dataclasses.replace(job.sampling, from_columns={
         **{c: c for c in dict.fromkeys(SAMPLING_FIELDS.values())}, "json_schema": "json_schema",
         **job.sampling.from_columns})
@@ -68,6 +77,8 @@ def derive(job: JobConfig, endpoint: str) -> JobConfig:
 
 def endpoint(job: JobConfig) -> str:
     """The endpoint a configured openai_batch job serves."""
+    if job.task == "embed":
+        return EMBEDDINGS
     return CHAT if job.data.messages_column else COMPLETIONS
 
 
@@ -83,7 +94,7 @@ def endpoint_of(paths: list[str]) -> str:
             except (ValueError, RecursionError):
                 continue
             url = record.get("url") if isinstance(record, dict) else None
-            if url in (CHAT, COMPLETIONS):
+            if url in ENDPOINTS:
                 return url
     return CHAT
 
@@ -132,6 +143,10 @@ def _row(record: Any, lineno: int, file: str) -> dict[str, Any]:
     if problem is not None:
         return {**row, "request_error": problem}
     row["model"] = body.get("model") if isinstance(body.get("model"), str) else None
+    if endpoint == EMBEDDINGS:
+        text = body["input"]
+        row["prompt"], row["dimensions"] = text if isinstance(text, str) else text[0], body.get("dimensions")
+        return row
     row["messages" if endpoint == CHAT else "prompt"] = body.get("messages" if endpoint == CHAT else "prompt")
     row["tools"] = body.get("tools")
     for field, column in SAMPLING_FIELDS.items():
@@ -149,8 +164,8 @@ def _line_problem(record: Mapping[str, Any], body: Any) -> str | None:
     if record.get("method", "POST") != "POST":
         return f"method {record.get('method')!r}: batch requests are POST"
     url = record.get("url")
-    if url not in (CHAT, COMPLETIONS):
-        return f"url {url!r}: this runner serves {CHAT} and {COMPLETIONS}"
+    if url not in ENDPOINTS:
+        return f"url {url!r}: this runner serves {', '.join(ENDPOINTS)}"
     if not isinstance(body, dict):
         return "body is missing or not an object"
     return None
@@ -160,6 +175,8 @@ def _body_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
     unknown = sorted(set(body) - BODY_FIELDS[endpoint])
     if unknown:
         return f"body field(s) {unknown} are not supported for {endpoint} (supported: {sorted(BODY_FIELDS[endpoint])})"
+    if endpoint == EMBEDDINGS:
+        return _embeddings_problem(body)
     if body.get("stream"):
         return "stream=true: batch responses are written whole"
     n = body.get("n", 1)
@@ -197,6 +214,21 @@ def _logprobs_problem(body: Mapping[str, Any], endpoint: str) -> str | None:
                 "(an integer >= 0) or null")
     if top is not None:
         return "top_logprobs is a chat field; completions requests give the number as logprobs"
+    return None
+
+
+def _embeddings_problem(body: Mapping[str, Any]) -> str | None:
+    text = body.get("input")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str) or not text:
+        return (f"input is {describe(body.get('input'))}; one non-empty string per request line here (a list of "
+                "several: one line each)")
+    if body.get("encoding_format", "float") != "float":
+        return f"encoding_format={describe(body.get('encoding_format'))}: vectors are written as floats; drop it"
+    dims = body.get("dimensions")
+    if dims is not None and as_int(dims, 1, INT64) is None:
+        return f"dimensions is {describe(dims)}; expected a positive integer"
     return None
 
 
@@ -248,6 +280,14 @@ def row_problem(job: JobConfig, columns: Mapping[str, list[Any]], i: int) -> Row
     if columns["url"][i] != endpoint(job):
         return RowProblem(BAD_REQUEST, f"url {columns['url'][i]!r} in a batch for {endpoint(job)} (the first "
                                        "request line's that names an endpoint): one endpoint per batch")
+    if job.task == "embed":  # the vectors of a job share one width: a line may only ask for the job's
+        dims = columns["dimensions"][i]
+        if dims is not None and dims != job.embed.dimensions:
+            width = f"{job.embed.dimensions} components" if job.embed.dimensions else "the model's full width"
+            return RowProblem(BAD_REQUEST, f"asks for dimensions={dims}, and this job's vectors have {width} (one "
+                                           f"width per job): run it with embed.dimensions={dims}, or drop "
+                                           "dimensions from the line")
+        return None
     asked, job_k = columns["logprobs"][i], job.sampling.logprobs or 0
     if asked is not None and (not job_k or asked > job_k):
         return RowProblem(BAD_REQUEST, f"asks for logprobs (top {asked}), and this job produces "

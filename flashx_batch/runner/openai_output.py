@@ -53,6 +53,9 @@ def _piece_lines(output: Any, piece: str, committed: dict, job: JobConfig, chat:
         for r in rows:
             by_id.setdefault(r["id"], []).append(r)
         for custom_id, samples in by_id.items():
+            if job.task == "embed":
+                yield _embedding(str(custom_id), samples[0], model_name)
+                continue
             samples.sort(key=lambda r: r.get("sample_index") or 0)
             yield _success(str(custom_id), samples, chat, model_name, created, decode, job.sampling.logprobs)
     errs = output.read_part("errors", piece, ["id", "error_code", "error_message"], committed)
@@ -87,6 +90,15 @@ def _success(custom_id: str, samples: list[dict], chat: bool, model_name: str, c
             "model": samples[0].get("model") or model_name, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+    return {"id": _batch_id("batch_req", custom_id), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": _batch_id("req", custom_id), "body": body}, "error": None}
+
+
+def _embedding(custom_id: str, r: dict, model_name: str) -> dict[str, Any]:
+    """A task=embed row as the /v1/embeddings response OpenAI's batch output holds."""
+    tokens = int(r["num_input_tokens"])
+    body = {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": r["embedding"]}],
+            "model": r.get("model") or model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     return {"id": _batch_id("batch_req", custom_id), "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": _batch_id("req", custom_id), "body": body}, "error": None}
 

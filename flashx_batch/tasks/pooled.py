@@ -36,7 +36,7 @@ class Pooled(Task):
                               f"text, and task={self.name} generates none; drop them.")
         if job.eval.metric:
             raise ConfigError(f"eval.metric={job.eval.metric} scores text, and task={self.name} writes none; drop it.")
-        if job.output.format != "parquet":
+        if job.output.format != "parquet" and not (self.name == "embed" and job.output.format == "openai_batch"):
             raise ConfigError(f"task={self.name} writes Parquet (output.format=parquet).")
 
     def text_column(self, data) -> str:

@@ -65,3 +65,43 @@ def test_killed_between_publish_and_manifest_then_resumed(tmp_path):
 def test_settings_a_vector_job_cannot_use_are_refused(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         plan_job(compose_job([*BASE, f"output.dir={tmp_path}", *extra]))
+
+
+def test_an_openai_embeddings_batch(tmp_path):
+    """/v1/embeddings request lines in, OpenAI's embedding responses out; lines this runner cannot serve are
+    bad_request error lines saying why; a chat batch under task=embed is refused."""
+    import json
+
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "m", "input": f"clause {i} of the licence" if i % 2 else [f"clause {i}"],
+                       **({"dimensions": 32} if i == 2 else {})}} for i in range(5)]
+    lines += [{"custom_id": "several", "method": "POST", "url": "/v1/embeddings", "body": {"input": ["a", "b"]}},
+              {"custom_id": "base64", "method": "POST", "url": "/v1/embeddings",
+               "body": {"input": "a", "encoding_format": "base64"}},
+              {"custom_id": "width", "method": "POST", "url": "/v1/embeddings",
+               "body": {"input": "a", "dimensions": 8}},
+              {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"messages": [{"role": "user", "content": "hi"}]}}]
+    src = tmp_path / "requests.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    args = ["conf=legal_docs", "task=embed", "embed.dimensions=32", f"data.path={src}", "data.format=openai_batch",
+            "output.format=openai_batch", "executor.kind=local"]
+    assert run_job([*args, f"output.dir={out}"]) == 0
+    got = {x["custom_id"]: x for x in map(json.loads, (out / "openai_batch_output.jsonl").read_text().splitlines())}
+    assert set(got) == {x["custom_id"] for x in lines}
+    engine = Engine.from_pretrained(None)
+    want = engine.embed([f"clause {i} of the licence" if i % 2 else f"clause {i}" for i in range(5)], dimensions=32)
+    for i in range(5):
+        body = got[f"e{i}"]["response"]["body"]
+        assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+        assert torch.allclose(torch.tensor(body["data"][0]["embedding"]), want[i], atol=1e-4)
+        assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+    errors = {k: v["error"]["message"] for k, v in got.items() if v["error"]}
+    assert set(errors) == {"several", "base64", "width", "chat"}
+    assert "one non-empty string" in errors["several"] and "floats" in errors["base64"]
+    assert "embed.dimensions=8" in errors["width"] and "/v1/embeddings" in errors["chat"]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps(lines[-1]) + "\n")
+    with pytest.raises(ConfigError, match="task=embed"):
+        plan_job(compose_job([*args, f"data.path={chat}", f"output.dir={tmp_path / 'o2'}"]))
