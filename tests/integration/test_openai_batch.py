@@ -160,7 +160,7 @@ def test_request_lines_are_checked_one_by_one():
     assert cols["custom_id"] == ["(f.jsonl line 1)", "(f.jsonl line 2)", "a", "b", "c", "d"]
     problems = cols["request_error"]
     assert "not a request object" in problems[0] and "no custom_id" in problems[1]
-    assert "method 'GET'" in problems[2] and "/v1/embeddings" in problems[3] and "one string" in problems[4]
+    assert "method 'GET'" in problems[2] and "input is None" in problems[3] and "one string" in problems[4]
     assert problems[5] is None and cols["prompt"][5] == "hi" and cols["max_new_tokens"][5] == 3
 
 
