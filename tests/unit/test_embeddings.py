@@ -64,6 +64,23 @@ def test_small_packs_give_the_same_vectors(model):
     assert torch.allclose(together, alone, atol=1e-5)
 
 
+def test_models_that_cannot_pack_rows_pad_them_to_the_same_vectors(model):
+    """Where the attention cannot pack rows (sliding windows), rows are right-padded: the same vectors."""
+    from flashx_batch.runtime.pooling import Pooler
+
+    directory, _, prompts = model
+    engine = Engine.from_pretrained(directory, max_batch_size=4, max_input_len=64, max_output_len=8)
+    scorer = engine.runner.scorer
+    assert scorer.packs_rows
+    packed = Pooler(scorer, 10_000).embed(prompts, PoolingConfig("last", False))
+    scorer.packs_rows = False
+    try:
+        padded = Pooler(scorer, 10_000).embed(prompts, PoolingConfig("last", False))
+    finally:
+        scorer.packs_rows = True
+    assert torch.allclose(packed, padded, atol=1e-4)
+
+
 def test_the_checkpoints_own_pooling_is_read(tmp_path):
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "modules.json").write_text(json.dumps([
