@@ -61,6 +61,8 @@ def test_killed_between_publish_and_manifest_then_resumed(tmp_path):
     (["sampling.n=2", "sampling.temperature=1"], "generates none"),
     (["embed.pooling=max"], "embed.pooling='max'"),
     (["embed.dimensions=0"], "embed.dimensions=0"),
+    (["runtime.backend=onnx"], "torch backend"),
+    (["runtime.tensor_parallel_size=2"], "tensor_parallel_size=1"),
 ])
 def test_settings_a_vector_job_cannot_use_are_refused(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
