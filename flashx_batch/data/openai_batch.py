@@ -55,7 +55,7 @@ def derive(job: JobConfig, endpoint: str) -> JobConfig:
     the file reads as, for the batch's `endpoint` (CHAT: messages through the chat template; COMPLETIONS:
     the prompt as is). `job` itself is not changed. A request line carries no column but `model`: a
     passthrough column the user asked for is refused; a preset's `data.passthrough_if_present` finds none."""
-    if (endpoint == EMBEDDINGS) != (job.task == "embed"):
+    if job.task not in ("generate", "embed") or (endpoint == EMBEDDINGS) != (job.task == "embed"):
         raise ConfigError(f"the batch's requests are for {endpoint} and task={job.task}: an embeddings batch runs as "
                           "task=embed, a chat or completions batch as task=generate; set task accordingly.")
     asked = [c for c in job.data.passthrough_columns if c != "model"]

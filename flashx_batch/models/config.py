@@ -217,6 +217,7 @@ class ClassifierSpec:
     place of the LM head, and reads the last token's final hidden state."""
 
     labels: tuple[str, ...]  # id2label in index order (LABEL_i where the config names none)
+    multi_label: bool = False  # problem_type multi_label_classification: independent sigmoids, not a softmax
 
     @property
     def num_labels(self) -> int:
@@ -228,7 +229,8 @@ def _read_classifier(raw: dict[str, Any], classify: bool) -> ClassifierSpec | No
         return None
     id2label = raw.get("id2label") or {}
     count = int(raw.get("num_labels") or len(id2label) or 2)
-    return ClassifierSpec(tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)))
+    return ClassifierSpec(tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)),
+                          raw.get("problem_type") == "multi_label_classification")
 
 
 @dataclass(frozen=True)

@@ -131,10 +131,10 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_a
             fp[f"data.{k}"] = getattr(d, k)
     if job.task != "generate":  # only for the scoring tasks: generate jobs written before `task` still resume
         fp["task"] = job.task
-    if job.task == "embed":
-        fp.update({f"embed.{k}": v for k, v in asdict(job.embed).items()})
         for k in ("context_column", "continuation_column", "choices_column", "answer_column", "target_delimiter"):
             fp[f"data.{k}"] = getattr(d, k)
+    if job.task == "embed":
+        fp.update({f"embed.{k}": v for k, v in asdict(job.embed).items()})
     if job.eval.metric:  # the score column depends on them; only when set, so older jobs still resume
         for k in ("metric", "reference_column", "regex"):
             fp[f"eval.{k}"] = getattr(job.eval, k)

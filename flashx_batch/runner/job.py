@@ -171,6 +171,10 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
     if cfg.classifier is not None and job.task not in ("classify", "embed"):
         raise ConfigError(f"model.path={job.model.path} is a sequence classifier (a score head, no LM head) and "
                           f"task={job.task} needs a language model: use task=classify (or task=embed).")
+    dims = job.embed.dimensions
+    if job.task == "embed" and dims is not None and dims > cfg.hidden_size:
+        raise ConfigError(f"embed.dimensions={dims}: {job.model.path}'s vectors have {cfg.hidden_size} components; "
+                          f"give 1..{cfg.hidden_size} (or null for all).")
     if cfg.classifier is None and job.task == "classify":
         raise ConfigError(f"task=classify needs a sequence classifier (*ForSequenceClassification), and "
                           f"model.path={job.model.path} is {cfg.architecture}.")

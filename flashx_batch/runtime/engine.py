@@ -27,7 +27,7 @@ from flashx_batch.kvcache.spec import slot_bytes
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
 from flashx_batch.models.parallel import TensorShard, rank_config
-from flashx_batch.runtime import kv_sizing
+from flashx_batch.runtime import kv_sizing, pooling
 from flashx_batch.runtime.capabilities import Capabilities, capabilities
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.grammar import BadConstraint, GrammarBook
@@ -416,10 +416,11 @@ class Engine:
         if self.config.classifier is None:
             raise ConfigError(f"{self.model_dir.name} is not a sequence classifier (config.json names "
                               f"{self.config.architecture}); classify needs a *ForSequenceClassification checkpoint.")
-        return classifications(self._pooler().classify(self._fitted(prompts)), self.config.classifier.labels)
+        c = self.config.classifier
+        return classifications(self._pooler().classify(self._fitted(prompts)), c.labels, c.multi_label)
 
     def _fitted(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
-        return fit_prompts([self.encode(p) for p in prompts], self.run_options, self.config.vocab_size)[0]
+        return pooling.pooled_prompts([self.encode(p) for p in prompts], self.run_options, self.config.vocab_size)
 
     def _pooler(self) -> Pooler:
         scorer = getattr(self.runner, "scorer", None)

@@ -23,6 +23,7 @@ import torch
 
 from flashx_batch.backends.attention.meta import PackedTrees, TeacherForced
 from flashx_batch.errors import ConfigError
+from flashx_batch.runtime.inputs import fit_prompts
 
 POOLINGS = ("last", "mean", "cls")
 
@@ -61,6 +62,15 @@ def model_pooling(model_dir: Path) -> PoolingConfig | None:
     return None
 
 
+def pooled_prompts(ids: list[list[int]], options, vocab_size: int) -> list[list[int]]:
+    """Prompts for a pooled pass, checked as `inputs.fit_prompts` checks them; a long one keeps its head under
+    long_input=truncate (its instruction prefix and first token: what `cls` pooling reads), not its tail as
+    generation does."""
+    if options.long_input != "error":
+        ids = [p[: options.max_input_len] for p in ids]
+    return fit_prompts(ids, options, vocab_size)[0]
+
+
 @dataclass
 class Classification:
     """One prompt through a sequence classifier: the score head's logits at its last token, their
@@ -72,8 +82,9 @@ class Classification:
     index: int
 
 
-def classifications(logits: torch.Tensor, labels: tuple[str, ...]) -> list[Classification]:
-    probs = logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(dim=-1)
+def classifications(logits: torch.Tensor, labels: tuple[str, ...], multi_label: bool = False) -> list[Classification]:
+    """`multi_label` (config.json `problem_type: multi_label_classification`): each label's own sigmoid."""
+    probs = logits.sigmoid() if logits.shape[-1] == 1 or multi_label else logits.softmax(dim=-1)
     top = logits.argmax(dim=-1).tolist()
     return [Classification(lg, pr, labels[i], i) for lg, pr, i in zip(logits.tolist(), probs.tolist(), top)]
 
@@ -89,7 +100,7 @@ class Pooler:
         """[len(prompts), num_labels] float32 logits of the score head at each prompt's last token."""
         last = self.embed(prompts, PoolingConfig("last", normalize=False))
         model = self.scorer.model
-        return model.logits(last.to(model.embed.dtype)).float()
+        return model.logits(last.to(device=model.embed.device, dtype=model.embed.dtype)).float().cpu()
 
     @torch.inference_mode()
     def embed(self, prompts: list[list[int]], config: PoolingConfig) -> torch.Tensor:
@@ -99,10 +110,15 @@ class Pooler:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         out: list[torch.Tensor | None] = [None] * len(prompts)
         start = 0
+        padded = not self.scorer.packs_rows  # a padded pack costs rows x its longest row (the last, sorted)
         while start < len(order):
             end, tokens = start, 0
-            while end < len(order) and (end == start or tokens + len(prompts[order[end]]) <= self.pack_tokens):
-                tokens += len(prompts[order[end]])
+            while end < len(order):
+                n = len(prompts[order[end]])
+                cost = (end - start + 1) * n if padded else tokens + n
+                if end > start and cost > self.pack_tokens:
+                    break
+                tokens += n
                 end += 1
             rows = [prompts[i] for i in order[start:end]]
             for i, vector in zip(order[start:end], self._pool(rows, config.pooling)):
@@ -113,7 +129,7 @@ class Pooler:
             vectors = vectors[:, : config.dimensions]
         if config.normalize:
             vectors = torch.nn.functional.normalize(vectors, dim=-1)
-        return vectors
+        return vectors.cpu()
 
     def _pool(self, rows: list[list[int]], pooling: str) -> torch.Tensor:
         s = self.scorer

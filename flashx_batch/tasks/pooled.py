@@ -36,6 +36,9 @@ class Pooled(Task):
                               f"text, and task={self.name} generates none; drop them.")
         if job.eval.metric:
             raise ConfigError(f"eval.metric={job.eval.metric} scores text, and task={self.name} writes none; drop it.")
+        if job.runtime.long_input not in ("error", "truncate"):
+            raise ConfigError(f"task={self.name} takes runtime.long_input=error or truncate (a long prompt keeps its "
+                              f"first max_input_len tokens), not {job.runtime.long_input}.")
         if job.runtime.backend == "onnx" or job.runtime.tensor_parallel_size > 1:
             raise ConfigError(f"task={self.name} reads every position's hidden states: it runs on a torch backend "
                               "(not runtime.backend=onnx) with runtime.tensor_parallel_size=1.")

@@ -62,6 +62,8 @@ def test_killed_between_publish_and_manifest_then_resumed(tmp_path):
     (["embed.pooling=max"], "embed.pooling='max'"),
     (["embed.dimensions=0"], "embed.dimensions=0"),
     (["runtime.backend=onnx"], "torch backend"),
+    (["runtime.long_input=rolling_merge", "runtime.cache_policy=segment_sparse"], "long_input=error or truncate"),
+    (["embed.dimensions=9999"], "components"),
     (["runtime.tensor_parallel_size=2"], "tensor_parallel_size=1"),
 ])
 def test_settings_a_vector_job_cannot_use_are_refused(tmp_path, extra, message):
@@ -107,3 +109,26 @@ def test_an_openai_embeddings_batch(tmp_path):
     chat.write_text(json.dumps(lines[-1]) + "\n")
     with pytest.raises(ConfigError, match="task=embed"):
         plan_job(compose_job([*args, f"data.path={chat}", f"output.dir={tmp_path / 'o2'}"]))
+
+
+def test_the_fingerprint_holds_each_tasks_own_settings(tmp_path):
+    from flashx_batch.runner import fingerprint
+
+    embed = compose_job([*BASE, f"output.dir={tmp_path}", "embed.dimensions=32"])
+    fp = fingerprint.compute(embed, plan_job(embed).plan, {})
+    assert fp["task"] == "embed" and fp["embed.dimensions"] == 32 and fp["embed.pooling"] is None
+    scored = compose_job(["conf=legal_docs", "task=perplexity", f"output.dir={tmp_path}", "runtime.long_input=truncate",
+                          "data.context_column=ctx"])
+    fp = fingerprint.compute(scored, plan_job(scored).plan, {})
+    assert fp["data.context_column"] == "ctx" and "embed.dimensions" not in fp
+
+
+def test_an_openai_chat_batch_under_task_classify_is_refused(tmp_path):
+    import json
+
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                               "body": {"messages": [{"role": "user", "content": "hi"}]}}) + "\n")
+    with pytest.raises(ConfigError, match="task=generate"):
+        plan_job(compose_job(["conf=legal_docs", "task=classify", f"data.path={src}", "data.format=openai_batch",
+                              f"output.dir={tmp_path / 'out'}"]))

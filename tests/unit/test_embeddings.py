@@ -81,6 +81,18 @@ def test_models_that_cannot_pack_rows_pad_them_to_the_same_vectors(model):
     assert torch.allclose(packed, padded, atol=1e-4)
 
 
+def test_a_long_prompt_keeps_its_head(model):
+    """long_input=truncate keeps a pooled prompt's first max_input_len tokens (its instruction and first token),
+    where generation keeps the tail."""
+    directory, _, prompts = model
+    engine = Engine.from_pretrained(directory, max_batch_size=4, max_input_len=16, max_output_len=8,
+                                    long_input="truncate")
+    long = prompts[1]  # 31 tokens
+    got = engine.embed([long], pooling="cls", normalize=False)
+    assert torch.allclose(got, engine.embed([long[:16]], pooling="cls", normalize=False), atol=1e-5)
+    assert torch.allclose(engine.embed([long], pooling="mean"), engine.embed([long[:16]], pooling="mean"), atol=1e-5)
+
+
 def test_the_checkpoints_own_pooling_is_read(tmp_path):
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "modules.json").write_text(json.dumps([
