@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from flashx_batch.runtime.constraints import KINDS as CONSTRAINT_KINDS
 from flashx_batch.runtime.options import EngineOptions
 from flashx_batch.runtime.params import SamplingParams
 from flashx_batch.storage import StorageSettings
@@ -91,7 +92,7 @@ SAMPLING_COLUMN_KEYS = {"max_new_tokens": "int", "temperature": "float", "top_k"
                         # (its null fields dropped), a choice list as a list or its JSON text; a bad one is a
                         # bad_constraint row
                         "json_schema": "json_schema", "regex": "text", "choice": "choice", "grammar": "text"}
-CONSTRAINT_KEYS = ("json_schema", "regex", "choice", "grammar")
+CONSTRAINT_KEYS = CONSTRAINT_KINDS  # the SamplingParams fields that hold a constraint
 
 
 # `runtime.*` = every EngineOptions knob (declared once, with its meaning, in runtime/options.py) except

@@ -121,7 +121,7 @@ def _hermes(body: str) -> tuple[str, Any] | str:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return 'a <tool_call> has no "name"'
     args = call.get("arguments", call.get("parameters", {}))
-    return call["name"], json.loads(args) if isinstance(args, str) and _is_json(args) else args
+    return call["name"], _json_or_text(args) if isinstance(args, str) else args
 
 
 def _glm(body: str, string_params: dict[str, set[str]]) -> tuple[str, Any] | str:
@@ -133,7 +133,7 @@ def _glm(body: str, string_params: dict[str, set[str]]) -> tuple[str, Any] | str
     for key, value in _GLM_ARG.findall(body):
         key = key.strip()
         text_param = key in string_params.get(name, set())
-        args[key] = value if text_param or not _is_json(value) else json.loads(value)
+        args[key] = value if text_param else _json_or_text(value)
     return name, args
 
 
@@ -158,12 +158,12 @@ def _openai_call(name: str, args: Any, index: int, context: str) -> dict[str, An
     return {"id": f"call_{digest}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _is_json(text: str) -> bool:
+def _json_or_text(text: str) -> Any:
+    """`text` as the JSON value it spells, or the text itself when it spells none."""
     try:
-        json.loads(text)
+        return json.loads(text)
     except ValueError:
-        return False
-    return True
+        return text
 
 
 def _string_params(tools: list[dict[str, Any]] | None) -> dict[str, set[str]]:

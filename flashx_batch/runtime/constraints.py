@@ -24,10 +24,6 @@ class Constraint:
     kind: str  # one of KINDS
     source: str  # canonical text (see the module doc)
 
-    def describe(self, limit: int = 80) -> str:
-        text = self.source if len(self.source) <= limit else self.source[: limit - 3] + "..."
-        return f"{self.kind} {text}"
-
 
 def canonical_schema(value: Any, where: str = "sampling.json_schema") -> str:
     """A JSON schema (a dict, or its JSON text) as canonical JSON text; a schema must be a JSON object

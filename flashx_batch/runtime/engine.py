@@ -125,6 +125,7 @@ class Engine:
         self.last_stats = GenerateStats()
         self._lm: LogLikelihood | None = None
         self._grammars: GrammarBook | None = None
+        self._own_pooling = model_pooling(self.model_dir)  # a sentence-transformers checkpoint's pooling, or None
 
     def _leave_replica(self, failure: str | None) -> None:
         """This rank could not start: tell the others why (when the group formed), end local ranks."""
@@ -252,7 +253,7 @@ class Engine:
         for out, row in zip(outs, rows):
             p = row.params
             if p.json_schema is not None and p.json_fit_budget and out.text is not None:
-                out.json_bound_reached = bound_reached(p.json_schema, p.constraint.source, out.text)
+                out.json_bound_reached = bound_reached(p.json_schema, p.max_new_tokens, out.text)
         return outs
 
     # ---- constrained decoding (runtime/grammar.py) -------------------------------------------
@@ -263,8 +264,7 @@ class Engine:
             if self.tokenizer is None:
                 raise ConfigError(f"{self.model_dir}/tokenizer.json is missing; constrained decoding (json_schema, "
                                   "regex, choice, grammar) needs the model's tokenizer to know what each token spells.")
-            self._grammars = GrammarBook(self.model_dir / "tokenizer.json", self.config.vocab_size,
-                                         self.eos_token_ids)
+            self._grammars = GrammarBook(self.tokenizer.path, self.config.vocab_size, self.eos_token_ids)
             self.scheduler.grammars = self._grammars
         return self._grammars
 
@@ -272,10 +272,6 @@ class Engine:
     def grammar_compiles(self) -> int:
         """Grammars this engine has compiled (each distinct constraint once, while it stays cached)."""
         return self._grammars.compiles if self._grammars is not None else 0
-
-    def constraint_problem(self, params: SamplingParams) -> str | None:
-        """Why `params`' constraint cannot be compiled for this model, or None (also when unconstrained)."""
-        return self.grammars.problem(params.constraint) if params.constraint is not None else None
 
     def _check_constraints(self, params: list[SamplingParams]) -> int:
         """Compile every distinct constraint of the call before any work (`BadConstraint`, naming the first
@@ -306,8 +302,7 @@ class Engine:
         clock = time.perf_counter()
         try:
             while (plan := scheduler.schedule()) is not None:
-                masks = scheduler.masks_for(plan)
-                out = runner.run(plan, masks=masks) if masks is not None else runner.run(plan)
+                out = runner.run(plan, masks=scheduler.masks_for(plan))
                 runner.synchronize()
                 now = time.perf_counter()
                 if plan.prefill is not None:
@@ -404,7 +399,7 @@ class Engine:
         """[len(prompts), D] float32 embeddings: the final hidden state pooled (`last`, `mean` or `cls`), the
         first `dimensions` components, unit length when `normalize` (`runtime/pooling.py`). None: the
         checkpoint's own sentence-transformers pooling where it ships one, else `last`, normalized."""
-        own = model_pooling(self.model_dir)
+        own = self._own_pooling
         config = PoolingConfig(pooling or (own.pooling if own else "last"),
                                normalize if normalize is not None else (own.normalize if own else True), dimensions)
         config.check(self.config.hidden_size)

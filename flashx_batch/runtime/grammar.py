@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -148,25 +149,23 @@ class GrammarBook:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
                 return m.grammar_from_lark(gbnf_to_lark(c.source))
-            lark = c.source
-            return m.grammar_from_lark(lark)
+            return m.grammar_from_lark(c.source)
         except Exception as exc:  # noqa: BLE001 — the library's parse errors are many types; all are the user's
             raise BadConstraint(str(exc)) from None
 
 
 def compile_check(tokenizer) -> Callable[[Constraint], str | None]:
     """Why a constraint cannot be compiled for this `runtime.tokenizer.Tokenizer`'s vocabulary, or None:
-    the planner's check of every row's constraint (the grammar library loaded on the first one)."""
-    book: GrammarBook | None = None
+    the planner's check of the job-wide constraint and of every row's (one book per tokenizer for the
+    whole plan, built on the first constraint it meets)."""
+    eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    version = Path(tokenizer.path).stat().st_mtime_ns  # a tokenizer.json rewritten in place is a new book
+    return lambda constraint: _planning_book(tokenizer.path, version, tokenizer.vocab_size, eos).problem(constraint)
 
-    def problem(constraint: Constraint) -> str | None:
-        nonlocal book
-        if book is None:
-            eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-            book = GrammarBook(tokenizer.path, tokenizer.vocab_size, eos)
-        return book.problem(constraint)
 
-    return problem
+@lru_cache(maxsize=4)
+def _planning_book(tokenizer_json: Path, version: int, vocab_size: int, eos: tuple[int, ...]) -> GrammarBook:
+    return GrammarBook(tokenizer_json, vocab_size, eos)
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

@@ -23,14 +23,14 @@ schema as given (its output validates against the original):
 
 A schema this cannot make fit still runs (a row may then end at its budget, `constraint_met` false). An
 answer that reached a bound fitting added may have been cut short of what the model would have written:
-`bound_reached` says so (`RequestOutput.json_bound_reached`, the `json_bound_reached` column).
+`bound_reached` says so, from the bounds the fitting itself recorded (`RequestOutput.json_bound_reached`,
+the `json_bound_reached` column).
 Who calls it: `SamplingParams.constraint`; the grammar cache is keyed by the tightened text, so rows with
 the same schema and budget share one compiled grammar.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from functools import lru_cache
 from typing import Any
@@ -48,16 +48,34 @@ _APPLICATORS = ("patternProperties", "unevaluatedProperties", "anyOf", "oneOf", 
 _FORMAT_LENGTH = {"date": 10, "time": 15, "date-time": 32, "uuid": 36, "ipv4": 15}
 
 
-@lru_cache(maxsize=4096)
 def fit_schema(schema_text: str, budget: int) -> str:
     """The schema (canonical JSON text) with its open ends bounded for `budget` new tokens, as canonical
     JSON text, keys in their order (the text as given when it is not an object schema)."""
-    schema = json.loads(schema_text)
-    if not isinstance(schema, dict):
-        return schema_text
-    fitted = copy.deepcopy(schema)
+    return _fit(schema_text, budget)[0]
+
+
+def bound_reached(schema_text: str, budget: int, text: str) -> bool:
+    """Whether an answer may have been cut short by a bound that fitting for `budget` added: some string of it
+    is exactly as long as an added `maxLength`, or some array holds exactly an added or shrunk `maxItems`
+    (compared by value, not by place in the schema: it may say yes for a value that merely has that size)."""
+    _, lengths, items = _fit(schema_text, budget)
+    if not lengths and not items:
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return _reaches(value, lengths, items)
+
+
+@lru_cache(maxsize=4096)
+def _fit(schema_text: str, budget: int) -> tuple[str, frozenset[int], frozenset[int]]:
+    """(the fitted schema's text, the string bounds it added, the array bounds it added or shrank)."""
+    fitted = json.loads(schema_text)
+    if not isinstance(fitted, dict):
+        return schema_text, frozenset(), frozenset()
     added: list[dict] = []  # string nodes whose maxLength is ours
-    arrays: list[dict] = []  # array nodes (their maxItems may shrink)
+    arrays: list[tuple[dict, Any]] = []  # array nodes (their maxItems may shrink), each with its maxItems as given
     closes_objects = '"allOf"' not in schema_text
     _walk(fitted, lambda node: _bound(node, budget, closes_objects, added, arrays))
     for _ in range(32):
@@ -69,13 +87,15 @@ def fit_schema(schema_text: str, budget: int) -> str:
             new = max(low, node["maxLength"] * 3 // 4)
             changed |= new < node["maxLength"]
             node["maxLength"] = new
-        for node in arrays:
+        for node, _ in arrays:
             new = max(_int(node.get("minItems"), 0), node["maxItems"] * 3 // 4)
             changed |= new < node["maxItems"]
             node["maxItems"] = new
         if not changed:
             break
-    return json.dumps(fitted, separators=(",", ":"), ensure_ascii=False)  # keys in the order given: see constraints
+    text = json.dumps(fitted, separators=(",", ":"), ensure_ascii=False)  # keys in the order given: see constraints
+    return (text, frozenset(node["maxLength"] for node in added),
+            frozenset(node["maxItems"] for node, given in arrays if node["maxItems"] != given))
 
 
 def _int(value: Any, default: int) -> int:
@@ -105,7 +125,8 @@ def _types(node: dict) -> set[str]:
     return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
 
 
-def _bound(node: dict, budget: int, closes_objects: bool, added: list[dict], arrays: list[dict]) -> None:
+def _bound(node: dict, budget: int, closes_objects: bool, added: list[dict], arrays: list[tuple[dict, Any]]
+           ) -> None:
     types = _types(node)
     fixed = "enum" in node or "const" in node
     if types & {"integer", "number"} and not fixed:
@@ -124,10 +145,11 @@ def _bound(node: dict, budget: int, closes_objects: bool, added: list[dict], arr
         node["maxLength"] = max(_int(node.get("minLength"), 0), budget)
         added.append(node)
     if ("array" in types or isinstance(node.get("items"), dict)) and not fixed:
-        if "maxItems" not in node:
+        given = node.get("maxItems")
+        if given is None:
             node["maxItems"] = max(_int(node.get("minItems"), 0), max(1, budget // 8))
         if isinstance(node["maxItems"], int):
-            arrays.append(node)
+            arrays.append((node, given))
     if closes_objects and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         listed, required = node["properties"], node.get("required", [])
         if (isinstance(required, list) and all(k in listed for k in required)
@@ -188,40 +210,6 @@ def _type_cost(kind: str, node: dict, root: dict, depth: int) -> int:
             return OPEN
         return 2 + sum(len(json.dumps(k)) + 4 + _cost(v, root, depth + 1) for k, v in props.items())
     return OPEN
-
-
-def bound_reached(given: str, fitted: str, text: str) -> bool:
-    """Whether an answer may have been cut short by a bound that fitting added: some string of it is exactly
-    as long as an added `maxLength`, or some array holds exactly an added or shrunk `maxItems` (compared by
-    value, not by place in the schema: it may say yes for a value that merely matches a bound's size)."""
-    if given == fitted:
-        return False
-    pairs: list[tuple[dict, dict]] = []
-    _walk_pairs(json.loads(given), json.loads(fitted), pairs)
-    lengths = {f["maxLength"] for g, f in pairs if "maxLength" in f and g.get("maxLength") != f["maxLength"]}
-    items = {f["maxItems"] for g, f in pairs if "maxItems" in f and g.get("maxItems") != f["maxItems"]}
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return False
-    return _reaches(value, lengths, items)
-
-
-def _walk_pairs(given: Any, fitted: Any, out: list[tuple[dict, dict]]) -> None:
-    """The schema's nodes beside the fitted schema's (fitting adds keywords, never nodes)."""
-    if not isinstance(given, dict) or not isinstance(fitted, dict):
-        return
-    out.append((given, fitted))
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(given.get(key), dict) and isinstance(fitted.get(key), dict):
-            for name, child in given[key].items():
-                _walk_pairs(child, fitted[key].get(name), out)
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(given.get(key), list) and isinstance(fitted.get(key), list):
-            for a, b in zip(given[key], fitted[key]):
-                _walk_pairs(a, b, out)
-    for key in ("items", "additionalProperties", "then", "else"):
-        _walk_pairs(given.get(key), fitted.get(key), out)
 
 
 def _reaches(value: Any, lengths: set[int], items: set[int]) -> bool:

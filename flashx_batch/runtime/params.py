@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flashx_batch.errors import ConfigError
-from flashx_batch.runtime.constraints import Constraint, constraint_of
+from flashx_batch.runtime.constraints import KINDS, Constraint, constraint_of
 from flashx_batch.runtime.json_budget import fit_schema
 
 
@@ -89,7 +89,7 @@ class SamplingParams:
 
     def describe_constraint(self, limit: int = 80) -> str:
         """The constraint as the caller gave it (a schema before budget fitting), cut to `limit` characters."""
-        kind = next(k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None)
+        kind = next(k for k in KINDS if getattr(self, k) is not None)
         value = getattr(self, kind)
         text = value if isinstance(value, str) else json.dumps(list(value), ensure_ascii=False)
         return f"{kind} {text if len(text) <= limit else text[: limit - 3] + '...'}"

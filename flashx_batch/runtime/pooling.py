@@ -98,13 +98,22 @@ class Pooler:
     @torch.inference_mode()
     def classify(self, prompts: list[list[int]]) -> torch.Tensor:
         """[len(prompts), num_labels] float32 logits of the score head at each prompt's last token."""
-        last = self.embed(prompts, PoolingConfig("last", normalize=False))
         model = self.scorer.model
-        return model.logits(last.to(device=model.embed.device, dtype=model.embed.dtype)).float().cpu()
+        return model.logits(self._pooled(prompts, "last").to(model.embed.dtype)).float().cpu()
 
     @torch.inference_mode()
     def embed(self, prompts: list[list[int]], config: PoolingConfig) -> torch.Tensor:
-        """[len(prompts), D] float32 vectors, in the prompts' order."""
+        """[len(prompts), D] float32 vectors on the host, in the prompts' order."""
+        vectors = self._pooled(prompts, config.pooling)
+        if config.dimensions is not None:
+            vectors = vectors[:, : config.dimensions]
+        if config.normalize:
+            vectors = torch.nn.functional.normalize(vectors, dim=-1)
+        return vectors.cpu()
+
+    def _pooled(self, prompts: list[list[int]], pooling: str) -> torch.Tensor:
+        """[len(prompts), hidden] float32 pooled final hidden states on the model's device, in the prompts'
+        order: packs of rows sorted by length."""
         if any(not p for p in prompts):
             raise ConfigError(f"embed: prompt {next(i for i, p in enumerate(prompts) if not p)} has no tokens.")
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -121,15 +130,10 @@ class Pooler:
                 tokens += n
                 end += 1
             rows = [prompts[i] for i in order[start:end]]
-            for i, vector in zip(order[start:end], self._pool(rows, config.pooling)):
+            for i, vector in zip(order[start:end], self._pool(rows, pooling)):
                 out[i] = vector
             start = end
-        vectors = torch.stack(out)
-        if config.dimensions is not None:
-            vectors = vectors[:, : config.dimensions]
-        if config.normalize:
-            vectors = torch.nn.functional.normalize(vectors, dim=-1)
-        return vectors.cpu()
+        return torch.stack(out)
 
     def _pool(self, rows: list[list[int]], pooling: str) -> torch.Tensor:
         s = self.scorer

@@ -25,6 +25,8 @@ class Tokenizer:
             )
         self.path = path  # tokenizer.json (the grammar library reads the vocabulary from it)
         self._tok = _HFTokenizer.from_file(str(path))
+        # special tokens by id (what decode skips): read once, not per decoded row
+        self._specials = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         cfg_path = Path(model_dir) / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.chat_templates = _chat_templates(Path(model_dir), self.config)
@@ -56,13 +58,13 @@ class Tokenizer:
 
     def special_among(self, texts: tuple[str, ...]) -> set[str]:
         """Those of `texts` that are special tokens of this vocabulary (decode skips them by default)."""
-        specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        specials = set(self._specials.values())
         return {t for t in texts if t in specials}
 
     def decode_keeping(self, ids: list[int], keep: set[str]) -> str:
         """`decode` with special tokens skipped except those spelled as one of `keep`."""
-        skip = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special and t.content not in keep}
-        return self._tok.decode([i for i in ids if i not in skip], skip_special_tokens=False)
+        specials = self._specials
+        return self._tok.decode([i for i in ids if i not in specials or specials[i] in keep], skip_special_tokens=False)
 
     def template_for(self, tools: list[Any] | None = None) -> str:
         """The template a render uses: the only one, or of several named ones `tool_use` when there are
