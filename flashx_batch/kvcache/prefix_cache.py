@@ -18,9 +18,10 @@ from collections import OrderedDict
 from flashx_batch.kvcache.allocator import SegmentAllocator
 
 
-def block_keys(tokens: list[int], segment_size: int, limit: int) -> list[bytes]:
-    """Chain keys of the full blocks within the first `limit` tokens."""
-    keys, previous = [], b""
+def block_keys(tokens: list[int], segment_size: int, limit: int, adapter: int = 0) -> list[bytes]:
+    """Chain keys of the full blocks within the first `limit` tokens; rows of another LoRA `adapter`
+    (slot) get other keys (the same tokens have other KV there)."""
+    keys, previous = [], (b"" if not adapter else f"adapter {adapter}".encode())
     for start in range(0, limit - segment_size + 1, segment_size):
         block = tokens[start : start + segment_size]
         previous = hashlib.blake2b(previous + b"|" + ",".join(map(str, block)).encode(), digest_size=16).digest()

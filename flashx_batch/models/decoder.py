@@ -17,6 +17,7 @@ from flashx_batch.backends.attention import AttentionBackend, AttentionSet, sele
 from flashx_batch.backends.attention.meta import FinalLayerInputs, ForwardMeta, Packed
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.layers import GatedMLP, Linear, RMSNorm, RotaryTable, apply_rotary_
+from flashx_batch.models.lora import LoraSet, RowAdapters
 from flashx_batch.models.mla import IndexerChoice, MLAttention
 from flashx_batch.models.moe import SparseMoE
 from flashx_batch.models.parallel import TensorShard, rank_config
@@ -150,6 +151,7 @@ class DecoderModel(nn.Module):
         self.rotary: RotaryTable | None = None
         self.attention_kind = "latent" if cfg.mla is not None else "dense"
         self._attention: AttentionSet | None = None
+        self.lora: LoraSet | None = None  # LoRA adapters stacked into the target linears (`models.lora`)
 
     @property
     def attention(self) -> AttentionSet:
@@ -168,10 +170,24 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryTable(cfg.rope, cfg.rotary_dim, max_positions, self.embed.dtype, self.embed.device)
 
     def hidden_states(self, input_ids: torch.Tensor, meta: ForwardMeta,
-                      caches: Sequence[KVView] | None = None) -> torch.Tensor:
+                      caches: Sequence[KVView] | None = None, adapters: RowAdapters | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final-norm hidden states [B, T, hidden]; layer i writes and reads
         `caches[i]` (None: a `TeacherForced` pass, which keeps no cache); every layer's attention runs
-        on the backend `self.attention` holds for `meta`'s layout."""
+        on the backend `self.attention` holds for `meta`'s layout. `adapters`: each row's LoRA adapter
+        (`models.lora`; None: the base model for every row)."""
+        if self.lora is None:
+            if adapters is not None:
+                raise RuntimeError("LoRA adapters asked of a model that loaded none")
+            return self._hidden_states(input_ids, meta, caches)
+        keep = meta.last_tokens(input_ids.device) if meta.last_only and input_ids.shape[0] == 1 else None
+        self.lora.begin(adapters, input_ids.shape, getattr(meta, "row_lengths", None), keep)
+        try:
+            return self._hidden_states(input_ids, meta, caches)
+        finally:
+            self.lora.end()
+
+    def _hidden_states(self, input_ids: torch.Tensor, meta: ForwardMeta, caches: Sequence[KVView] | None
+                       ) -> torch.Tensor:
         backend = self.attention.for_meta(meta)
         x = self.embed_tokens(input_ids)
         # `.forward` directly, here and inside the layers: nn.Module.__call__ (hooks, which nothing

@@ -7,6 +7,7 @@ float32 positions) so that float32 greedy decoding is token-identical to it.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 from flashx_batch.backends import on_host
 from flashx_batch.backends.cpu import onednn_linear, onednn_pack
 from flashx_batch.models.config import RopeConfig
+
+if TYPE_CHECKING:
+    from flashx_batch.models.lora import LoraLinear
 
 
 class RMSNorm(nn.Module):
@@ -155,6 +159,7 @@ class Linear(nn.Module):
     (gpt-fast style) without the decoder knowing which weight format it runs."""
 
     cpu_packable = True  # the CPU backend's `prepare_model` calls `pack` where oneDNN takes the weight's dtype
+    lora: LoraLinear | None = None  # LoRA adapters stacked onto this linear (`models.lora.LoraSet`)
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -182,9 +187,8 @@ class Linear(nn.Module):
         self.packed = onednn_pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return onednn_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        y = onednn_linear(x, self.packed, self.bias) if self.packed is not None else F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_(x, y)
 
 
 # a CPU prefill's gate / up output per chunk (`GatedMLP.forward`): under glibc's 32 MB mmap ceiling, so the
@@ -216,8 +220,16 @@ class GatedMLP(nn.Module):
         # round a row's last bit differently for another row count, as it already does between batches).
         flat = x.reshape(rows, x.shape[-1])
         out = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
-        for a in range(0, rows, chunk):
-            out[a : a + chunk] = self._rows(flat[a : a + chunk])
+        lora = getattr(self.gate_up, "lora", None) or getattr(self.down, "lora", None)  # quantized: none
+        run = lora.owner.current if lora is not None else None  # a LoRA pass: each chunk its rows' adapters
+        try:
+            for a in range(0, rows, chunk):
+                if run is not None:
+                    run.window = (a, min(a + chunk, rows), rows)
+                out[a : a + chunk] = self._rows(flat[a : a + chunk])
+        finally:
+            if run is not None:
+                run.window = None
         return out.view(*x.shape[:-1], -1)
 
     def chunk_rows(self, itemsize: int) -> int:

@@ -19,6 +19,7 @@ from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.parallel import Cut, TensorShard, checkpoint_cut
+from flashx_batch.models.safetensors_file import _FLOAT_DTYPES, _TORCH_DTYPES, safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,6 @@ EXPERTS = (
 )
 TOP_LEVEL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm.weight",
              "lm_head.weight": "lm_head.weight", "score.weight": "lm_head.weight"}  # score: a classifier's head
-_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}  # safetensors dtype names we convert exactly
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -128,8 +128,6 @@ def _our_name(hf_name: str) -> tuple[str, int | None] | None:
 
 
 Source = tuple[Path, str]  # (safetensors file, HF tensor name)
-# safetensors dtype name -> torch dtype, for the formats in _FLOAT_DTYPES
-_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _READ_CHUNK = 16 << 20  # bytes read from a file per call: the only host buffer loading adds to the weights
 
 
@@ -281,42 +279,6 @@ def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[
 def _as_rows(shape: tuple[int, ...]) -> tuple[int, ...]:
     """A stacked expert parameter [experts, rows, cols] as its checkpoint parts concatenate: [experts x rows, cols]."""
     return (shape[0] * shape[1], *shape[2:]) if len(shape) == 3 else shape
-
-
-def safetensors_header(path: Path) -> dict[str, dict]:
-    """tensor name -> {dtype, shape, data_offsets} from a safetensors file's header, without reading
-    the tensors; ModelLoadError when the file is cut short or its header is not valid."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or 8 + n > size:
-            raise ModelLoadError(f"{path}: not a complete safetensors file ({size} bytes, header length "
-                                 f"{n}); copy or convert the checkpoint again.")
-        try:
-            header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(f"{path}: the safetensors header is not valid JSON ({exc}); the file is corrupt.") \
-                from None
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
-    try:
-        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
-        for name, v in tensors.items():
-            begin, stop = (int(o) for o in v["data_offsets"])
-            numel = 1
-            for d in v["shape"]:
-                numel *= int(d)
-            if v.get("dtype") in _TORCH_DTYPES and stop - begin != numel * _TORCH_DTYPES[v["dtype"]].itemsize:
-                raise ModelLoadError(f"{path.name}:{name}: holds {stop - begin} bytes, its shape {v['shape']} in "
-                                     f"{v['dtype']} needs {numel * _TORCH_DTYPES[v['dtype']].itemsize}; the file is "
-                                     "corrupt.")
-    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-        raise ModelLoadError(f"{path}: the safetensors header does not describe tensors; the file is corrupt.") \
-            from None
-    if 8 + n + end > size:
-        raise ModelLoadError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}; "
-                             "copy the checkpoint again (an interrupted download or copy).")
-    return tensors
 
 
 def check_checkpoint(model_dir: Path) -> ModelConfig:

@@ -13,10 +13,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-import torch
 
 from flashx_batch.backends import Backend, get_backend, ray_accelerator_ids
 from flashx_batch.backends.distributed import Rendezvous, ReplicaBroken
@@ -26,22 +24,31 @@ from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.kvcache.spec import slot_bytes
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
+from flashx_batch.models.lora import LoraSet, read_adapter
 from flashx_batch.models.parallel import TensorShard, rank_config
-from flashx_batch.runtime import kv_sizing, pooling
+from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.capabilities import Capabilities, capabilities
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.grammar import BadConstraint, GrammarBook
-from flashx_batch.runtime.inputs import check_options, effective_config, fit_prompts, generation_eos, per_row_params
+from flashx_batch.runtime.inputs import (
+    check_lora_options,
+    check_options,
+    effective_config,
+    fit_prompts,
+    generation_eos,
+    per_row_params,
+)
 from flashx_batch.runtime.json_budget import bound_reached
 from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length, protect_nats_for
 from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
-from flashx_batch.runtime.pooling import Classification, Pooler, PoolingConfig, classifications, model_pooling
+from flashx_batch.runtime.pooling import model_pooling
 from flashx_batch.runtime.results import GenerateStats, RequestOutput
 from flashx_batch.runtime.rows import Row
 from flashx_batch.runtime.runner import ModelRunner
 from flashx_batch.runtime.scheduler import Scheduler, SchedulerConfig
+from flashx_batch.runtime.scoring_api import ScoringApi
 from flashx_batch.runtime.tensor_parallel import ReplicaRank, ReplicaRunner, local_thread_share
 from flashx_batch.runtime.tokenizer import Tokenizer
 from flashx_batch.runtime.torch_runner import PrefillPolicy, TorchRunner
@@ -51,12 +58,14 @@ log = logging.getLogger(__name__)
 __all__ = ["ChoiceScores", "Engine", "GenerateStats", "RequestOutput", "check_options"]
 
 
-class Engine:
+class Engine(ScoringApi):
     def __init__(self, model_dir: Path, options: EngineOptions, onnx_cache_dir: Path | None = None,
-                 rendezvous: Rendezvous | None = None) -> None:
+                 rendezvous: Rendezvous | None = None, lora_adapters: Mapping[str, str | Path] | None = None) -> None:
         """`onnx_cache_dir`: where backend=onnx keeps its exports (default: `onnx.sessions.default_cache_dir`).
         `rendezvous`: this engine is one rank of a tensor-parallel replica whose ranks meet there (Ray
-        actors); None with tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks."""
+        actors); None with tensor_parallel_size > 1: this process is rank 0 and spawns the other ranks.
+        `lora_adapters`: {name: PEFT adapter directory}, loaded once; `generate(..., adapters=)` picks one
+        per prompt (`models.lora`)."""
         started = time.perf_counter()
         # `options`: as the caller gave them, never replaced. `run_options`: what this engine runs with, the
         # same but for what it derives: max_batch_size from kv_budget_mb, a local rank's share of threads
@@ -64,6 +73,9 @@ class Engine:
         self.backend: Backend = get_backend(options.backend)
         self.config = effective_config(ModelConfig.from_dir(self.model_dir), options)
         self.dtype = check_options(options, self.config, self.backend)
+        self.lora_adapters = dict(lora_adapters or {})
+        if self.lora_adapters:
+            check_lora_options(options, self.config)
         # what this model, these options and this backend can run: the runner's parts read it
         self.capabilities: Capabilities = capabilities(self.config, options, self.backend)
         self.replica: ReplicaRank | None = None  # this engine's place in a tensor-parallel replica
@@ -153,6 +165,8 @@ class Engine:
         o, cfg = self.run_options, self.config
         shard = TensorShard(self.replica.rank, self.replica.size, self.replica.comm) if self.replica else None
         model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg, shard)
+        if self.lora_adapters:
+            model.lora = LoraSet(model, [read_adapter(n, p, cfg) for n, p in self.lora_adapters.items()])
         if o.precision_map:
             from flashx_batch.quant import apply_precision_map, load_precision_map
 
@@ -163,7 +177,7 @@ class Engine:
         policy = PrefillPolicy(o.max_input_len, self.prompt_slots, o.cache_policy == "segment_sparse",
                                o.segment_size, o.max_output_len, self.geometry.base_capacity)
         caps, graphs = self.capabilities, None
-        if o.cuda_graphs != "off" and caps.decode_graphs:
+        if o.cuda_graphs != "off" and caps.decode_graphs and not self.lora_adapters:  # graphs hold no adapters
             graphs = lambda passes: DecodeGraphs(passes, backend=self.backend)  # noqa: E731
         return TorchRunner(model, arena, self.backend, policy, merge, pad_id=cfg.pad_token_id or 0,
                            fuse_int8_decode=bool(caps.fused_int8_decode), graphs=graphs,
@@ -180,11 +194,13 @@ class Engine:
             split_min_bytes=self.backend.attention_split_min_bytes)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, onnx_cache_dir: Path | None = None, **options) -> Engine:
+    def from_pretrained(cls, path: str | Path | None = None, onnx_cache_dir: Path | None = None,
+                        lora_adapters: Mapping[str, str | Path] | None = None, **options) -> Engine:
         """Load a local Hugging Face directory (None = the bundled demo model) with `EngineOptions` knobs.
-        `backend="onnx"` runs the same engine over ONNX Runtime sessions (`OnnxRunner`)."""
+        `backend="onnx"` runs the same engine over ONNX Runtime sessions (`OnnxRunner`).
+        `lora_adapters`: {name: PEFT adapter directory} that `generate(..., adapters=)` can pick per prompt."""
         model_dir = Path(path) if path is not None else bundled_model_dir()
-        return cls(model_dir, EngineOptions(**options), onnx_cache_dir)
+        return cls(model_dir, EngineOptions(**options), onnx_cache_dir, lora_adapters=lora_adapters)
 
     @property
     def merge(self) -> MergeSettings | None:
@@ -224,22 +240,26 @@ class Engine:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
 
     def generate(self, prompts: list[str] | list[list[int]],
-                 sampling: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling: SamplingParams | list[SamplingParams] | None = None,
+                 adapters: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order. A prompt
         whose params ask for n > 1 samples gives n consecutive outputs (sample_index 0..n-1), each a
         row of its own seeded by `SamplingParams.sample_seed` (prefix reuse computes their shared
-        prompt once; without it each sample prefills its own copy)."""
+        prompt once; without it each sample prefills its own copy). `adapters`: per prompt, the name
+        of a LoRA adapter the engine loaded, or None for the base model; prompts of different adapters
+        share batches."""
         self._need_lm_head("generate")
+        slots = self._adapter_slots(adapters, len(prompts))
         params = per_row_params(sampling, len(prompts), self.run_options.max_output_len)
         compiles = self._check_constraints(params)
         token_lists, truncated = fit_prompts([self.encode(p) for p in prompts], self.run_options,
                                              self.config.vocab_size)
         rows, owners = [], []  # owners[i]: (prompt index, sample index) of rows[i]
-        for i, (ids, p, cut) in enumerate(zip(token_lists, params, truncated)):
+        for i, (ids, p, cut, slot) in enumerate(zip(token_lists, params, truncated, slots)):
             for s in range(p.n):
                 one = p if p.n == 1 else dataclasses.replace(p, seed=p.sample_seed(s), n=1)
                 rows.append(Row(len(rows), ids, one, min(len(ids), self.prompt_slots) + p.max_new_tokens,
-                                truncated=cut))
+                                truncated=cut, adapter=slot))
                 owners.append((i, s))
         stats = GenerateStats(kv_bytes_arena=self.runner.kv_bytes)
         self._run(rows, stats)
@@ -255,6 +275,22 @@ class Engine:
             if p.json_schema is not None and p.json_fit_budget and out.text is not None:
                 out.json_bound_reached = bound_reached(p.json_schema, p.max_new_tokens, out.text)
         return outs
+
+    def _adapter_slots(self, adapters: Sequence[str | None] | None, count: int) -> list[int]:
+        """Each prompt's adapter slot in the model's `LoraSet` (0: the base model); ConfigError for a
+        name this engine did not load or a list of the wrong length."""
+        if adapters is None:
+            return [0] * count
+        if len(adapters) != count:
+            raise ConfigError(f"generate: {len(adapters)} adapters for {count} prompts; give one per prompt "
+                              "(None for the base model).")
+        names = {name: i + 1 for i, name in enumerate(self.lora_adapters)}
+        unknown = sorted({a for a in adapters if a is not None and a not in names})
+        if unknown:
+            loaded = ", ".join(names) or "none"
+            raise ConfigError(f"generate: LoRA adapter(s) {unknown} were not loaded (loaded: {loaded}); pass "
+                              "them in lora_adapters={name: directory} when building the engine.")
+        return [0 if a is None else names[a] for a in adapters]
 
     # ---- constrained decoding (runtime/grammar.py) -------------------------------------------
     @property
@@ -315,127 +351,3 @@ class Engine:
             scheduler.abort()
             runner.reset()
             raise
-
-    # ---- log-likelihoods (runtime/loglikelihood.py; encoding rules: runtime/lm_requests.py) -----
-    def _need_lm_head(self, what: str) -> None:
-        if self.config.classifier is not None:
-            raise ConfigError(f"{self.model_dir.name} is a sequence classifier (a score head over "
-                              f"{self.config.classifier.num_labels} labels, no LM head): it cannot {what}; use "
-                              "classify (task=classify) or embed.")
-
-    @property
-    def lm(self) -> LogLikelihood:
-        """The log-likelihood scorer (built on first use)."""
-        self._need_lm_head("score log-likelihoods")
-        if self._lm is None:
-            self._lm = LogLikelihood(self.runner, self.config, self.tokenizer, str(self.model_dir),
-                                     self.run_options.max_input_len)
-        return self._lm
-
-    def loglikelihood(self, pairs: Sequence[tuple[str | Sequence[int], str | Sequence[int]]],
-                      max_length: int | None = None) -> list[tuple[float, bool]]:
-        """(logprob, is_greedy) of each continuation given its context, as lm-evaluation-harness's
-        Hugging Face backend (`HFLM.loglikelihood`) computes them.
-
-        A pair is two strings or two token-id lists. Text is encoded by HFLM's rules: the context's
-        trailing whitespace moves onto the continuation; `context + continuation` is encoded whole
-        (the tokenizer's default special tokens, none when the text starts with the prefix token) and
-        the continuation's tokens are what follows `encode(context)`'s length; an empty context is the
-        prefix token (BOS, else EOS) and the continuation is then encoded without special tokens (if
-        its first token is the prefix token, that token is the context). The model sees the last
-        `max_length` tokens of `(context + continuation)[:-1]` (left-truncated); the logits at the last
-        len(continuation) positions score the continuation, log_softmax in float32; `is_greedy` is
-        True when every continuation token is the argmax there. `max_length` defaults to the engine's
-        max_input_len (lm-eval's defaults to the model's context length: pass `max_length` to both to
-        compare). Details: runtime/lm_requests.py."""
-        return list(zip(*self.lm.score_pairs(self.lm.encode_pairs(pairs), max_length), strict=True))
-
-    def loglikelihood_rolling(self, texts: Sequence[str | Sequence[int]], max_length: int | None = None
-                              ) -> list[float]:
-        """Each text's log-likelihood in windows of `max_length` tokens (default: max_input_len), as
-        `HFLM.loglikelihood_rolling` computes it: the text encoded whole, the prefix token before its
-        first window, each later window conditioned on the tokens just before it
-        (`get_rolling_token_windows(context_len=1)` + `make_disjoint_window`); the sum over windows.
-        Token-id lists are scored as given."""
-        lists = [list(t) if not isinstance(t, str) else None for t in texts]
-        strings = [i for i, t in enumerate(texts) if isinstance(t, str)]
-        if strings:
-            for i, ids in zip(strings, self.lm.encoder.encode([texts[i] for i in strings]), strict=True):
-                lists[i] = ids
-        return self.lm.score_rolling(lists, max_length)
-
-    def choice_logprobs(self, items: Sequence[tuple[str | Sequence[int], Sequence[str | Sequence[int]]]],
-                        delimiter: str = "", max_length: int | None = None) -> list[ChoiceScores]:
-        """Multiple choice: for each (context, choices) item, every choice's `loglikelihood(context,
-        delimiter + choice)`, raw and divided by len(choice) in characters (lm-eval's `acc_norm`;
-        `delimiter` is its `target_delimiter`, " " in most tasks). The context is computed once per
-        item: one forward pass holds the context followed by every choice as a token tree (see
-        runtime/loglikelihood.py)."""
-        flat_pairs, sizes = [], []
-        for context, choices in items:
-            sizes.append(len(choices))
-            for choice in choices:
-                flat_pairs.append((context, delimiter + choice if isinstance(choice, str) else choice))
-        encoded = self.lm.encode_pairs(flat_pairs)
-        grouped, o = [], 0
-        for n in sizes:
-            grouped.append(encoded[o : o + n])
-            o += n
-        out = []
-        for (_, choices), pairs, (logprobs, greedy) in zip(items, grouped, self.lm.score_choices(grouped, max_length),
-                                                           strict=True):
-            lengths = [len(c) if isinstance(c, str) else len(p[1]) for c, p in zip(choices, pairs, strict=True)]
-            out.append(ChoiceScores(logprobs, greedy, [len(p[1]) for p in pairs],
-                                    [lp / n if n else float("-inf") for lp, n in zip(logprobs, lengths, strict=True)]))
-        return out
-
-    def multiple_choice(self, context: str | Sequence[int], choices: Sequence[str | Sequence[int]],
-                        delimiter: str = "", max_length: int | None = None) -> ChoiceScores:
-        """`choice_logprobs` for one item."""
-        return self.choice_logprobs([(context, choices)], delimiter, max_length)[0]
-
-    def embed(self, prompts: list[str] | list[list[int]], pooling: str | None = None, normalize: bool | None = None,
-              dimensions: int | None = None) -> torch.Tensor:
-        """[len(prompts), D] float32 embeddings: the final hidden state pooled (`last`, `mean` or `cls`), the
-        first `dimensions` components, unit length when `normalize` (`runtime/pooling.py`). None: the
-        checkpoint's own sentence-transformers pooling where it ships one, else `last`, normalized."""
-        own = self._own_pooling
-        config = PoolingConfig(pooling or (own.pooling if own else "last"),
-                               normalize if normalize is not None else (own.normalize if own else True), dimensions)
-        config.check(self.config.hidden_size)
-        return self._pooler().embed(self._fitted(prompts), config)
-
-    def classify(self, prompts: list[str] | list[list[int]]) -> list[Classification]:
-        """A sequence classifier's (`*ForSequenceClassification`: reward models, classifiers) logits at each
-        prompt's last token, with probabilities and the top label (`runtime/pooling.py`)."""
-        if self.config.classifier is None:
-            raise ConfigError(f"{self.model_dir.name} is not a sequence classifier (config.json names "
-                              f"{self.config.architecture}); classify needs a *ForSequenceClassification checkpoint.")
-        c = self.config.classifier
-        return classifications(self._pooler().classify(self._fitted(prompts)), c.labels, c.multi_label)
-
-    def _fitted(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
-        return pooling.pooled_prompts([self.encode(p) for p in prompts], self.run_options, self.config.vocab_size)
-
-    def _pooler(self) -> Pooler:
-        scorer = getattr(self.runner, "scorer", None)
-        if scorer is None:
-            raise ConfigError(f"embed and classify need every position's hidden states, which "
-                              f"{type(self.runner).__name__} does not expose; use a torch backend with "
-                              "tensor_parallel_size=1.")
-        return Pooler(scorer, self.geometry.base_rows * self.run_options.max_input_len)
-
-    @torch.inference_mode()
-    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Teacher-forced float32 logits [T_i, V] for each whole sequence (quality measurements, parity
-        tests). Sequences are never truncated or merged: each must fit a row of the arena."""
-        capacity = self.geometry.row_capacity
-        too_long = [i for i, p in enumerate(prompts) if not 0 < len(p) <= capacity]
-        if too_long:
-            raise ConfigError(f"score: sequences {too_long[:5]} are empty or longer than a row of the KV arena "
-                              f"({capacity} tokens); raise max_input_len + max_output_len.")
-        out: list[torch.Tensor] = []
-        size = self.admitted_batch_size
-        for start in range(0, len(prompts), size):
-            out.extend(self.runner.score(prompts[start : start + size]))
-        return out

@@ -18,6 +18,7 @@ from flashx_batch.backends import Backend, cpu_decode
 from flashx_batch.backends.attention.meta import Decode, Extend, FinalLayerInputs, Packed, Paged
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
+from flashx_batch.models.lora import RowAdapters
 from flashx_batch.quant.int8_decode import MAX_ROWS as FUSED_MAX_ROWS
 from flashx_batch.quant.int8_decode import Int8Decode, Reads
 
@@ -43,17 +44,17 @@ class ForwardPasses:
         """Drop the fused int8 step: built again at the next decode step (after a failed plan)."""
         self._fused = None
 
-    def prefill_packed(self, prompts: list[list[int]], first_row: int = 0, capacity: int | None = None
-                       ) -> torch.Tensor:
+    def prefill_packed(self, prompts: list[list[int]], first_row: int = 0, capacity: int | None = None,
+                       adapters: RowAdapters | None = None) -> torch.Tensor:
         """Prompts packed end to end, no padding, into stripes first_row, first_row + 1, ... of
         `capacity` slots (default: a full-length row's, whole segments) -> last-token logits [B, V]."""
         cap = capacity or self.row_capacity
         starts = [(first_row + r) * cap for r in range(len(prompts))]
-        return self.prefill_packed_at(prompts, starts)[0]
+        return self.prefill_packed_at(prompts, starts, adapters=adapters)[0]
 
     @torch.inference_mode()
     def prefill_packed_at(self, prompts: list[list[int]], starts: list[int], observe: int = 0,
-                          keep_final: bool = False
+                          keep_final: bool = False, adapters: RowAdapters | None = None
                           ) -> tuple[torch.Tensor, list[torch.Tensor] | None, tuple[Packed, torch.Tensor] | None]:
         """Packed prefill with row r's KV written to flat slots starts[r], starts[r] + 1, ...
         -> (last-token logits [B, V], with `observe` each row's pooled window scores [len_r], with
@@ -69,7 +70,7 @@ class ForwardPasses:
         meta = Packed(cos, sin, write_flat=first_slots + positions, row_lengths=tuple(lengths),
                       last_only=True, observe=observe, scores=scores,
                       final=FinalLayerInputs() if keep_final else None)
-        hidden = self.model.hidden_states(ids, meta, self.caches)[0]  # [B, hidden]: each row's last token
+        hidden = self.model.hidden_states(ids, meta, self.caches, adapters)[0]  # [B, hidden]: each row's last token
         logits = self.model.logits(hidden)  # [B, V]
         kept = (meta, ids[0]) if keep_final else None
         return logits, (list(scores.split(lengths)) if observe else None), kept
@@ -111,7 +112,8 @@ class ForwardPasses:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, capacity: int, stripes: int,
                write_slots: torch.Tensor | None = None, aligned: bool = False,
-               groups: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor:
+               groups: tuple[tuple[int, int, int], ...] | None = None, adapters: RowAdapters | None = None
+               ) -> torch.Tensor:
         """One step: tokens [B] at RoPE positions [B], row i in stripe i of `stripes` stripes of
         `capacity` slots -> logits [B, V].
 
@@ -122,9 +124,10 @@ class ForwardPasses:
         `groups` (see `layouts.stripes.attention_groups`): attend in runs of rows (start, end, slots
         read); only rows of mixed lengths are split, so `aligned` (no mask) never comes with groups.
         With `graphs` set, the step runs from a CUDA graph at padded shapes (groups are not needed
-        there) unless the graphs hand it back (see `DecodeGraphs.decode`).
+        there) unless the graphs hand it back (see `DecodeGraphs.decode`). `adapters`: each row's LoRA
+        adapter (`models.lora`; graphs never hold them: such a step runs eager).
         """
-        if self.graphs is not None:
+        if self.graphs is not None and adapters is None:
             logits = self.graphs.decode(tokens, positions, kv_len, write_slots, capacity, stripes)
             if logits is not None:
                 return logits
@@ -135,7 +138,7 @@ class ForwardPasses:
                      for a, b, n in groups or ((0, len(tokens), kv_len),))
         write_flat = self.stripe_starts(capacity, stripes)[: len(tokens)]
         write_flat = write_flat + (positions if write_slots is None else write_slots)
-        return self.model.logits(self.step_hidden(tokens, positions, write_flat, mask, runs))
+        return self.model.logits(self.step_hidden(tokens, positions, write_flat, mask, runs, adapters=adapters))
 
     def stripe_starts(self, capacity: int, stripes: int) -> torch.Tensor:
         """[stripes] flat slot where each stripe of `capacity` slots begins (built once per capacity)."""
@@ -157,7 +160,8 @@ class ForwardPasses:
 
     @torch.inference_mode()
     def decode_runs(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
-                    runs: tuple[tuple[int, int, int, int, int, bool], ...]) -> torch.Tensor:
+                    runs: tuple[tuple[int, int, int, int, int, bool], ...], adapters: RowAdapters | None = None
+                    ) -> torch.Tensor:
         """One step for rows in extents of their own: row i's cache begins at flat slot starts[i] and its
         new token goes to slot positions[i] of it; attention reads the `runs`
         (`layouts.extents.extent_runs`) -> logits [B, V]."""
@@ -165,18 +169,20 @@ class ForwardPasses:
         if not all(run[-1] for run in runs):  # some run holds rows of different lengths
             mask = self.visible(max(run[4] for run in runs), positions)
         extents = cpu_decode.row_extents(starts, positions + 1) if self.backend.host_kernels else None
-        return self.model.logits(self.step_hidden(tokens, positions, starts + positions, mask, runs, extents))
+        return self.model.logits(self.step_hidden(tokens, positions, starts + positions, mask, runs, extents, adapters))
 
     def step_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,
                     mask: torch.Tensor | None, runs: tuple[tuple[int, int, int, int, int, bool], ...],
-                    extents: cpu_decode.RowExtents | None = None) -> torch.Tensor:
+                    extents: cpu_decode.RowExtents | None = None, adapters: RowAdapters | None = None
+                    ) -> torch.Tensor:
         """The decode forward up to the final norm -> hidden [B, hidden]: each run of rows (first row,
         end row, first flat slot, stride, slots read, aligned) attends through one strided view of the
         cache; `mask` [B, 1, 1, L] hides the slots past each row of a run that is not aligned.
         `extents` (each row's first flat slot and its slots read): where the attention can, it reads
         all rows in one call from these instead (`Decode.row_extents`), and an all-int8 model runs the
         step fused (`quant.int8_decode`) where it can."""
-        if extents is not None and len(tokens) <= FUSED_MAX_ROWS and (fused := self.int8_decode()) is not None:
+        if (extents is not None and adapters is None and len(tokens) <= FUSED_MAX_ROWS
+                and (fused := self.int8_decode()) is not None):
             return fused.hidden(tokens, positions, write_flat, Reads.extents(extents))
         cos, sin = self.model.rotary.lookup(positions[:, None])
         # each run's cache of every layer as one view [layers, parts, rows, heads, slots, D] (parts: keys
@@ -192,7 +198,7 @@ class ForwardPasses:
         window = self.visible(max(run[4] for run in runs), positions, self.window) if self.window else None
         meta = Decode(cos, sin, write_flat=write_flat, attn_mask=mask, runs=tuple(views), window_mask=window,
                       row_extents=extents)
-        return self.model.hidden_states(tokens[:, None], meta, self.caches)[:, 0]
+        return self.model.hidden_states(tokens[:, None], meta, self.caches, adapters)[:, 0]
 
     def int8_decode(self) -> Int8Decode | None:
         """The fused int8 decode step for the model as it is now (built again once a module or cache was
@@ -206,7 +212,7 @@ class ForwardPasses:
 
     @torch.inference_mode()
     def paged(self, tokens: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-              slot_table: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+              slot_table: torch.Tensor, last: torch.Tensor, adapters: RowAdapters | None = None) -> torch.Tensor:
         """Rows reading through slot tables (shared prefix segments): tokens / positions / write_slots
         [B, T], slot_table [B, L] with L > every position; returns logits at column `last` [B] -> [B, V]."""
         cos, sin = self.model.rotary.lookup(positions)
@@ -216,21 +222,22 @@ class ForwardPasses:
         if self.window:  # sliding layers: only each query's last `window` positions
             window = mask & (self.arange(kv_len)[None, None, :] > positions[:, :, None] - self.window)[:, None]
         meta = Paged(cos, sin, write_slots=write_slots, slot_table=slot_table, attn_mask=mask, window_mask=window)
-        hidden = self.model.hidden_states(tokens, meta, self.caches)
+        hidden = self.model.hidden_states(tokens, meta, self.caches, adapters)
         return self.model.logits(hidden[torch.arange(len(tokens), device=self.device), last])
 
     @torch.inference_mode()
-    def paged_decode(self, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, kv_len: int
-                     ) -> torch.Tensor:
+    def paged_decode(self, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, kv_len: int,
+                     adapters: RowAdapters | None = None) -> torch.Tensor:
         """One decode step of rows reading through slot tables: tokens [B], positions [B, 1], table
         [B, L], `kv_len` past every position -> logits [B, V] (an all-int8 model's step fused where the
         host kernels serve it)."""
         writes = table.gather(1, positions)
-        if self.backend.host_kernels and len(writes) <= FUSED_MAX_ROWS and (fused := self.int8_decode()) is not None:
+        if (self.backend.host_kernels and adapters is None and len(writes) <= FUSED_MAX_ROWS
+                and (fused := self.int8_decode()) is not None):
             reads = Reads.paged(table[:, :kv_len], positions[:, 0])
             return self.model.logits(fused.hidden(tokens, positions[:, 0], writes[:, 0], reads))
         last = torch.zeros(len(positions), dtype=torch.long, device=self.device)
-        return self.paged(tokens[:, None], positions, writes, table[:, :kv_len], last)
+        return self.paged(tokens[:, None], positions, writes, table[:, :kv_len], last, adapters)
 
     def visible(self, kv_len: int, last: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """Additive mask [B, 1, 1, kv_len]: 0 up to each row's `last` slot (and, with `window`, from

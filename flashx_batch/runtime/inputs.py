@@ -61,6 +61,24 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
     return dtype
 
 
+def check_lora_options(options: EngineOptions, cfg: ModelConfig | None = None) -> None:
+    """Refuse what LoRA adapters (`models.lora`) do not run with, naming the setting."""
+    clashes = [what for what, clash in (
+        (f"runtime.tensor_parallel_size={options.tensor_parallel_size} (the stacked adapters are not split "
+         "across ranks)", options.tensor_parallel_size > 1),
+        ("runtime.backend=onnx (the exported graphs hold the base weights only)", options.backend == "onnx"),
+        ("runtime.cache_policy=segment_sparse (its compressed prefill runs no adapters)",
+         options.cache_policy == "segment_sparse"),
+        ("runtime.long_input=rolling_merge (its chunked prefill runs no adapters)",
+         options.long_input == "rolling_merge"),
+        ("runtime.precision_map (adapters apply to float linears only)", bool(options.precision_map)),
+        ("a sequence classifier (adapters apply to generation)", cfg is not None and cfg.classifier is not None),
+    ) if clash]
+    if clashes:
+        raise ConfigError("model.lora_adapters does not combine with " + "; ".join(clashes) + ": drop the adapters "
+                          "or that setting.")
+
+
 def check_capabilities(options: EngineOptions, caps: Capabilities) -> None:
     """Refuse what `options` ask of a row of the capabilities record that does not hold, naming the
     setting and the row's reason."""

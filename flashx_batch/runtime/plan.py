@@ -40,10 +40,11 @@ KVOp = SlotMove | ClearBias
 @dataclass(frozen=True)
 class NewRow:
     """A row joining the batch: its prompt (already fitted to max_input_len, or longer for a rolling
-    merge) and sampling settings."""
+    merge), sampling settings and LoRA adapter slot (0: the base model)."""
 
     prompt: list[int]
     params: SamplingParams
+    adapter: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class PrefixBlock:
     tokens: tuple[int, ...]
     first_position: int
     table: tuple[int, ...]
+    adapter: int = 0  # the LoRA adapter slot of the rows sharing it (prefix keys are per adapter)
 
 
 @dataclass(frozen=True)

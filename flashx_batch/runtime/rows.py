@@ -16,6 +16,7 @@ class Row:
     params: SamplingParams
     need: int  # KV slots it holds once done: its prompt (or what a rolling merge folds it into) + new tokens
     truncated: bool = False  # long_input=truncate dropped the head of the prompt
+    adapter: int = 0  # its LoRA adapter's slot in the engine's `LoraSet` (0: the base model)
     state: RowState | None = None  # generated tokens and stop bookkeeping, from admission on
     grammar: Any = None  # a constrained row's `runtime.grammar.RowGrammar`, from admission on
     began: float = 0.0  # perf_counter when its prefill started

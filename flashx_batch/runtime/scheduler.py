@@ -97,7 +97,7 @@ class Scheduler:
         self._reset(stats)
         order = list(rows)
         if self.prefix_cache is not None:  # rows sharing a prefix become neighbours, then batch-mates
-            order.sort(key=lambda r: r.prompt)
+            order.sort(key=lambda r: (r.adapter, r.prompt))  # a prefix is shared within one LoRA adapter
         elif self.config.sort_by_length:  # longest first, by the KV slots a row will hold at its end
             order.sort(key=lambda r: -r.need)
         self.queue = deque(order)
@@ -220,7 +220,7 @@ class Scheduler:
             candidates = list(itertools.islice(queue, size * PAGED_GROWTH))
             if all(len(r.prompt) <= config.max_input_len for r in candidates):
                 found = share_prefixes(self.prefix_cache, self.allocator, geometry.segment_size,
-                                       [r.prompt for r in candidates])
+                                       [r.prompt for r in candidates], [r.adapter for r in candidates])
                 if found is not None:
                     try:
                         fit = self._paged_fit(candidates, found.shared, size)

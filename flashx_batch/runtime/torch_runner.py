@@ -21,6 +21,7 @@ import torch
 from flashx_batch.backends import Backend
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
+from flashx_batch.models.lora import LoraSet, RowAdapters, row_adapters
 from flashx_batch.runtime.compressed_prefill import CompressedPrefill, PrefillPolicy
 from flashx_batch.runtime.forward_passes import ForwardPasses
 from flashx_batch.runtime.grammar import StepMasks
@@ -51,15 +52,27 @@ class _LiveRows:
         self.tokens, self.steps = none, none.clone()
         self.sampling: SamplingBatch | None = None
         self.table: torch.Tensor | None = None
+        self.adapters: list[int] = []  # each row's LoRA adapter slot (0: the base model)
+        self._adapter_rows: RowAdapters | None = None  # `adapters` on the device, built once per batch change
 
-    def join(self, tokens: torch.Tensor, steps: torch.Tensor, sampling: SamplingBatch) -> None:
+    def join(self, tokens: torch.Tensor, steps: torch.Tensor, sampling: SamplingBatch, adapters: list[int]) -> None:
         self.tokens, self.steps = torch.cat((self.tokens, tokens)), torch.cat((self.steps, steps))
         self.sampling = sampling if self.sampling is None else self.sampling.extend(sampling)
+        self.adapters += adapters
+        self._adapter_rows = None
+
+    def adapter_rows(self, lora: LoraSet | None) -> RowAdapters | None:
+        if self._adapter_rows is None:
+            self._adapter_rows = row_adapters(lora, self.adapters, self.tokens.device)
+        return self._adapter_rows
 
     def keep(self, positions: tuple[int, ...]) -> None:
+        self._adapter_rows = None
         if not positions:  # the batch is over: nothing of it (a paged batch's slot tables) outlives it
             self.tokens, self.steps, self.sampling, self.table = self.tokens[:0], self.steps[:0], None, None
+            self.adapters = []
             return
+        self.adapters = [self.adapters[p] for p in positions]
         index = torch.tensor(positions, dtype=torch.long, device=self.tokens.device)
         self.tokens, self.steps = self.tokens[index], self.steps[index]
         self.sampling = self.sampling.select(index) if self.sampling is not None else None
@@ -116,7 +129,10 @@ class TorchRunner(ModelRunner):
                 case StripePrefill() as p:
                     logits, slots, computed = self._fill_stripes(p)
                 case ExtentPrefill() as p:
-                    logits, slots = self.passes.prefill_packed_at([r.prompt for r in p.rows], list(p.starts))[0], None
+                    adapters = row_adapters(self.model.lora, [r.adapter for r in p.rows], self.device)
+                    logits = self.passes.prefill_packed_at([r.prompt for r in p.rows], list(p.starts),
+                                                           adapters=adapters)[0]
+                    slots = None
                     computed = sum(len(r.prompt) for r in p.rows)
                 case PagedPrefill() as p:
                     (logits, computed), slots = self._paged_prefill(p), None
@@ -172,7 +188,7 @@ class TorchRunner(ModelRunner):
         sampling = SamplingBatch.build([r.params for r in rows], logits.shape[-1], self.device)
         steps = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         tokens = self._sample(logits, sampling, steps)
-        self.live.join(tokens, steps, sampling)
+        self.live.join(tokens, steps, sampling, [r.adapter for r in rows])
         return host_tokens(logits, tokens, sampling)
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingBatch, steps: torch.Tensor) -> torch.Tensor:
@@ -195,6 +211,9 @@ class TorchRunner(ModelRunner):
         longer than max_input_len (rolling merge) is prefilled alone, between the runs of rows that
         fit (`CompressedPrefill.rolling_prefill`)."""
         prompts, cap, limit = [r.prompt for r in p.rows], p.capacity, self.policy.max_input_len
+        adapters = [r.adapter for r in p.rows]
+        if any(adapters) and (self.policy.sparse or any(len(q) > limit for q in prompts)):  # the engine refuses these
+            raise RuntimeError("LoRA adapters do not run through segment-sparse or rolling-merge prefills")
         last_logits, slots, computed, i = [], [], 0, 0
         while i < len(prompts):  # runs of rows that fit, packed; an over-long row alone (rolling merge)
             if len(prompts[i]) > limit:
@@ -212,7 +231,9 @@ class TorchRunner(ModelRunner):
             if self.policy.sparse:
                 logits, used_slots = self.compress.fill_merged(p.first + i, cap, rows)
             else:
-                logits, used_slots = self.passes.prefill_packed(rows, p.first + i, cap), [len(r) for r in rows]
+                run_adapters = row_adapters(self.model.lora, adapters[i : i + run], self.device)
+                logits = self.passes.prefill_packed(rows, p.first + i, cap, run_adapters)
+                used_slots = [len(r) for r in rows]
             last_logits.append(logits)
             slots += used_slots
             i += run
@@ -228,7 +249,8 @@ class TorchRunner(ModelRunner):
             end = block.first_position + len(block.tokens)
             self.passes.paged(torch.tensor([list(block.tokens)], device=device),
                        torch.arange(block.first_position, end, device=device)[None],
-                       table[:, block.first_position :], table, torch.tensor([len(block.tokens) - 1], device=device))
+                       table[:, block.first_position :], table, torch.tensor([len(block.tokens) - 1], device=device),
+                       row_adapters(self.model.lora, [block.adapter], device))
             computed += len(block.tokens)
         size = len(p.rows)
         width = max(len(t) for t in p.tables)
@@ -248,8 +270,9 @@ class TorchRunner(ModelRunner):
         kv_len = max(len(r.prompt) for r in p.rows)
         self.live.table = table.to(device)
         last = torch.tensor([len(s) - 1 for s in suffixes], device=device)
+        adapters = row_adapters(self.model.lora, [r.adapter for r in p.rows], device)
         logits = self.passes.paged(tokens.to(device), positions.to(device), writes.to(device),
-                            self.live.table[:, :kv_len], last)
+                                   self.live.table[:, :kv_len], last, adapters)
         return logits, computed + size * span
 
     # ---- decode -----------------------------------------------------------------------------
@@ -258,13 +281,15 @@ class TorchRunner(ModelRunner):
         write_slots = None if d.write_slots is None else torch.tensor(d.write_slots, dtype=torch.long,
                                                                       device=self.device)
         return self.passes.decode(self.live.tokens, positions, d.kv_len, d.capacity, d.stripes, write_slots=write_slots,
-                           aligned=d.aligned, groups=d.groups)
+                           aligned=d.aligned, groups=d.groups, adapters=self.live.adapter_rows(self.model.lora))
 
     def _extent_step(self, d: ExtentDecode) -> torch.Tensor:
         positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)
         starts = torch.tensor(d.starts, dtype=torch.long, device=self.device)
-        return self.passes.decode_runs(self.live.tokens, positions, starts, d.runs)
+        return self.passes.decode_runs(self.live.tokens, positions, starts, d.runs,
+                                       self.live.adapter_rows(self.model.lora))
 
     def _paged_step(self, d: PagedDecode) -> torch.Tensor:
         positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)[:, None]
-        return self.passes.paged_decode(self.live.tokens, positions, self.live.table, max(d.positions) + 1)
+        return self.passes.paged_decode(self.live.tokens, positions, self.live.table, max(d.positions) + 1,
+                                        self.live.adapter_rows(self.model.lora))

@@ -77,7 +77,8 @@ class ExtentLayout(Layout):
         for row, extent in zip(rows, extents):
             row.segments = extent
         self.joining = rows
-        return ops, ExtentPrefill(tuple(NewRow(r.prompt, r.params) for r in rows), tuple(e[0] * seg for e in extents))
+        joining = tuple(NewRow(r.prompt, r.params, r.adapter) for r in rows)
+        return ops, ExtentPrefill(joining, tuple(e[0] * seg for e in extents))
 
     def admitted(self, rows: list[Row], slots: list[int]) -> None:
         for row in rows:

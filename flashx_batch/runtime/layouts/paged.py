@@ -40,20 +40,22 @@ class SharedPrefixes:
 
 
 def share_prefixes(cache: PrefixCache, allocator: SegmentAllocator, segment_size: int,
-                   prompts: list[list[int]]) -> SharedPrefixes | None:
+                   prompts: list[list[int]], adapters: list[int] | None = None) -> SharedPrefixes | None:
     """Per row, the prefix-cache segments it can read instead of recomputing. A block is shared when
     it is already cached or when two rows of this batch start with it; the first time it is needed it
     is planned to be computed once (reading the blocks before it) and cached. Each row keeps at least
-    one token of its own to prefill. None when no row shares anything."""
+    one token of its own to prefill. None when no row shares anything. `adapters`: each row's LoRA
+    adapter slot; a block's KV depends on the adapter, so rows share only within one adapter."""
     seg = segment_size
-    keys = [block_keys(p, seg, len(p) - 1) for p in prompts]
+    adapters = adapters or [0] * len(prompts)
+    keys = [block_keys(p, seg, len(p) - 1, a) for p, a in zip(prompts, adapters)]
     seen: dict[bytes, int] = {}
     for row in keys:
         for key in row:
             seen[key] = seen.get(key, 0) + 1
     found = SharedPrefixes()
     try:
-        for prompt, row_keys in zip(prompts, keys):
+        for prompt, row_keys, adapter in zip(prompts, keys, adapters):
             segments = cache.match(row_keys)
             found.shared.append(segments)
             for segment in segments:  # the row's reference, taken at once: eviction must not pick them
@@ -67,7 +69,7 @@ def share_prefixes(cache: PrefixCache, allocator: SegmentAllocator, segment_size
             start = len(segments) * seg
             table = tuple(s * seg + o for s in segments + new for o in range(seg))[: wanted * seg]
             tokens = tuple(prompt[start : wanted * seg])
-            found.blocks.append(PrefixBlock(tokens, start, table))
+            found.blocks.append(PrefixBlock(tokens, start, table, adapter))
             found.tokens_computed += len(tokens)
             for key, segment in zip(row_keys[len(segments) : wanted], new):
                 cache.insert(key, segment)  # the reservation's reference becomes the cache's
@@ -110,7 +112,7 @@ class PagedLayout(Layout):
         self.account.kv(sum(len(r.segments) for r in rows) + unique_shared,
                         sum(g.segments_for(len(r.prompt) + r.params.max_new_tokens) for r in rows))
         tables = tuple(tuple(s * seg + o for s in r.shared + r.segments for o in range(seg)) for r in rows)
-        prefill = PagedPrefill(tuple(NewRow(r.prompt, r.params) for r in rows), tables, tuple(cached),
+        prefill = PagedPrefill(tuple(NewRow(r.prompt, r.params, r.adapter) for r in rows), tables, tuple(cached),
                                self.trash_slot, tuple(self.found.blocks))
         self.account.cached_prompt_tokens(sum(cached))
         self.account.prefix_tokens(self.found.tokens_computed)

@@ -84,7 +84,7 @@ class StripeLayout(Layout):
         g = self.geometry
         first, cap = len(self.rows), g.row_capacity
         clear = ClearBias(0, g.num_slots) if not self.rows else ClearBias(first * cap, (first + len(rows)) * cap)
-        return [clear], StripePrefill(tuple(NewRow(r.prompt, r.params) for r in rows), first, cap)
+        return [clear], StripePrefill(tuple(NewRow(r.prompt, r.params, r.adapter) for r in rows), first, cap)
 
     def admitted(self, rows: list[Row], slots: list[int]) -> None:
         for row, n in zip(rows, slots):

@@ -1,0 +1,52 @@
+"""Reading a safetensors file's header without its tensors, with errors that name the file and say what
+is wrong (a cut-short copy, a corrupt header, byte counts that do not match the shapes): shared by the
+checkpoint loader and the LoRA adapter reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from flashx_batch.errors import ModelLoadError
+
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}  # safetensors dtype names we convert exactly
+# safetensors dtype name -> torch dtype, for the formats in _FLOAT_DTYPES
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """tensor name -> {dtype, shape, data_offsets} from a safetensors file's header, without reading
+    the tensors; ModelLoadError when the file is cut short or its header is not valid."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise ModelLoadError(f"{path}: not a complete safetensors file ({size} bytes, header length "
+                                 f"{n}); copy or convert the checkpoint again.")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{path}: the safetensors header is not valid JSON ({exc}); the file is corrupt.") \
+                from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+    try:
+        end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+        for name, v in tensors.items():
+            begin, stop = (int(o) for o in v["data_offsets"])
+            numel = 1
+            for d in v["shape"]:
+                numel *= int(d)
+            if v.get("dtype") in _TORCH_DTYPES and stop - begin != numel * _TORCH_DTYPES[v["dtype"]].itemsize:
+                raise ModelLoadError(f"{path.name}:{name}: holds {stop - begin} bytes, its shape {v['shape']} in "
+                                     f"{v['dtype']} needs {numel * _TORCH_DTYPES[v['dtype']].itemsize}; the file is "
+                                     "corrupt.")
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise ModelLoadError(f"{path}: the safetensors header does not describe tensors; the file is corrupt.") \
+            from None
+    if 8 + n + end > size:
+        raise ModelLoadError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}; "
+                             "copy the checkpoint again (an interrupted download or copy).")
+    return tensors
