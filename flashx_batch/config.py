@@ -118,6 +118,7 @@ def validate(job: JobConfig) -> None:
         if not ok:
             raise ConfigError(message + ".")
     _validate_chat_settings(job.data)
+    _validate_adapters(job)
     _validate_task(job)
     validate_eval(job)
     job.engine_options()  # EngineOptions checks the runtime.* values
@@ -144,6 +145,42 @@ def _validate_from_columns(sampling: SamplingSection) -> None:
                               f"{', '.join(SAMPLING_COLUMN_KEYS)}.")
         if not column:
             raise ConfigError(f"sampling.from_columns.{key} must name an input column.")
+
+
+def adapter_dirs(job: JobConfig) -> dict[str, Path]:
+    """model.lora_adapters: name -> the adapter's directory (local on every node, as model.path is)."""
+    out = {}
+    for name, path in job.model.lora_adapters.items():
+        if is_remote(str(path)):
+            raise ConfigError(f"model.lora_adapters.{name}={path}: adapters are read from a local directory on every "
+                              "node, as model.path is; copy it there first and pass that path.")
+        out[name] = resolve_model_dir(str(path))
+    return out
+
+
+def _validate_adapters(job: JobConfig) -> None:
+    """model.lora_adapters and data.adapter_column come together, on task=generate (the adapters' files are
+    checked against the model at the job's preflight: runner/job.py)."""
+    data, adapters = job.data, job.model.lora_adapters
+    if data.adapter_column and not adapters:
+        raise ConfigError(f"data.adapter_column={data.adapter_column} is set but model.lora_adapters is empty; name "
+                          "the adapters rows may pick: model.lora_adapters={name: PEFT adapter directory}.")
+    if adapters and not data.adapter_column:
+        raise ConfigError("model.lora_adapters is set but data.adapter_column is not; rows pick their adapter by name "
+                          "from that column (null: the base model).")
+    if not adapters:
+        return
+    if job.task != "generate":
+        raise ConfigError(f"model.lora_adapters applies to task=generate, not task={job.task}.")
+    if data.adapter_column in (data.id_column, data.prompt_column, data.messages_column):
+        raise ConfigError(f"data.adapter_column={data.adapter_column} is also the id or prompt column; name the "
+                          "column that holds each row's adapter name.")
+    bad = [name for name in adapters if not name or not isinstance(name, str)]
+    if bad:
+        raise ConfigError(f"model.lora_adapters: adapter names must be non-empty strings, got {bad}.")
+    adapter_dirs(job)
+    if data.adapter_column not in data.passthrough_columns:  # each output row says which adapter answered it
+        data.passthrough_columns = [*data.passthrough_columns, data.adapter_column]
 
 
 def _validate_chat_settings(data: DataSection) -> None:

@@ -22,6 +22,8 @@ BUNDLED_PREFIX = "bundled://"
 class ModelSection:
     path: str = BUNDLED_PREFIX + "legal-tiny"  # a local HF directory, or bundled://<name>
     dtype: str = "auto"  # EngineOptions.dtype (see ENGINE_ONLY): auto | float32 | bfloat16 | float16
+    # LoRA adapters (PEFT directories, local on every node) that rows name in data.adapter_column: {name: dir}
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class DataSection:
     tools: list[Any] = field(default_factory=list)  # one tool list for every row (instead of tools_column)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
     passthrough_columns: list[str] = field(default_factory=list)  # copied to the output; a file without one: exit 2
+    adapter_column: str | None = None  # task=generate: per row, a name from model.lora_adapters (null: the base model)
     # copied when every input file has them, skipped (one log line) when not: what presets name, so a preset
     # runs on any file with an id and a prompt (or messages) column
     passthrough_if_present: list[str] = field(default_factory=list)
@@ -213,6 +216,8 @@ class JobConfig:
         roles = {column: f"sampling.from_columns.{key}" for key, column in self.sampling.from_columns.items()}
         if self.eval.metric and self.eval.reference_column:
             roles.setdefault(self.eval.reference_column, "eval.reference_column")
+        if self.data.adapter_column:
+            roles.setdefault(self.data.adapter_column, "data.adapter_column")
         if self.data.format == "openai_batch":  # an OpenAI Batch line's own checks (data/openai_batch.py)
             roles.update({c: "data.format=openai_batch" for c in ("url", "request_error", "logprobs")})
             if self.task == "embed":

@@ -195,6 +195,9 @@ def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> P
                 scan.errors.append(RowError((fi, ri), row_id, bad_request.code, bad_request.message, "validate"))
             elif isinstance(text, RowProblem):
                 scan.errors.append(RowError((fi, ri), row_id, text.code, text.message, "validate"))
+            elif data.adapter_column and isinstance(bad := adapter_problem(job, fr.columns[data.adapter_column][i]),
+                                                    RowProblem):
+                scan.errors.append(RowError((fi, ri), row_id, bad.code, bad.message, "validate"))
             elif job.sampling.from_columns and isinstance(
                     bad := row_params(job.sampling, fr.columns, i, 0, job.runtime.max_output_len,
                                       constraint_problem), RowProblem):
@@ -214,6 +217,18 @@ def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> P
             else:
                 scan.rows.add(g0 + i, min(count, limit), signature)
     return _assemble(job, loaded, scan)
+
+
+UNKNOWN_ADAPTER = "unknown_adapter"
+
+
+def adapter_problem(job: JobConfig, value: Any) -> RowProblem | None:
+    """A row's data.adapter_column cell: null (the base model) or a name in model.lora_adapters."""
+    if value is None or (isinstance(value, str) and value in job.model.lora_adapters):
+        return None
+    names = ", ".join(sorted(job.model.lora_adapters))
+    return RowProblem(UNKNOWN_ADAPTER, f"data.adapter_column={job.data.adapter_column} is {value!r}, not an adapter "
+                                       f"of model.lora_adapters ({names}) or null (the base model)")
 
 
 def plan_scored(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:

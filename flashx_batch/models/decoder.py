@@ -179,8 +179,7 @@ class DecoderModel(nn.Module):
             if adapters is not None:
                 raise RuntimeError("LoRA adapters asked of a model that loaded none")
             return self._hidden_states(input_ids, meta, caches)
-        keep = meta.last_tokens(input_ids.device) if meta.last_only and input_ids.shape[0] == 1 else None
-        self.lora.begin(adapters, input_ids.shape, getattr(meta, "row_lengths", None), keep)
+        self.lora.begin(adapters, input_ids.shape, getattr(meta, "row_lengths", None), meta.last_only)
         try:
             return self._hidden_states(input_ids, meta, caches)
         finally:

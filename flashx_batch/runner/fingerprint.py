@@ -76,7 +76,7 @@ RESOLVED_KEYS = ("runtime.resolved",)
 
 
 def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_as: str | None = None,
-            answer_format: str | None = None) -> dict[str, Any]:
+            answer_format: str | None = None, adapter_digests: dict[str, str] | None = None) -> dict[str, Any]:
     """The fingerprint as a flat dict of dotted keys (so a diff names fields directly). `resolved_as`:
     `backend/dtype` as the job's engines run, `auto` resolved (`backends.resolved_run`, on this host or
     on a Ray worker by the cluster probe), where known. A job started where `auto` meant the CPU
@@ -126,7 +126,9 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_a
     for k in ("id_column", "prompt_column", "messages_column", "passthrough_columns", "prompt_prefix", "limit",
               "max_row_bytes"):
         fp[f"data.{k}"] = getattr(d, k)
-    for k in ("tools_column", "tools", "chat_template_kwargs"):  # only when set: older jobs still resume
+    if adapter_digests:  # LoRA adapters by content (a retrained adapter under the same name is another job)
+        fp["model.lora_adapters"] = dict(sorted(adapter_digests.items()))
+    for k in ("tools_column", "tools", "chat_template_kwargs", "adapter_column"):  # only when set: older jobs resume
         if getattr(d, k):
             fp[f"data.{k}"] = getattr(d, k)
     if job.task != "generate":  # only for the scoring tasks: generate jobs written before `task` still resume

@@ -29,7 +29,7 @@ from typing import Any, TextIO
 
 from flashx_batch import storage
 from flashx_batch.backends import resolved_run
-from flashx_batch.config import JobConfig, resolve_data_path, resolve_model_dir, validate, validate_eval
+from flashx_batch.config import JobConfig, adapter_dirs, resolve_data_path, resolve_model_dir, validate, validate_eval
 from flashx_batch.data import openai_batch
 from flashx_batch.data.plan import Plan, format_plan
 from flashx_batch.data.preflight import load_inputs
@@ -111,7 +111,7 @@ def plan_job(job: JobConfig) -> PlannedJob:
     from flashx_batch.runtime.tokenizer import Tokenizer  # the driver needs the tokenizer, not the weights
 
     try:
-        preflight_model(job, model_dir)
+        adapter_digests = preflight_model(job, model_dir)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
     try:
@@ -142,7 +142,7 @@ def plan_job(job: JobConfig) -> PlannedJob:
     fmt = chat_format(job, tokenizer) if task.generates else None
     answers = f"reasoning={fmt.reasoning},tool_calls={fmt.tool_calls}" if fmt is not None and fmt.parses else None
     return PlannedJob(job, model_dir, loaded, task.plan(job, loaded, tokenizer), metric_from_task=bool(natural),
-                      answer_format=answers)
+                      answer_format=answers, adapter_digests=adapter_digests)
 
 
 def check_job_constraint(job: JobConfig, tokenizer) -> None:
@@ -159,13 +159,16 @@ def check_job_constraint(job: JobConfig, tokenizer) -> None:
                           f"(sampling.from_columns) so that only those rows fail.")
 
 
-def preflight_model(job: JobConfig, model_dir: Path) -> None:
+def preflight_model(job: JobConfig, model_dir: Path) -> dict[str, str]:
     """What an engine would refuse at load, found without loading it: the checkpoint (architecture,
-    weight headers against config.json) and the engine's own option checks, with the backend where
-    this process runs it (the local executor; Ray jobs probe the backend on a worker instead)."""
+    weight headers against config.json), the LoRA adapters against it, and the engine's own option
+    checks, with the backend where this process runs it (the local executor; Ray jobs probe the backend
+    on a worker instead). Returns each adapter's content digest (for the fingerprint)."""
     from flashx_batch.backends import check_known, get_backend
     from flashx_batch.models.loader import check_checkpoint
+    from flashx_batch.models.lora import check_adapter
     from flashx_batch.runtime.engine import check_options
+    from flashx_batch.runtime.inputs import check_lora_options
 
     cfg = check_checkpoint(model_dir)
     if cfg.classifier is not None and job.task not in ("classify", "embed"):
@@ -182,6 +185,10 @@ def preflight_model(job: JobConfig, model_dir: Path) -> None:
     check_known(options.backend)
     local = job.executor.kind == "local" and options.backend != "onnx"
     check_options(options, cfg, get_backend(options.backend) if local else None)
+    if not job.model.lora_adapters:
+        return {}
+    check_lora_options(options, cfg)
+    return {name: check_adapter(name, path, cfg).digest for name, path in adapter_dirs(job).items()}
 
 
 def _reads_outputs_of(data_path: str, out: Path | str) -> bool:
@@ -228,7 +235,7 @@ def _run(job: JobConfig, out: TextIO, on_dispatch: Callable | None, stop: StopFl
             job = planned.job
             log.info("%s: resumed without the task's default metric, as the job was started", output.root)
         model_stats = fingerprint.model_file_stats(model_dir, (previous or {}).get("model_file_stats"))
-        fp = fingerprint.compute(job, plan, model_stats, resolved_as, planned.answer_format)
+        fp = fingerprint.compute(job, plan, model_stats, resolved_as, planned.answer_format, planned.adapter_digests)
         differences = fingerprint.diff(previous.get("fingerprint", {}), fp) if previous is not None else []
         # a job finished under earlier row rules is still finished: nothing to rerun, nothing rewritten
         rules_only = all(d.startswith(fingerprint.ROW_RULES_KEY + ":") for d in differences)

@@ -56,6 +56,7 @@ class PlannedJob:
     # chat answers split by the model's template into reasoning / tool calls / answer (`tasks.generate.chat_format`):
     # in the fingerprint, so a chat job written before answers were split never resumes into mixed pieces
     answer_format: str | None = None
+    adapter_digests: dict[str, str] = field(default_factory=dict)  # model.lora_adapters: name -> content digest
 
     @property
     def task(self) -> Task:
@@ -207,7 +208,8 @@ class JobRun:
         types = {c: loaded.passthrough_types[c] for c in job.data.passthrough_columns if c in loaded.passthrough_types}
         ctx = WorkerContext(str(self.planned.model_dir), str(output.root), loaded.files, loaded.id_kind, types,
                             faults=faults.load(job.executor.faults), job_digest=output.job_digest,
-                            model_files=self.model_stats, resolved=self.fp.get("runtime.resolved"))
+                            model_files=self.model_stats, resolved=self.fp.get("runtime.resolved"),
+                            adapter_digests=self.planned.adapter_digests)
         failed_rows = FailedRows(output, self.plan.ref_ids, self.plan.id_kind)
         if job.executor.kind == "local":
             return run_local(job, ctx, pending, self.stop, progress, failed_rows)

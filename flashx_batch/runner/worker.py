@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from flashx_batch import storage
-from flashx_batch.config import JobConfig
+from flashx_batch.config import JobConfig, adapter_dirs
 from flashx_batch.data.plan import ShardSpec
 from flashx_batch.data.readers import Frame, InputFile, read_frame, read_rows
 from flashx_batch.errors import ConfigError
@@ -55,6 +55,7 @@ class WorkerContext:
     job_digest: str | None = None  # the job's fingerprint digest, stamped on every manifest committed
     model_files: dict[str, list] = field(default_factory=dict)  # name -> [size, mtime_ns, sha256] as fingerprinted
     resolved: str | None = None  # backend/dtype the fingerprint holds (`backends.resolved_run`); None: unchecked
+    adapter_digests: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> content digest, as planned
 
 
 def _check_reserved_accelerator(engine: Any, backend: str, name: str) -> None:
@@ -136,7 +137,12 @@ class ShardWorker:
 
         options = self.job.engine_options(self.ctx.num_threads)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)
-        self.engine = Engine(Path(self.ctx.model_dir), options, rendezvous=self.rendezvous)
+        self.engine = Engine(Path(self.ctx.model_dir), options, rendezvous=self.rendezvous,
+                             lora_adapters=adapter_dirs(self.job))
+        if self.engine.adapter_digests != self.ctx.adapter_digests:  # an adapter replaced since the job was planned
+            raise ConfigError(f"{self.name}: the LoRA adapters' files differ from the ones the job was planned with "
+                              f"({self.ctx.adapter_digests} -> {self.engine.adapter_digests}); restore them, or run "
+                              "into a new output.dir.")
         _check_reserved_accelerator(self.engine, self.job.runtime.backend, self.name)
         _check_resolved(self.engine, self.ctx.resolved, self.name)
         check_model_unchanged(Path(self.ctx.model_dir), self.ctx.model_files)  # not replaced while it loaded

@@ -74,6 +74,7 @@ class Engine(ScoringApi):
         self.config = effective_config(ModelConfig.from_dir(self.model_dir), options)
         self.dtype = check_options(options, self.config, self.backend)
         self.lora_adapters = dict(lora_adapters or {})
+        self.adapter_digests: dict[str, str] = {}  # name -> content digest of each adapter loaded
         if self.lora_adapters:
             check_lora_options(options, self.config)
         # what this model, these options and this backend can run: the runner's parts read it
@@ -167,6 +168,7 @@ class Engine(ScoringApi):
         model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg, shard)
         if self.lora_adapters:
             model.lora = LoraSet(model, [read_adapter(n, p, cfg) for n, p in self.lora_adapters.items()])
+            self.adapter_digests = {a.name: a.digest for a in model.lora.adapters}
         if o.precision_map:
             from flashx_batch.quant import apply_precision_map, load_precision_map
 

@@ -75,6 +75,7 @@ class Generate(Task):
         # each output is scored against its row's reference (`eval.metric`; a null reference: unscored)
         references: list[Any] | None = [] if job.eval.metric else None
         tools: list[Any] = []  # per row: its tool definitions (they tell how a parsed call's values are typed)
+        adapters: list[str | None] = []  # per row: its LoRA adapter (data.adapter_column; None: the base model)
         for fi, ri, fr, k in source.shard_rows(spec):
             value = fr.columns[text_col][k]
             row_tool_list = row_tools(data, fr.columns, k)
@@ -90,19 +91,22 @@ class Generate(Task):
             texts.append(text)
             params.append(p)
             tools.append(row_tool_list if isinstance(row_tool_list, list) else None)
+            adapters.append(fr.columns[data.adapter_column][k] if data.adapter_column else None)
             for c in extra:
                 extra[c].append(fr.columns[c][k])
             if references is not None:
                 references.append(fr.columns[job.eval.reference_column][k])
-        return ShardRows(ids, (texts, params, references, tools), passthrough_arrays(extra, source.passthrough_types))
+        return ShardRows(ids, (texts, params, references, tools, adapters),
+                         passthrough_arrays(extra, source.passthrough_types))
 
     def compute(self, source: ShardSource, rows: ShardRows, spec: ShardSpec) -> ShardResult:
         job, engine = source.job, source.engine
-        texts, params, references, tools = rows.inputs
+        texts, params, references, tools, adapters = rows.inputs
         job_tools = list(job.data.tools) if job.data.tools else None
         # chat rows are template-rendered text that already carries BOS / role tokens
         token_lists = engine.tokenizer.encode_batch(texts, add_special_tokens=not job.data.messages_column)
-        outs = engine.generate(token_lists, params)  # sampling.n > 1: n outputs per row, in row order
+        # sampling.n > 1: n outputs per row, in row order
+        outs = engine.generate(token_lists, params, adapters=adapters if job.data.adapter_column else None)
         g = engine.last_stats
         of_row = pa.array([o.index for o in outs], pa.int64())
         logprobs = bool(job.sampling.logprobs)

@@ -92,6 +92,28 @@ def test_mixed_adapters_match_peft_merged_models(adapters, one_thread, arch, lay
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected[None]
 
 
+@pytest.mark.parametrize("tokens_per_adapter, split_above", [(0, None), (10**9, None), (10**9, 0)],
+                         ids=["always-grouped", "always-masked", "masked-per-part-expand"])
+def test_grouped_and_masked_forms_agree_with_peft(adapters, one_thread, monkeypatch, tokens_per_adapter, split_above):
+    """Each pass takes the grouped form (each adapter's rows through its own A, B) or the masked one (every row
+    through every present adapter's columns, masked; a fused projection's expand in one block-diagonal GEMM or
+    one per part): forced each way, the tokens are peft's."""
+    import flashx_batch.models.lora as lora
+
+    base_dir, made = adapters["qwen3"]
+    monkeypatch.setattr(lora, "GROUPED_TOKENS_PER_ADAPTER", tokens_per_adapter)
+    if split_above is not None:
+        monkeypatch.setattr(lora, "SPLIT_EXPAND_ELEMENTS", split_above)
+    prompts, names = _prompts(7), ["alpha", "beta", None, "beta", "beta", "alpha", None, None, "alpha"]
+    engine = Engine.from_pretrained(base_dir, lora_adapters={n: d for n, (d, _) in made.items()}, **OPTIONS)
+    got = [o.token_ids for o in engine.generate(prompts, GREEDY, adapters=names)]
+    monkeypatch.undo()
+    expected = {None: _reference(base_dir, prompts)}
+    for name, (_, merged_dir) in made.items():
+        expected[name] = _reference(merged_dir, prompts)
+    assert got == [expected[n][i] for i, n in enumerate(names)]
+
+
 def test_prefill_mlp_in_row_chunks_keeps_each_rows_adapter(adapters, one_thread, monkeypatch):
     """A long CPU prefill runs its MLP in row chunks (`GatedMLP`): each chunk must take its own rows' adapters."""
     import flashx_batch.models.layers as layers
