@@ -166,7 +166,7 @@ def preflight_model(job: JobConfig, model_dir: Path) -> dict[str, str]:
     on a worker instead). Returns each adapter's content digest (for the fingerprint)."""
     from flashx_batch.backends import check_known, get_backend
     from flashx_batch.models.loader import check_checkpoint
-    from flashx_batch.models.lora import check_adapter
+    from flashx_batch.models.peft_adapter import check_adapter
     from flashx_batch.runtime.engine import check_options
     from flashx_batch.runtime.inputs import check_lora_options
 

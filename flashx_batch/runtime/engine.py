@@ -24,8 +24,9 @@ from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.kvcache.spec import slot_bytes
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.loader import load_model
-from flashx_batch.models.lora import LoraSet, read_adapter
+from flashx_batch.models.lora import LoraSet
 from flashx_batch.models.parallel import TensorShard, rank_config
+from flashx_batch.models.peft_adapter import read_adapter
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.capabilities import Capabilities, capabilities
 from flashx_batch.runtime.decode_graphs import DecodeGraphs

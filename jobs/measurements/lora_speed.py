@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--targets", choices=sorted(TARGETS), default="all")
-    parser.add_argument("--hidden", type=int, default=None, help="a random Llama this wide instead of the bundled model")
+    parser.add_argument("--hidden", type=int, default=None, help="a random Llama this wide, not the bundled one")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--max-input", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
