@@ -52,6 +52,8 @@ class DataSection:
     choices_column: str = "choices"  # task: multiple_choice: a list of strings (or its JSON text)
     answer_column: str | None = "answer"  # task: multiple_choice: the right choice's index; null = no answers
     target_delimiter: str = " "  # task: multiple_choice: put between the context and each choice (lm-eval's)
+    query_column: str = "query"  # task: score: the first text of each scored pair (a query, a prompt)
+    document_column: str = "document"  # task: score: the second (a passage to rank, an answer to reward)
 
 
 # `sampling.*` = SamplingParams' fields (declared once, in runtime/params.py) except SAMPLING_ENGINE_ONLY, tuples
@@ -170,6 +172,15 @@ class EmbedSection:
 
 
 @dataclass
+class ScoreSection:
+    """task=score (flashx_batch/runtime/pooling.py `pair_text`): how a (query, document) pair becomes the text
+    a cross-encoder reads."""
+
+    format: str = "separator"  # separator (query, separator, document) | chat (the model's chat template)
+    separator: str = "\n"
+
+
+@dataclass
 class OutputSection:
     dir: str = "outputs/job"
     report: bool = True
@@ -206,7 +217,9 @@ class JobConfig:
     storage: StorageSection = field(default_factory=StorageSection)
     eval: EvalSection = field(default_factory=EvalSection)
     embed: EmbedSection = field(default_factory=EmbedSection)
-    task: str = "generate"  # generate | loglikelihood | multiple_choice | perplexity | embed | classify
+    score: ScoreSection = field(default_factory=ScoreSection)
+    # generate | loglikelihood | multiple_choice | perplexity | embed | classify | score
+    task: str = "generate"
     dry_run: bool = False
     log_level: str = "INFO"
 

@@ -12,7 +12,7 @@ import hashlib
 import logging
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,10 +174,16 @@ def _chunks(loaded: LoadedInput, data: DataSection, scan: _Scan) -> Iterator[tup
         scan.starts.append(len(scan.ids))
 
 
-def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> Plan:
-    """The plan of prompted rows (task=generate): validate, tokenize, bucket and shard every row of
-    `loaded`, streaming it a chunk at a time."""
+def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer,
+                 row_text: Callable[[Mapping[str, list], int], str | RowProblem] | None = None,
+                 add_special_tokens: bool | None = None) -> Plan:
+    """The plan of prompted rows (task=generate, and the pooled tasks): validate, tokenize, bucket and shard
+    every row of `loaded`, streaming it a chunk at a time. `row_text(columns, row)`: a task's own text of a
+    row (a scored pair), instead of its prompt or messages; `add_special_tokens`: whether that text is
+    encoded with the tokenizer's BOS (default: unless the rows are chat-rendered)."""
     data = job.data
+    if add_special_tokens is None:
+        add_special_tokens = not data.messages_column
     text_col = data.messages_column or data.prompt_column
     segment = job.runtime.segment_size if job.runtime.prefix_cache_tokens else 0
     limit, truncate = job.runtime.max_input_len, job.runtime.long_input != "error"
@@ -188,9 +194,12 @@ def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> P
         pending: list[tuple[int, str]] = []  # (row index in the chunk, prompt text)
         for i in range(n):
             ri, row_id = offset + i, fr.columns[data.id_column][i]
-            value = fr.columns[text_col][i]
-            text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
-                                tokenizer, row_tools(data, fr.columns, i), data.chat_template_kwargs)
+            if row_text is not None:
+                text = row_text(fr.columns, i)
+            else:
+                value = fr.columns[text_col][i]
+                text = build_prompt(value, value, bool(data.messages_column), data.prompt_prefix, data.max_row_bytes,
+                                    tokenizer, row_tools(data, fr.columns, i), data.chat_template_kwargs)
             if openai and isinstance(bad_request := openai_batch.row_problem(job, fr.columns, i), RowProblem):
                 scan.errors.append(RowError((fi, ri), row_id, bad_request.code, bad_request.message, "validate"))
             elif isinstance(text, RowProblem):
@@ -205,7 +214,7 @@ def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer) -> P
             else:
                 pending.append((i, text))
         lengths, signatures = _token_lengths([t for _, t in pending], tokenizer, segment,
-                                             add_special_tokens=not data.messages_column)
+                                             add_special_tokens=add_special_tokens)
         for (i, _), count, signature in zip(pending, lengths, signatures, strict=True):
             ref, row_id = (fi, offset + i), fr.columns[data.id_column][i]
             if count > limit and not truncate:

@@ -137,6 +137,9 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_a
             fp[f"data.{k}"] = getattr(d, k)
     if job.task == "embed":
         fp.update({f"embed.{k}": v for k, v in asdict(job.embed).items()})
+    if job.task == "score":
+        fp.update({f"score.{k}": v for k, v in asdict(job.score).items()})
+        fp.update({f"data.{k}": getattr(d, k) for k in ("query_column", "document_column")})
     if job.eval.metric:  # the score column depends on them; only when set, so older jobs still resume
         for k in ("metric", "reference_column", "regex"):
             fp[f"eval.{k}"] = getattr(job.eval, k)

@@ -125,6 +125,9 @@ def plan_job(job: JobConfig) -> PlannedJob:
     if job.data.messages_column and not tokenizer.chat_template:
         raise ConfigError(f"data.messages_column={job.data.messages_column} needs a chat template, and "
                           f"{model_dir} has none.")
+    if job.task == "score" and job.score.format == "chat" and not tokenizer.chat_template:
+        raise ConfigError(f"score.format=chat renders each pair with the model's chat template, and {model_dir} has "
+                          "none; use score.format=separator.")
     data_path = resolve_data_path(job.data.path)
     out = output_root(job.output.dir)
     if _reads_outputs_of(data_path, out):
@@ -171,9 +174,13 @@ def preflight_model(job: JobConfig, model_dir: Path) -> dict[str, str]:
     from flashx_batch.runtime.inputs import check_lora_options
 
     cfg = check_checkpoint(model_dir)
-    if cfg.classifier is not None and job.task not in ("classify", "embed"):
+    if cfg.classifier is not None and job.task not in ("classify", "score", "embed"):
         raise ConfigError(f"model.path={job.model.path} is a sequence classifier (a score head, no LM head) and "
-                          f"task={job.task} needs a language model: use task=classify (or task=embed).")
+                          f"task={job.task} needs a language model: use task=classify or score (or task=embed).")
+    if job.task == "score" and (cfg.classifier is None or cfg.classifier.num_labels != 1):
+        what = f"{cfg.classifier.num_labels} labels" if cfg.classifier is not None else cfg.architecture
+        raise ConfigError(f"task=score needs a one-label sequence classifier (a reranker or reward model), and "
+                          f"model.path={job.model.path} is {what}; use task=classify for a classifier's labels.")
     dims = job.embed.dimensions
     if job.task == "embed" and dims is not None and dims > cfg.hidden_size:
         raise ConfigError(f"embed.dimensions={dims}: {job.model.path}'s vectors have {cfg.hidden_size} components; "

@@ -89,6 +89,23 @@ def classifications(logits: torch.Tensor, labels: tuple[str, ...], multi_label: 
     return [Classification(lg, pr, labels[i], i) for lg, pr, i in zip(logits.tolist(), probs.tolist(), top)]
 
 
+PAIR_FORMATS = ("separator", "chat")
+
+
+def pair_text(query: str, document: str, fmt: str, separator: str, tokenizer) -> str:
+    """The text a cross-encoder (a reranker, a reward model) reads for a (query, document) pair: `separator`
+    between the two, or (`chat`) the model's chat template rendering the query as the user's turn and the
+    document as the assistant's, without a generation prompt (how reward models read a prompt and an answer).
+    Raises ValueError (`ChatTemplateError`) when the template refuses the turns."""
+    if fmt == "chat":
+        return tokenizer.apply_chat_template([{"role": "user", "content": query},
+                                              {"role": "assistant", "content": document}],
+                                             add_generation_prompt=False)
+    if fmt != "separator":
+        raise ConfigError(f"pair format {fmt!r}: one of {', '.join(PAIR_FORMATS)}.")
+    return query + separator + document
+
+
 class Pooler:
     """Embeds token lists through a `Scorer`'s model (its passes, rotary table and packing ability)."""
 

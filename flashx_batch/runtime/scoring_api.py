@@ -132,6 +132,22 @@ class ScoringApi:
         c = self.config.classifier
         return classifications(self._pooler().classify(self._fitted(prompts)), c.labels, c.multi_label)
 
+    def score_pairs(self, pairs: Sequence[tuple[str, str]], format: str = "separator", separator: str = "\n"
+                    ) -> list[float]:
+        """A cross-encoder's score of each (query, document) pair: a one-label sequence classifier (a reranker,
+        a reward model) reading the pair as `pooling.pair_text` writes it (`format="chat"`: the chat template,
+        query as the user's turn, document as the assistant's), its logit at the last token."""
+        c = self.config.classifier
+        if c is None or c.num_labels != 1:
+            what = f"{c.num_labels} labels" if c is not None else self.config.architecture
+            raise ConfigError(f"score_pairs needs a one-label sequence classifier (a reranker or reward model); "
+                              f"{self.model_dir.name} is {what}: use classify for its labels.")
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.model_dir}/tokenizer.json is missing; score_pairs reads text pairs.")
+        texts = [pooling.pair_text(q, d, format, separator, self.tokenizer) for q, d in pairs]
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=format != "chat")  # a template writes BOS
+        return self._pooler().classify(self._fitted(encoded))[:, 0].tolist()
+
     def _fitted(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
         return pooling.pooled_prompts([self.encode(p) for p in prompts], self.run_options, self.config.vocab_size)
 

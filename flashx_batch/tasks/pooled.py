@@ -1,6 +1,7 @@
 """Tasks whose rows are one prefill each, pooled at the end: `task=embed` (one vector per row,
-`Engine.embed`) and `task=classify` (a sequence classifier's logits, probabilities and label per row,
-`Engine.classify`); both over `runtime/pooling.py`.
+`Engine.embed`), `task=classify` (a sequence classifier's logits, probabilities and label per row,
+`Engine.classify`) and `task=score` (a one-label classifier's score of a (query, document) pair per row:
+rerankers, reward models; `Engine.score_pairs`); all over `runtime/pooling.py`.
 
 The rows are planned as prompts are (checked, tokenized, bucketed by length; `data.prompt_prefix` is the
 instruction an embedding model wants before each text, e.g. Qwen3-Embedding's "Instruct: ...\\nQuery: ").
@@ -10,14 +11,16 @@ columns. `embedding` is a fixed_size_list<float32>[D] (one Parquet dataset a vec
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import pyarrow as pa
 
 from flashx_batch.config_schema import CONSTRAINT_KEYS
 from flashx_batch.data.plan import Plan, ShardSpec, plan_prompts
-from flashx_batch.data.validate import RowProblem, build_prompt
+from flashx_batch.data.validate import BAD_TYPE, RowProblem, build_prompt, check_text
 from flashx_batch.errors import ConfigError
+from flashx_batch.runtime.pooling import PAIR_FORMATS, pair_text
 from flashx_batch.tasks.base import ShardResult, ShardRows, ShardSource, Task, passthrough_arrays, register
 from flashx_batch.tasks.tables import id_type
 
@@ -55,15 +58,27 @@ class Pooled(Task):
         return ("id", *self.values_columns, "num_input_tokens", "truncated", "shard_id")
 
     def plan(self, job, loaded, tokenizer) -> Plan:
-        return plan_prompts(job, loaded, tokenizer)
+        return plan_prompts(job, loaded, tokenizer, self.row_text(job, tokenizer), self.add_special_tokens(job))
+
+    def row_text(self, job, tokenizer) -> Callable[[Mapping[str, list], int], str | RowProblem]:
+        """A row's text, or its problem (what the plan checked and the worker reads)."""
+        data = job.data
+
+        def text(columns: Mapping[str, list], row: int) -> str | RowProblem:
+            value = columns[data.prompt_column][row]
+            return build_prompt(value, value, False, data.prompt_prefix, data.max_row_bytes, tokenizer, None,
+                                data.chat_template_kwargs)
+        return text
+
+    def add_special_tokens(self, job) -> bool:
+        return True
 
     def read(self, source: ShardSource, spec: ShardSpec) -> ShardRows:
         data = source.job.data
         ids, texts, extra = [], [], {c: [] for c in data.passthrough_columns}
+        row_text = self.row_text(source.job, source.engine.tokenizer)
         for fi, ri, fr, k in source.shard_rows(spec):
-            value = fr.columns[data.prompt_column][k]
-            text = build_prompt(value, value, False, data.prompt_prefix, data.max_row_bytes, source.engine.tokenizer,
-                                None, data.chat_template_kwargs)
+            text = row_text(fr.columns, k)
             if isinstance(text, RowProblem):
                 raise RuntimeError(f"{source.files[fi].path} row {ri}: {text.message}; the input changed after "
                                    "planning")
@@ -75,7 +90,7 @@ class Pooled(Task):
 
     def compute(self, source: ShardSource, rows: ShardRows, spec: ShardSpec) -> ShardResult:
         job, engine = source.job, source.engine
-        encoded = engine.tokenizer.encode_batch(rows.inputs)
+        encoded = engine.tokenizer.encode_batch(rows.inputs, add_special_tokens=self.add_special_tokens(job))
         limit = job.runtime.max_input_len
         values, stats = self.values(job, engine, encoded)
         cols: dict[str, Any] = {
@@ -127,3 +142,51 @@ class Classify(Pooled):
         return {"logits": pa.array([c.logits for c in out], pa.list_(pa.float32())),
                 "probs": pa.array([c.probs for c in out], pa.list_(pa.float32())),
                 "label": pa.array([c.label for c in out], pa.string())}, {}
+
+
+@register
+class Score(Pooled):
+    """(query, document) pairs scored by a cross-encoder: a one-label sequence classifier (a reranker, a reward
+    model) reading the pair as `pooling.pair_text` writes it; `data.prompt_prefix` goes before the pair."""
+
+    name = "score"
+    verb = "scored"
+    values_columns = ("score",)
+
+    def validate(self, job) -> None:
+        super().validate(job)
+        d = job.data
+        if job.score.format not in PAIR_FORMATS:
+            raise ConfigError(f"score.format={job.score.format!r}: one of {', '.join(PAIR_FORMATS)}.")
+        if d.query_column == d.document_column:
+            raise ConfigError(f"data.query_column and data.document_column are both {d.query_column!r}; a pair "
+                              "needs two columns.")
+
+    def text_column(self, data) -> str:
+        return data.query_column
+
+    def column_roles(self, data) -> dict[str, str]:
+        return {data.query_column: "data.query_column", data.document_column: "data.document_column"}
+
+    def row_text(self, job, tokenizer):
+        data, score = job.data, job.score
+
+        def text(columns: Mapping[str, list], row: int) -> str | RowProblem:
+            query = check_text(columns[data.query_column][row], f"query ({data.query_column})", data.max_row_bytes)
+            if isinstance(query, RowProblem):
+                return query
+            document = check_text(columns[data.document_column][row], f"document ({data.document_column})",
+                                  data.max_row_bytes)
+            if isinstance(document, RowProblem):
+                return document
+            try:
+                return data.prompt_prefix + pair_text(query, document, score.format, score.separator, tokenizer)
+            except ValueError as exc:  # the chat template's own refusal
+                return RowProblem(BAD_TYPE, f"the chat template rejected the pair: {exc}")
+        return text
+
+    def add_special_tokens(self, job) -> bool:
+        return job.score.format != "chat"  # a chat template writes its own BOS
+
+    def values(self, job, engine, encoded):
+        return {"score": pa.array([c.logits[0] for c in engine.classify(encoded)], pa.float32())}, {}

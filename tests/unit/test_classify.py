@@ -96,3 +96,78 @@ def test_a_classify_job_every_id_once(tmp_path):
         plan_job(compose_job(["conf=legal_docs", f"model.path={tmp_path / 'model'}", f"output.dir={out}2"]))
     with pytest.raises(ConfigError, match="needs a sequence classifier"):
         plan_job(compose_job(["conf=legal_docs", "task=classify", f"output.dir={out}3"]))
+
+
+PAIRS = [("what may the licensee do?", "the licence permits copying and modification"),
+         ("who holds the copyright?", "the copyright holder keeps every right not granted"),
+         ("is there a warranty?", "the software is provided without warranty of any kind, express or implied"),
+         ("q", "d")]
+
+
+def _reward_model(directory):
+    """A one-label classifier (a reward model / reranker head) with the bundled tokenizer and chat template."""
+    from flashx_batch.runtime.options import bundled_model_dir
+
+    hf = _classifier("qwen3", directory, 1, vocab=4096)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (directory / name).write_bytes((bundled_model_dir() / name).read_bytes())
+    return hf
+
+
+@pytest.mark.parametrize("fmt", ["separator", "chat"])
+def test_pair_scores_equal_transformers(tmp_path, fmt):
+    """Each (query, document) pair read as transformers' tokenizer writes it (a separator between the two, or the
+    chat template's user and assistant turns) and scored by transformers' classifier: the same logit."""
+    import transformers as tf
+
+    hf = _reward_model(tmp_path)
+    tok = tf.AutoTokenizer.from_pretrained(tmp_path)
+    engine = Engine.from_pretrained(tmp_path, max_batch_size=2, max_input_len=64, max_output_len=8)
+    got = engine.score_pairs(PAIRS, format=fmt, separator=" || ")
+    with torch.no_grad():
+        want = []
+        for query, document in PAIRS:
+            if fmt == "chat":
+                text = tok.apply_chat_template([{"role": "user", "content": query},
+                                                {"role": "assistant", "content": document}],
+                                               tokenize=False, add_generation_prompt=False)
+                ids = tok(text, add_special_tokens=False).input_ids
+            else:
+                ids = tok(query + " || " + document).input_ids
+            want.append(hf(torch.tensor([ids])).logits[0, 0].item())
+    assert got == pytest.approx(want, abs=1e-4)
+    assert len({round(g, 4) for g in got}) == len(PAIRS)  # the pairs score differently
+
+
+def test_a_score_job_every_id_once(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flashx_batch import run_job
+    from flashx_batch.config import compose_job
+    from flashx_batch.runner.job import plan_job
+
+    _reward_model(tmp_path / "model")
+    queries = [q for q, _ in PAIRS] * 2
+    documents = [d for _, d in PAIRS] * 2
+    documents[5] = None  # a pair without its document: an error row
+    out = tmp_path / "out"
+    base = ["conf=legal_docs", "executor.kind=local", f"model.path={tmp_path / 'model'}", "task=score",
+            "score.format=chat", "data.query_column=question", "data.document_column=answer", "runtime.shard_size=3"]
+    data = pa.table({"id": list(range(8)), "question": queries, "answer": documents})
+    assert run_job([*base, f"output.dir={out}"], data=data) == 0
+    table = pq.read_table(out / "generations").to_pylist()
+    errors = pq.read_table(out / "errors").to_pylist()
+    assert sorted([r["id"] for r in table] + [r["id"] for r in errors]) == list(range(8))
+    assert [(r["id"], r["error_code"]) for r in errors] == [(5, "null_prompt")]
+    assert "document (answer) is null" in errors[0]["error_message"]
+    engine = Engine.from_pretrained(tmp_path / "model")
+    want = dict(zip(range(8), engine.score_pairs(list(zip(queries, ["x" if d is None else d for d in documents])),
+                                                 format="chat")))
+    assert {r["id"]: r["score"] for r in table} == pytest.approx({i: want[i] for i in range(8) if i != 5}, abs=1e-5)
+    with pytest.raises(ConfigError, match="one-label sequence classifier"):
+        plan_job(compose_job(["conf=legal_docs", "task=score", f"output.dir={out}2"]))
+    three = tmp_path / "three"
+    _classifier("llama", three, 3)
+    with pytest.raises(ConfigError, match="use classify"):
+        Engine.from_pretrained(three, max_batch_size=2).score_pairs([("a", "b")])
