@@ -181,10 +181,14 @@ def preflight_model(job: JobConfig, model_dir: Path) -> dict[str, str]:
         what = f"{cfg.classifier.num_labels} labels" if cfg.classifier is not None else cfg.architecture
         raise ConfigError(f"task=score needs a one-label sequence classifier (a reranker or reward model), and "
                           f"model.path={job.model.path} is {what}; use task=classify for a classifier's labels.")
-    dims = job.embed.dimensions
-    if job.task == "embed" and dims is not None and dims > cfg.hidden_size:
-        raise ConfigError(f"embed.dimensions={dims}: {job.model.path}'s vectors have {cfg.hidden_size} components; "
-                          f"give 1..{cfg.hidden_size} (or null for all).")
+    if job.task == "embed":  # the checkpoint's own head (UnsupportedPooling: exit 2) and its vectors' width
+        from flashx_batch.runtime.checkpoint_pooling import checkpoint_pooling
+
+        head = checkpoint_pooling(model_dir)
+        width, dims = head.width(cfg.hidden_size) if head else cfg.hidden_size, job.embed.dimensions
+        if dims is not None and dims > width:
+            raise ConfigError(f"embed.dimensions={dims}: {job.model.path}'s vectors have {width} components; give "
+                              f"1..{width} (or null for all).")
     if cfg.classifier is None and job.task == "classify":
         raise ConfigError(f"task=classify needs a sequence classifier (*ForSequenceClassification), and "
                           f"model.path={job.model.path} is {cfg.architecture}.")

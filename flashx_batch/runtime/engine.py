@@ -29,6 +29,7 @@ from flashx_batch.models.parallel import TensorShard, rank_config
 from flashx_batch.models.peft_adapter import read_adapter
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.capabilities import Capabilities, capabilities
+from flashx_batch.runtime.checkpoint_pooling import UnsupportedPooling, checkpoint_pooling
 from flashx_batch.runtime.decode_graphs import DecodeGraphs
 from flashx_batch.runtime.grammar import BadConstraint, GrammarBook
 from flashx_batch.runtime.inputs import (
@@ -44,7 +45,6 @@ from flashx_batch.runtime.kv_merge import MergeSettings, max_compressed_length, 
 from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
 from flashx_batch.runtime.options import EngineOptions, bundled_model_dir
 from flashx_batch.runtime.params import SamplingParams
-from flashx_batch.runtime.pooling import model_pooling
 from flashx_batch.runtime.results import GenerateStats, RequestOutput
 from flashx_batch.runtime.rows import Row
 from flashx_batch.runtime.runner import ModelRunner
@@ -139,7 +139,10 @@ class Engine(ScoringApi):
         self.last_stats = GenerateStats()
         self._lm: LogLikelihood | None = None
         self._grammars: GrammarBook | None = None
-        self._own_pooling = model_pooling(self.model_dir)  # a sentence-transformers checkpoint's pooling, or None
+        try:  # a sentence-transformers checkpoint's own embedding head (None: it has none)
+            self._own_pooling = checkpoint_pooling(self.model_dir)
+        except UnsupportedPooling as exc:  # refused when something embeds, not for generation
+            self._own_pooling = exc
 
     def _leave_replica(self, failure: str | None) -> None:
         """This rank could not start: tell the others why (when the group formed), end local ranks."""

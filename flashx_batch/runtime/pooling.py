@@ -9,15 +9,14 @@ A prompt is prefill only: no KV is kept. Prompts are sorted by length and cut in
 (`PackedTrees`), where the model's attention packs rows (`Scorer.packs_rows`); otherwise right-padded
 rows (each row attends to its own tokens only: causal attention never looks at the padding after it).
 
-`model_pooling(model_dir)` reads a checkpoint's own pooling where it ships sentence-transformers'
-`modules.json` and `1_Pooling/config.json`.
+A checkpoint's own head (sentence-transformers' `modules.json`: its pooling, Dense layers, Normalize) is
+read by `runtime.checkpoint_pooling`; `Pooler.embed` applies its Dense layers after pooling.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -40,26 +39,6 @@ class PoolingConfig:
         if self.dimensions is not None and not 0 < self.dimensions <= hidden_size:
             raise ConfigError(f"dimensions={self.dimensions}: the model's vectors have {hidden_size} components; "
                               f"give 1..{hidden_size} (or null for all).")
-
-
-def model_pooling(model_dir: Path) -> PoolingConfig | None:
-    """The pooling a sentence-transformers checkpoint declares (`modules.json` naming a Pooling module and
-    maybe a Normalize one), or None when it declares none."""
-    modules_file = Path(model_dir) / "modules.json"
-    if not modules_file.is_file():
-        return None
-    try:
-        modules = json.loads(modules_file.read_text())
-        pooling_dir = next(m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Pooling"))
-        config = json.loads((Path(model_dir) / pooling_dir / "config.json").read_text())
-    except (StopIteration, OSError, ValueError, AttributeError):
-        return None
-    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
-    for key, name in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
-                      ("pooling_mode_cls_token", "cls")):
-        if config.get(key):
-            return PoolingConfig(name, normalize)
-    return None
 
 
 def pooled_prompts(ids: list[list[int]], options, vocab_size: int) -> list[list[int]]:
@@ -119,9 +98,12 @@ class Pooler:
         return model.logits(self._pooled(prompts, "last").to(model.embed.dtype)).float().cpu()
 
     @torch.inference_mode()
-    def embed(self, prompts: list[list[int]], config: PoolingConfig) -> torch.Tensor:
-        """[len(prompts), D] float32 vectors on the host, in the prompts' order."""
+    def embed(self, prompts: list[list[int]], config: PoolingConfig, dense: Sequence[Callable] = ()) -> torch.Tensor:
+        """[len(prompts), D] float32 vectors on the host, in the prompts' order; `dense`: the checkpoint's Dense
+        layers, applied after pooling (before the Matryoshka cut and normalising, as sentence-transformers)."""
         vectors = self._pooled(prompts, config.pooling)
+        for layer in dense:
+            vectors = layer(vectors)
         if config.dimensions is not None:
             vectors = vectors[:, : config.dimensions]
         if config.normalize:

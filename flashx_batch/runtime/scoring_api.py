@@ -14,6 +14,7 @@ from flashx_batch.errors import ConfigError
 from flashx_batch.kvcache.geometry import ArenaGeometry
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.runtime import pooling
+from flashx_batch.runtime.checkpoint_pooling import CheckpointPooling, UnsupportedPooling
 from flashx_batch.runtime.loglikelihood import ChoiceScores, LogLikelihood
 from flashx_batch.runtime.options import EngineOptions
 from flashx_batch.runtime.pooling import Classification, Pooler, PoolingConfig, classifications
@@ -31,7 +32,7 @@ class ScoringApi:
     tokenizer: Tokenizer | None
     geometry: ArenaGeometry
     _lm: LogLikelihood | None
-    _own_pooling: PoolingConfig | None
+    _own_pooling: CheckpointPooling | UnsupportedPooling | None  # the checkpoint's own head, or why not
     encode: Callable[[str | list[int]], list[int]]
 
     # ---- log-likelihoods (runtime/loglikelihood.py; encoding rules: runtime/lm_requests.py) -----
@@ -118,10 +119,12 @@ class ScoringApi:
         first `dimensions` components, unit length when `normalize` (`runtime/pooling.py`). None: the
         checkpoint's own sentence-transformers pooling where it ships one, else `last`, normalized."""
         own = self._own_pooling
+        if isinstance(own, UnsupportedPooling):
+            raise own
         config = PoolingConfig(pooling or (own.pooling if own else "last"),
                                normalize if normalize is not None else (own.normalize if own else True), dimensions)
-        config.check(self.config.hidden_size)
-        return self._pooler().embed(self._fitted(prompts), config)
+        config.check(own.width(self.config.hidden_size) if own else self.config.hidden_size)
+        return self._pooler().embed(self._fitted(prompts), config, own.dense if own else ())
 
     def classify(self, prompts: list[str] | list[list[int]]) -> list[Classification]:
         """A sequence classifier's (`*ForSequenceClassification`: reward models, classifiers) logits at each

@@ -1,6 +1,7 @@
 """Embeddings equal to `transformers`' own final hidden states pooled the same way: tiny random Qwen3 and
 Llama models, last / mean / cls pooling, mixed lengths in one pack, Matryoshka truncation before the
-normalisation; a sentence-transformers checkpoint's own pooling is read."""
+normalisation; a sentence-transformers checkpoint's own head is read (pooling, Dense layers, Normalize) and one this
+runtime cannot compute is refused when embedding."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from model_factory import build
 
 from flashx_batch import Engine
 from flashx_batch.errors import ConfigError
-from flashx_batch.runtime.pooling import PoolingConfig, model_pooling
+from flashx_batch.runtime.checkpoint_pooling import CheckpointPooling, UnsupportedPooling, checkpoint_pooling
+from flashx_batch.runtime.params import SamplingParams
+from flashx_batch.runtime.pooling import PoolingConfig
 
 LENGTHS = (5, 31, 12, 1, 24, 9)
 
@@ -102,8 +105,69 @@ def test_the_checkpoints_own_pooling_is_read(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({
         "word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
         "pooling_mode_lasttoken": False}))
-    assert model_pooling(tmp_path) == PoolingConfig("mean", True)
-    assert model_pooling(tmp_path / "1_Pooling") is None
+    assert checkpoint_pooling(tmp_path) == CheckpointPooling("mean", True)
+    assert checkpoint_pooling(tmp_path / "1_Pooling") is None
+
+
+def _sentence_transformers_layout(directory, pooling: dict, dense: list[tuple[str, torch.nn.Linear]] = (),
+                                  extra: list[dict] = ()) -> None:
+    """modules.json, 1_Pooling and `dense` layers (activation name, layer) as sentence-transformers saves them."""
+    from safetensors.torch import save_file
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **pooling}))
+    for i, (activation, layer) in enumerate(dense, start=2):
+        path = directory / f"{i}_Dense"
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text(json.dumps({"in_features": layer.in_features, "out_features":
+                                                      layer.out_features, "bias": True,
+                                                      "activation_function": activation}))
+        save_file({"linear.weight": layer.weight.detach().contiguous(), "linear.bias": layer.bias.detach()},
+                  str(path / "model.safetensors"))
+        modules.append({"idx": i, "name": str(i), "path": path.name, "type": "sentence_transformers.models.Dense"})
+    normalize = {"idx": 9, "name": "9", "path": "9_Normalize", "type": "sentence_transformers.models.Normalize"}
+    modules += [*extra, normalize]
+    (directory / "modules.json").write_text(json.dumps(modules))
+
+
+def test_a_checkpoints_dense_layers_apply_after_pooling(tmp_path):
+    """mean pooling -> Dense(64 -> 48, tanh) -> Dense(48 -> 32, identity) -> unit length, as sentence-transformers
+    computes a checkpoint with those modules; the width the Matryoshka cut is checked against is 32."""
+    hf = build("llama", tmp_path)
+    torch.manual_seed(3)
+    first, second = torch.nn.Linear(64, 48), torch.nn.Linear(48, 32)
+    _sentence_transformers_layout(tmp_path, {"pooling_mode_mean_tokens": True},
+                                  [("torch.nn.modules.activation.Tanh", first),
+                                   ("torch.nn.modules.linear.Identity", second)])
+    prompts = [[5, 9, 33, 7], [12, 4], [99, 100, 101, 102, 103, 104]]
+    with torch.no_grad():
+        pooled = torch.stack([hf.model(torch.tensor([p])).last_hidden_state[0].mean(0) for p in prompts])
+        want = torch.nn.functional.normalize(second(torch.tanh(first(pooled))), dim=-1)
+    engine = Engine.from_pretrained(tmp_path, max_batch_size=2, max_input_len=32, max_output_len=8)
+    got = engine.embed(prompts)
+    assert got.shape == (3, 32)
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ConfigError, match="dimensions=40: the model's vectors have 32 components"):
+        engine.embed(prompts, dimensions=40)
+
+
+@pytest.mark.parametrize("pooling, extra, message", [
+    ({"pooling_mode_max_tokens": True}, [], r"pooling \['pooling_mode_max_tokens'\]"),
+    ({"pooling_mode_mean_tokens": True, "include_prompt": False}, [], "include_prompt=false"),
+    ({"pooling_mode_mean_tokens": True}, [{"idx": 5, "name": "5", "path": "5_LayerNorm",
+                                           "type": "sentence_transformers.models.LayerNorm"}], "module 'LayerNorm'"),
+])
+def test_a_head_this_runtime_cannot_compute_is_refused_for_embedding_only(tmp_path, pooling, extra, message):
+    build("llama", tmp_path)
+    _sentence_transformers_layout(tmp_path, pooling, extra=extra)
+    with pytest.raises(UnsupportedPooling, match=message):
+        checkpoint_pooling(tmp_path)
+    engine = Engine.from_pretrained(tmp_path, max_batch_size=2, max_input_len=32, max_output_len=8)
+    with pytest.raises(ConfigError, match=message):
+        engine.embed([[5, 6, 7]], pooling="mean")
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
 def test_bad_pooling_settings_are_refused():
