@@ -45,9 +45,9 @@ def test_padded_static_steps_give_the_eager_tokens(arch, policy, tiny_models, on
     shapes = []
     step = runner.passes.step_hidden
 
-    def recording(tokens, positions, write_flat, mask, runs):
+    def recording(tokens, positions, write_flat, mask, runs, *rest, **kw):
         shapes.append((len(tokens), mask.shape[-1], runs, int(positions.max()) + 1))
-        return step(tokens, positions, write_flat, mask, runs)
+        return step(tokens, positions, write_flat, mask, runs, *rest, **kw)
 
     runner.passes.step_hidden = recording
     got = [(o.token_ids, o.finish_reason) for o in graphed.generate(prompts, params)]

@@ -52,13 +52,13 @@ def test_each_fused_step_gives_the_modules_hidden_states_and_cache_bit_for_bit(t
     runner, steps = engine.runner, []
     step_hidden = ForwardPasses.step_hidden
 
-    def both(self, tokens, positions, write_flat, mask, runs, extents=None):
+    def both(self, tokens, positions, write_flat, mask, runs, extents=None, adapters=None):
         assert extents is not None, "the engine's CPU decode steps read rows in extents"
         self.fuse_int8_decode = True
-        fused = step_hidden(self, tokens, positions, write_flat, mask, runs, extents)
+        fused = step_hidden(self, tokens, positions, write_flat, mask, runs, extents, adapters)
         written = _written(self, write_flat)
         self.fuse_int8_decode = False
-        plain = step_hidden(self, tokens, positions, write_flat, mask, runs, extents)
+        plain = step_hidden(self, tokens, positions, write_flat, mask, runs, extents, adapters)
         assert torch.equal(fused, plain), (fused - plain).abs().max()
         assert all(torch.equal(a, b) for a, b in zip(written, _written(self, write_flat), strict=True))
         steps.append(len(tokens))
@@ -76,13 +76,13 @@ def test_each_fused_paged_step_gives_the_modules_logits_bit_for_bit(tiny_models,
     engine = _engine(tiny_models["llama"][0], segment_size=8, prefix_cache_tokens=32)
     paged_decode, steps = ForwardPasses.paged_decode, []
 
-    def both(self, tokens, positions, table, kv_len):
+    def both(self, tokens, positions, table, kv_len, adapters=None):
         writes = table.gather(1, positions)[:, 0]
         self.fuse_int8_decode = True
-        fused = paged_decode(self, tokens, positions, table, kv_len)
+        fused = paged_decode(self, tokens, positions, table, kv_len, adapters)
         written = _written(self, writes)
         self.fuse_int8_decode = False
-        plain = paged_decode(self, tokens, positions, table, kv_len)
+        plain = paged_decode(self, tokens, positions, table, kv_len, adapters)
         assert torch.equal(fused, plain), (fused - plain).abs().max()
         assert all(torch.equal(a, b) for a, b in zip(written, _written(self, writes), strict=True))
         steps.append(len(positions))

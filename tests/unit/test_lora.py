@@ -72,6 +72,14 @@ def _reference(model_dir, prompts):
     return [o.token_ids for o in Engine.from_pretrained(model_dir, **OPTIONS).generate(prompts, GREEDY)]
 
 
+def _merged_tokens(base_dir, made, prompts, names) -> list[list[int]]:
+    """Each prompt's greedy tokens from the base model (name None) or from its adapter merged into the base by
+    peft (`merge_and_unload`, saved by the `adapters` fixture)."""
+    models = {None: base_dir, **{name: merged for name, (_, merged) in made.items()}}
+    by_model = {name: _reference(directory, prompts) for name, directory in models.items() if name in names}
+    return [by_model[name][i] for i, name in enumerate(names)]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("layout", [dict(), dict(kv_layout="extents"), dict(kv_layout="stripes", refill=False)])
 def test_mixed_adapters_match_peft_merged_models(adapters, one_thread, arch, layout):
@@ -108,10 +116,7 @@ def test_grouped_and_masked_forms_agree_with_peft(adapters, one_thread, monkeypa
     engine = Engine.from_pretrained(base_dir, lora_adapters={n: d for n, (d, _) in made.items()}, **OPTIONS)
     got = [o.token_ids for o in engine.generate(prompts, GREEDY, adapters=names)]
     monkeypatch.undo()
-    expected = {None: _reference(base_dir, prompts)}
-    for name, (_, merged_dir) in made.items():
-        expected[name] = _reference(merged_dir, prompts)
-    assert got == [expected[n][i] for i, n in enumerate(names)]
+    assert got == _merged_tokens(base_dir, made, prompts, names)
 
 
 def test_prefill_mlp_in_row_chunks_keeps_each_rows_adapter(adapters, one_thread, monkeypatch):
@@ -124,10 +129,7 @@ def test_prefill_mlp_in_row_chunks_keeps_each_rows_adapter(adapters, one_thread,
     monkeypatch.setattr(layers, "MLP_CHUNK_BYTES", 1)  # 64-row chunks: a prefill of four prompts spans several
     got = [o.token_ids for o in engine.generate(prompts, GREEDY, adapters=names)]
     monkeypatch.undo()
-    expected = {None: _reference(base_dir, prompts)}
-    for name, (_, merged_dir) in made.items():
-        expected[name] = _reference(merged_dir, prompts)
-    assert got == [expected[n][i] for i, n in enumerate(names)]
+    assert got == _merged_tokens(base_dir, made, prompts, names)
 
 
 def test_prefix_reuse_keeps_each_adapter_apart(adapters, one_thread):
@@ -140,10 +142,7 @@ def test_prefix_reuse_keeps_each_adapter_apart(adapters, one_thread):
     engine = Engine.from_pretrained(base_dir, lora_adapters={n: d for n, (d, _) in made.items()},
                                     prefix_cache_tokens=128, segment_size=8, **OPTIONS)
     got = [o.token_ids for o in engine.generate(prompts, GREEDY, adapters=names)]
-    expected = {None: _reference(base_dir, prompts)}
-    for name, (_, merged_dir) in made.items():
-        expected[name] = _reference(merged_dir, prompts)
-    assert got == [expected[n][i] for i, n in enumerate(names)]
+    assert got == _merged_tokens(base_dir, made, prompts, names)
     # each row reads its 3 shared blocks (24 tokens) from the cache; they were computed once per adapter, not
     # once for all six rows (which is what prefixes keyed by tokens alone would do)
     stats = engine.last_stats
