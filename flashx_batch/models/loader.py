@@ -19,6 +19,14 @@ from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.parallel import Cut, TensorShard, checkpoint_cut
+from flashx_batch.models.quantized import (
+    FP8_DTYPES,
+    SCALE_SUFFIX,
+    Fp8Blocks,
+    checkpoint_scheme,
+    dequantize_rows,
+    scale_of,
+)
 from flashx_batch.models.safetensors_file import _FLOAT_DTYPES, _TORCH_DTYPES, safetensors_header
 
 log = logging.getLogger(__name__)
@@ -129,6 +137,7 @@ def _our_name(hf_name: str) -> tuple[str, int | None] | None:
 
 Source = tuple[Path, str]  # (safetensors file, HF tensor name)
 _READ_CHUNK = 16 << 20  # bytes read from a file per call: the only host buffer loading adds to the weights
+_FP8_CHUNK_ELEMENTS = 4 << 20  # FP8 weights: elements dequantized per chunk (a float32 copy of 16 MB, and its scales)
 
 
 def load_weights(model: DecoderModel, model_dir: Path) -> None:
@@ -147,9 +156,13 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
         raise ModelLoadError(f"{model_dir}: loading safetensors needs a little-endian host.")
     params = dict(model.named_parameters(remove_duplicate=False))
     shard, cfg = model.shard, model.config
+    scheme = checkpoint_scheme(model_dir)
+    if scheme is not None and shard is not None:
+        raise ModelLoadError(f"{model_dir}: an FP8 checkpoint ({scheme.describe()}) loads on one rank; tensor "
+                             "parallelism over it is not supported yet (runtime.tensor_parallel_size=1).")
     # the checkpoint holds the whole model: a rank checks it against the whole model's shapes
     full_shapes = {n: tuple(p.shape) for n, p in params.items()} if shard is None else parameter_shapes(cfg)
-    routes = route_checkpoint(model_dir, cfg, full_shapes)
+    routes, scales = _scan(model_dir, cfg, full_shapes, scheme)
     headers = {path: safetensors_header(path) for path in {path for sources in routes.values() for path, _ in sources}}
     # file -> its tensors' pieces as (byte offset in the data section, HF name, header entry, where it lands: a
     # view of the parameter, the rank's piece of it or None for all of it)
@@ -175,7 +188,49 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
             with open(path, "rb", buffering=0) as fh:
                 data_start = 8 + int.from_bytes(fh.read(8), "little")
                 for offset, hf_name, info, dest, cut in sorted(reads[path], key=lambda r: (r[0], r[4] or ())):
-                    _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch, cut)
+                    if hf_name in scales:  # FP8: dequantized block-row by block-row as it is read
+                        scale = _whole_tensor(*scales[hf_name], headers)
+                        _read_fp8(fh, path, hf_name, info, data_start + offset, dest, scratch, scale, scheme)
+                    else:
+                        _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch, cut)
+
+
+def _whole_tensor(path: Path, hf_name: str, headers: dict[Path, dict]) -> torch.Tensor:
+    """A small tensor (an FP8 weight's scales) read whole, as float32."""
+    info = headers.get(path) or safetensors_header(path)
+    info = info[hf_name]
+    out = torch.empty([int(d) for d in info["shape"]], dtype=torch.float32)
+    with open(path, "rb", buffering=0) as fh:
+        data_start = 8 + int.from_bytes(fh.read(8), "little")
+        _read_tensor(fh, path, hf_name, info, data_start + int(info["data_offsets"][0]), out,
+                     bytearray(max(1, out.numel()) * _TORCH_DTYPES[info["dtype"]].itemsize))
+    return out
+
+
+def _read_fp8(fh, path: Path, hf_name: str, info: dict, position: int, dest: torch.Tensor, scratch: bytearray,
+              scale: torch.Tensor, blocks: Fp8Blocks) -> None:
+    """Read an FP8 weight at `position` into `dest` (its rows of our parameter) in whole rows, each chunk
+    dequantized with its blocks' scales into `dest`'s dtype: a float copy never exceeds one chunk."""
+    out, width = (int(d) for d in info["shape"])
+    rows = dest.reshape(out, width)
+    per_chunk = max(1, min(len(scratch), _FP8_CHUNK_ELEMENTS) // width)
+    fh.seek(position)
+    for first in range(0, out, per_chunk):
+        n = min(per_chunk, out - first)
+        _fill(fh, memoryview(scratch)[: n * width], path, hf_name)
+        q = torch.frombuffer(scratch, dtype=FP8_DTYPES[info["dtype"]], count=n * width).view(n, width)
+        rows[first : first + n].copy_(dequantize_rows(q, scale, first, blocks))
+
+
+def _fill(fh, view: memoryview, path: Path, hf_name: str) -> None:
+    """Fill `view` from `fh` (a read may return less than asked: network file systems)."""
+    got = 0
+    while got < len(view):
+        more = fh.readinto(view[got:])
+        if not more:
+            raise ModelLoadError(f"{path.name}:{hf_name}: the file ended inside this tensor; was it changed "
+                                 "while loading? Copy the checkpoint again.")
+        got += more
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -208,14 +263,7 @@ def _read_tensor(fh, path: Path, hf_name: str, info: dict, position: int, dest: 
     fh.seek(position)
     for first in range(0, numel, step):
         n = min(step, numel - first)
-        view = memoryview(scratch)[: n * size]
-        got = 0
-        while got < n * size:  # a read may return less than asked (network file systems)
-            more = fh.readinto(view[got:])
-            if not more:
-                raise ModelLoadError(f"{path.name}:{hf_name}: the file ended inside this tensor; was it changed "
-                                     "while loading? Copy the checkpoint again.")
-            got += more
+        _fill(fh, memoryview(scratch)[: n * size], path, hf_name)
         chunk = torch.frombuffer(scratch, dtype=dtype, count=n)
         if width is None:
             flat[first : first + n].copy_(chunk)
@@ -224,25 +272,43 @@ def _read_tensor(fh, path: Path, hf_name: str, info: dict, position: int, dest: 
             flat[row : row + n // width].copy_(chunk.view(-1, width)[:, cut[1] : cut[2]])
 
 
-def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
+def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                     scheme: Fp8Blocks | None = None) -> dict[str, list[Source]]:
     """our parameter -> the checkpoint tensors it is made of (one, or the parts fused into it, in
     order), from the safetensors headers alone. ModelLoadError, naming the file and tensor, for a
-    missing / truncated / corrupt file, a non-float tensor, a shape that does not match config.json
-    (fused parts included) or a parameter the checkpoint lacks."""
+    missing / truncated / corrupt file, a non-float tensor (FP8 weights under an FP8 `scheme` aside,
+    each with scales of its blocks' shape), a shape that does not match config.json (fused parts
+    included) or a parameter the checkpoint lacks."""
+    return _scan(model_dir, cfg, shapes, scheme)[0]
+
+
+def _scan(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], scheme: Fp8Blocks | None
+          ) -> tuple[dict[str, list[Source]], dict[str, Source]]:
+    """`route_checkpoint`'s routes, and each FP8 weight's scale tensor (HF weight name -> its source)."""
     found: dict[str, dict[int | None, tuple[Path, str, tuple[int, ...]]]] = {}
     unexpected: list[str] = []
-    for path in weight_files(model_dir):
-        for hf_name, info in safetensors_header(path).items():
+    headers = {path: safetensors_header(path) for path in weight_files(model_dir)}
+    scale_at = {hf_name: path for path, header in headers.items() for hf_name in header
+                if scheme is not None and hf_name.endswith(SCALE_SUFFIX)}
+    scales: dict[str, Source] = {}
+    for path, header in headers.items():
+        for hf_name, info in header.items():
             mapped = _our_name(hf_name)
+            if hf_name in scale_at:
+                continue
             if mapped is None or mapped[0] not in shapes:
                 if not IGNORED.match(hf_name):
                     unexpected.append(hf_name)
                 continue
-            if info.get("dtype") not in _FLOAT_DTYPES:
+            shape = tuple(int(d) for d in info["shape"])
+            if scheme is not None and info.get("dtype") in FP8_DTYPES:
+                scales[hf_name] = _checked_scale(path, hf_name, shape, scale_at, headers, scheme)
+            elif info.get("dtype") not in _FLOAT_DTYPES:
                 raise ModelLoadError(f"{path.name}:{hf_name}: dtype {info.get('dtype')} is not a float format this "
-                                     f"runtime loads ({', '.join(sorted(_FLOAT_DTYPES))}).")
+                                     f"runtime loads ({', '.join(sorted(_FLOAT_DTYPES))})"
+                                     f"{'' if scheme else ', and config.json declares no quantization scheme'}.")
             name, part = mapped
-            found.setdefault(name, {})[part] = (path, hf_name, tuple(int(d) for d in info["shape"]))
+            found.setdefault(name, {})[part] = (path, hf_name, shape)
     routes: dict[str, list[Source]] = {}
     for name, pieces in found.items():
         ordered = [pieces[k] for k in sorted(pieces, key=lambda k: -1 if k is None else k)]
@@ -273,7 +339,23 @@ def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[
         )
     if unexpected:
         log.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
-    return routes
+    return routes, scales
+
+
+def _checked_scale(path: Path, hf_name: str, shape: tuple[int, ...], scale_at: dict[str, Path],
+                   headers: dict[Path, dict], scheme: Fp8Blocks) -> Source:
+    """The scale tensor of FP8 weight `hf_name`, checked: there, float32, one per block."""
+    name = scale_of(hf_name)
+    if len(shape) != 2 or name not in scale_at:
+        raise ModelLoadError(f"{path.name}:{hf_name}: an FP8 weight {list(shape)} without its {name} (the "
+                             f"checkpoint declares {scheme.describe()}); is a shard file missing?")
+    info = headers[scale_at[name]][name]
+    want = scheme.scale_shape(shape)
+    if tuple(int(d) for d in info["shape"]) != want or info.get("dtype") not in _FLOAT_DTYPES:
+        raise ModelLoadError(f"{scale_at[name].name}:{name}: shape {info['shape']} {info.get('dtype')}, but "
+                             f"{hf_name} {list(shape)} in {scheme.rows}x{scheme.cols} blocks needs float scales "
+                             f"{list(want)}.")
+    return scale_at[name], name
 
 
 def _as_rows(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -286,13 +368,7 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
     unsupported architecture or a pre-quantized checkpoint, and everything `route_checkpoint`
     checks. Reads no tensor data, allocates no weights (the model is built on the meta device)."""
     cfg = ModelConfig.from_dir(model_dir)
-    quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ModelLoadError(f"{model_dir}/config.json: a pre-quantized checkpoint (quant_method={method}) is not "
-                             "supported; its weights would be read as plain floats. Use the float checkpoint (with "
-                             "runtime.precision_map for our own int8 / int4).")
-    route_checkpoint(model_dir, cfg, parameter_shapes(cfg))
+    route_checkpoint(model_dir, cfg, parameter_shapes(cfg), checkpoint_scheme(model_dir))
     return cfg
 
 

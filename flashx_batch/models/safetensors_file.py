@@ -14,6 +14,8 @@ from flashx_batch.errors import ModelLoadError
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}  # safetensors dtype names we convert exactly
 # safetensors dtype name -> torch dtype, for the formats in _FLOAT_DTYPES
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# every dtype whose byte counts the header check verifies (the float formats, and FP8 weights)
+_SIZED_DTYPES = {**_TORCH_DTYPES, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:
@@ -39,9 +41,9 @@ def safetensors_header(path: Path) -> dict[str, dict]:
             numel = 1
             for d in v["shape"]:
                 numel *= int(d)
-            if v.get("dtype") in _TORCH_DTYPES and stop - begin != numel * _TORCH_DTYPES[v["dtype"]].itemsize:
+            if v.get("dtype") in _SIZED_DTYPES and stop - begin != numel * _SIZED_DTYPES[v["dtype"]].itemsize:
                 raise ModelLoadError(f"{path.name}:{name}: holds {stop - begin} bytes, its shape {v['shape']} in "
-                                     f"{v['dtype']} needs {numel * _TORCH_DTYPES[v['dtype']].itemsize}; the file is "
+                                     f"{v['dtype']} needs {numel * _SIZED_DTYPES[v['dtype']].itemsize}; the file is "
                                      "corrupt.")
     except (AttributeError, KeyError, TypeError, ValueError, IndexError):
         raise ModelLoadError(f"{path}: the safetensors header does not describe tensors; the file is corrupt.") \

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import flashx_batch
-from flashx_batch.config import JobConfig
+from flashx_batch.config import JobConfig, resolve_model_dir
 from flashx_batch.data.plan import Plan, bucket_edges
 from flashx_batch.job_errors import ModelChangedError
+from flashx_batch.models.quantized import checkpoint_scheme
 from flashx_batch.runtime.constraints import canonical_schema
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -126,6 +127,9 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_a
     for k in ("id_column", "prompt_column", "messages_column", "passthrough_columns", "prompt_prefix", "limit",
               "max_row_bytes"):
         fp[f"data.{k}"] = getattr(d, k)
+    scheme = checkpoint_scheme(resolve_model_dir(job.model.path))
+    if scheme is not None:  # a pre-quantized checkpoint's scheme (only when set: float jobs still resume)
+        fp["model.quantization"] = scheme.describe()
     if adapter_digests:  # LoRA adapters by content (a retrained adapter under the same name is another job)
         fp["model.lora_adapters"] = dict(sorted(adapter_digests.items()))
     for k in ("tools_column", "tools", "chat_template_kwargs", "adapter_column"):  # only when set: older jobs resume
