@@ -21,11 +21,15 @@ from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.parallel import Cut, TensorShard, checkpoint_cut
 from flashx_batch.models.quantized import (
     FP8_DTYPES,
-    SCALE_SUFFIX,
     Fp8Blocks,
+    QuantizedRead,
+    Scheme,
     checkpoint_scheme,
     dequantize_rows,
-    scale_of,
+    fp8_read,
+    int4_read,
+    int4_weight_name,
+    quantization_auxiliaries,
 )
 from flashx_batch.models.safetensors_file import _FLOAT_DTYPES, _TORCH_DTYPES, safetensors_header
 
@@ -158,11 +162,11 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
     shard, cfg = model.shard, model.config
     scheme = checkpoint_scheme(model_dir)
     if scheme is not None and shard is not None:
-        raise ModelLoadError(f"{model_dir}: an FP8 checkpoint ({scheme.describe()}) loads on one rank; tensor "
-                             "parallelism over it is not supported yet (runtime.tensor_parallel_size=1).")
+        raise ModelLoadError(f"{model_dir}: a pre-quantized checkpoint ({scheme.describe()}) loads on one rank; "
+                             "tensor parallelism over it is not supported yet (runtime.tensor_parallel_size=1).")
     # the checkpoint holds the whole model: a rank checks it against the whole model's shapes
     full_shapes = {n: tuple(p.shape) for n, p in params.items()} if shard is None else parameter_shapes(cfg)
-    routes, scales = _scan(model_dir, cfg, full_shapes, scheme)
+    routes, special = _scan(model_dir, cfg, full_shapes, scheme)
     headers = {path: safetensors_header(path) for path in {path for sources in routes.values() for path, _ in sources}}
     # file -> its tensors' pieces as (byte offset in the data section, HF name, header entry, where it lands: a
     # view of the parameter, the rank's piece of it or None for all of it)
@@ -177,8 +181,8 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
             cuts = None if shard is None else checkpoint_cut(name, part, len(sources), _as_rows(full_shapes[name]),
                                                              tuple(rows.shape), cfg, shard)
             for cut in [None] if cuts is None else cuts:  # no pieces (RANK_ZERO_ONLY): left at zero
-                count = cut[2] - cut[1] if cut is not None and cut[0] == 0 else (
-                    int(info["shape"][0]) if info["shape"] else 1)
+                shape = special[hf_name].shape if hf_name in special else info["shape"]
+                count = cut[2] - cut[1] if cut is not None and cut[0] == 0 else (int(shape[0]) if shape else 1)
                 dest = rows[start : start + count] if rows.dim() else rows
                 reads.setdefault(path, []).append((offset, hf_name, info, dest, cut))
                 start += count
@@ -188,9 +192,13 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
             with open(path, "rb", buffering=0) as fh:
                 data_start = 8 + int.from_bytes(fh.read(8), "little")
                 for offset, hf_name, info, dest, cut in sorted(reads[path], key=lambda r: (r[0], r[4] or ())):
-                    if hf_name in scales:  # FP8: dequantized block-row by block-row as it is read
-                        scale = _whole_tensor(*scales[hf_name], headers)
+                    read = special.get(hf_name)
+                    if read is not None and read.kind == "fp8":  # dequantized block-row by block-row as it is read
+                        scale = _whole_tensor(*read.parts["scale"], headers)
                         _read_fp8(fh, path, hf_name, info, data_start + offset, dest, scratch, scale, scheme)
+                    elif read is not None:  # int4: one linear unpacked and dequantized at a time
+                        parts = {part: _raw_tensor(*source) for part, source in read.parts.items()}
+                        dest.reshape(read.shape).copy_(scheme.dequantize(parts, read.shape[1]))
                     else:
                         _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch, cut)
 
@@ -205,6 +213,14 @@ def _whole_tensor(path: Path, hf_name: str, headers: dict[Path, dict]) -> torch.
         _read_tensor(fh, path, hf_name, info, data_start + int(info["data_offsets"][0]), out,
                      bytearray(max(1, out.numel()) * _TORCH_DTYPES[info["dtype"]].itemsize))
     return out
+
+
+def _raw_tensor(path: Path, hf_name: str) -> torch.Tensor:
+    """One tensor as stored (an int4 linear's packed parts: the bytes on disk, no more)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return fh.get_tensor(hf_name)
 
 
 def _read_fp8(fh, path: Path, hf_name: str, info: dict, position: int, dest: torch.Tensor, scratch: bytearray,
@@ -273,7 +289,7 @@ def _read_tensor(fh, path: Path, hf_name: str, info: dict, position: int, dest: 
 
 
 def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
-                     scheme: Fp8Blocks | None = None) -> dict[str, list[Source]]:
+                     scheme: Scheme | None = None) -> dict[str, list[Source]]:
     """our parameter -> the checkpoint tensors it is made of (one, or the parts fused into it, in
     order), from the safetensors headers alone. ModelLoadError, naming the file and tensor, for a
     missing / truncated / corrupt file, a non-float tensor (FP8 weights under an FP8 `scheme` aside,
@@ -282,27 +298,31 @@ def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[
     return _scan(model_dir, cfg, shapes, scheme)[0]
 
 
-def _scan(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], scheme: Fp8Blocks | None
-          ) -> tuple[dict[str, list[Source]], dict[str, Source]]:
-    """`route_checkpoint`'s routes, and each FP8 weight's scale tensor (HF weight name -> its source)."""
+def _scan(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], scheme: Scheme | None
+          ) -> tuple[dict[str, list[Source]], dict[str, QuantizedRead]]:
+    """`route_checkpoint`'s routes, and how each quantized tensor is read (its HF name -> the read)."""
     found: dict[str, dict[int | None, tuple[Path, str, tuple[int, ...]]]] = {}
     unexpected: list[str] = []
     headers = {path: safetensors_header(path) for path in weight_files(model_dir)}
-    scale_at = {hf_name: path for path, header in headers.items() for hf_name in header
-                if scheme is not None and hf_name.endswith(SCALE_SUFFIX)}
-    scales: dict[str, Source] = {}
+    located = {hf_name: path for path, header in headers.items() for hf_name in header}
+    auxiliary = quantization_auxiliaries(located, scheme)  # scales, zero points: read with their weights
+    special: dict[str, QuantizedRead] = {}
     for path, header in headers.items():
         for hf_name, info in header.items():
-            mapped = _our_name(hf_name)
-            if hf_name in scale_at:
+            if hf_name in auxiliary:
                 continue
+            weight_name = int4_weight_name(hf_name, scheme)
+            mapped = _our_name(weight_name or hf_name)
             if mapped is None or mapped[0] not in shapes:
                 if not IGNORED.match(hf_name):
                     unexpected.append(hf_name)
                 continue
             shape = tuple(int(d) for d in info["shape"])
-            if scheme is not None and info.get("dtype") in FP8_DTYPES:
-                scales[hf_name] = _checked_scale(path, hf_name, shape, scale_at, headers, scheme)
+            if weight_name is not None:  # GPTQ / AWQ: routed as the float weight it packs
+                special[hf_name] = int4_read(path, hf_name, info, located, headers, scheme)
+                shape = special[hf_name].shape
+            elif scheme is not None and info.get("dtype") in FP8_DTYPES:
+                special[hf_name] = fp8_read(path, hf_name, shape, located, headers, scheme)
             elif info.get("dtype") not in _FLOAT_DTYPES:
                 raise ModelLoadError(f"{path.name}:{hf_name}: dtype {info.get('dtype')} is not a float format this "
                                      f"runtime loads ({', '.join(sorted(_FLOAT_DTYPES))})"
@@ -339,23 +359,7 @@ def _scan(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
         )
     if unexpected:
         log.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
-    return routes, scales
-
-
-def _checked_scale(path: Path, hf_name: str, shape: tuple[int, ...], scale_at: dict[str, Path],
-                   headers: dict[Path, dict], scheme: Fp8Blocks) -> Source:
-    """The scale tensor of FP8 weight `hf_name`, checked: there, float32, one per block."""
-    name = scale_of(hf_name)
-    if len(shape) != 2 or name not in scale_at:
-        raise ModelLoadError(f"{path.name}:{hf_name}: an FP8 weight {list(shape)} without its {name} (the "
-                             f"checkpoint declares {scheme.describe()}); is a shard file missing?")
-    info = headers[scale_at[name]][name]
-    want = scheme.scale_shape(shape)
-    if tuple(int(d) for d in info["shape"]) != want or info.get("dtype") not in _FLOAT_DTYPES:
-        raise ModelLoadError(f"{scale_at[name].name}:{name}: shape {info['shape']} {info.get('dtype')}, but "
-                             f"{hf_name} {list(shape)} in {scheme.rows}x{scheme.cols} blocks needs float scales "
-                             f"{list(want)}.")
-    return scale_at[name], name
+    return routes, special
 
 
 def _as_rows(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -100,7 +100,8 @@ def test_a_bad_fp8_checkpoint_is_refused_naming_the_tensor(tmp_path):
 
 
 @pytest.mark.parametrize("quantization, message", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, r"quant_method=gptq\) this runtime does not read"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, r"gptq with bits=8 \(int4 only\)"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version=gemv"),
     ({"quant_method": "compressed-tensors"}, r"quant_method=compressed-tensors\) this runtime does not read"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt=e5m2"),
     ({"quant_method": "fp8"}, "weight_block_size=None"),
