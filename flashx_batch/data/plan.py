@@ -231,8 +231,15 @@ def plan_prompts(job: JobConfig, loaded: LoadedInput, tokenizer: Tokenizer,
 UNKNOWN_ADAPTER = "unknown_adapter"
 
 
+def adapter_name(value: Any) -> Any:
+    """A data.adapter_column cell as a name, None for the base model: null, or an empty string (a CSV cannot
+    write null)."""
+    return None if value is None or value == "" else value
+
+
 def adapter_problem(job: JobConfig, value: Any) -> RowProblem | None:
-    """A row's data.adapter_column cell: null (the base model) or a name in model.lora_adapters."""
+    """A row's data.adapter_column cell: null or empty (the base model) or a name in model.lora_adapters."""
+    value = adapter_name(value)
     if value is None or (isinstance(value, str) and value in job.model.lora_adapters):
         return None
     names = ", ".join(sorted(job.model.lora_adapters))

@@ -10,8 +10,9 @@ with per-matmul scales, is not built yet: the weights are resident in the comput
   (`dequantize_rows`): a float copy of a whole tensor never exists.
 - GPTQ int4 (`quant_method: gptq`, AutoGPTQ / GPTQModel layout): `qweight` int32 [in / 8, out], eight
   4-bit values of consecutive input channels per int32, lowest nibble first; `qzeros` int32
-  [groups, out / 8], eight output channels' zero points per int32, stored minus one (`checkpoint_format:
-  gptq`; `gptq_v2` stores them as they are); `scales` float16 [groups, out]; `g_idx` int32 [in], each
+  [groups, out / 8], eight output channels' zero points per int32 (`checkpoint_format: gptq` stores each
+  word minus 0x11111111, a zero point of 0 borrowing from the next nibble, as GPTQModel converts them;
+  `gptq_v2` stores them as they are); `scales` float16 [groups, out]; `g_idx` int32 [in], each
   input channel's group (`desc_act` reorders them; without it, channel // group_size). Weight [out, in]
   = scales[g_idx] * (q - zero), transposed.
 - AWQ int4 (`quant_method: awq`, `version: gemm`, AutoAWQ layout): `qweight` int32 [in, out / 8] and
@@ -104,9 +105,9 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     """A GPTQ int4 linear -> its float32 weight [out, in]."""
     out = qweight.shape[1]
     q = _nibbles(qweight).permute(0, 2, 1).reshape(-1, out)  # [in, out]: row 8i + s is nibble s of row i
+    if zeros_minus_one:  # v1 stores each word minus 0x11111111 (borrows across nibbles): add it back as a word
+        qzeros = ((qzeros.to(torch.int64) + 0x11111111) & 0xFFFFFFFF).to(torch.int32)  # wraps like the int32 sum
     zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :out]  # [groups, out]
-    if zeros_minus_one:
-        zeros = zeros + 1
     group = _group_of(q.shape[0], group_size, g_idx)
     return ((q - zeros[group]).float() * scales.float()[group]).t().contiguous()
 
@@ -171,6 +172,8 @@ def _int4_scheme(quant: dict, method: str, where: str) -> Int4Groups:
         problems.append(f"version={quant.get('version')} (the GEMM layout only)")
     if method == "awq" and quant.get("zero_point") is False:
         problems.append("zero_point=false")
+    if quant.get("dynamic"):
+        problems.append(f"dynamic={sorted(quant['dynamic'])[:3]} (per-module overrides)")
     fmt = str(quant.get("checkpoint_format", "gptq"))
     if method == "gptq" and fmt not in ("gptq", "gptq_v2"):
         problems.append(f"checkpoint_format={fmt}")

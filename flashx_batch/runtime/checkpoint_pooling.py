@@ -65,6 +65,11 @@ def checkpoint_pooling(model_dir: Path) -> CheckpointPooling | None:
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise UnsupportedPooling(f"{modules_file}: not a sentence-transformers module list ({exc}); fix or remove "
                                  "it.") from None
+    order = [kind for kind, _ in kinds]
+    if (order[:1] != ["Transformer"] or order.count("Pooling") != 1 or "Normalize" in order[:-1]
+            or any(k == "Dense" and order.index("Pooling") > i for i, k in enumerate(order))):
+        raise UnsupportedPooling(f"{modules_file}: modules {order}; this runtime computes Transformer, Pooling, "
+                                 "then Dense layers, then Normalize, in that order.")
     pooling, normalize, dense = None, False, []
     for kind, path in kinds:
         where = model_dir / path
@@ -107,6 +112,9 @@ def _dense(directory: Path) -> DenseLayer:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise UnsupportedPooling(f"{directory}/config.json: cannot read the Dense module's config ({exc}).") from None
+    if config.get("module_input_name", "sentence_embedding") != "sentence_embedding":
+        raise UnsupportedPooling(f"{directory}/config.json: a Dense layer over {config['module_input_name']} (not "
+                                 "the pooled sentence embedding) is not supported.")
     activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
     if activation not in ACTIVATIONS:
         raise UnsupportedPooling(f"{directory}/config.json: Dense activation {activation!r} is not supported "

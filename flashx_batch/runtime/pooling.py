@@ -71,15 +71,17 @@ def classifications(logits: torch.Tensor, labels: tuple[str, ...], multi_label: 
 PAIR_FORMATS = ("separator", "chat")
 
 
-def pair_text(query: str, document: str, fmt: str, separator: str, tokenizer) -> str:
+def pair_text(query: str, document: str, fmt: str, separator: str, tokenizer, template_kwargs: dict | None = None
+              ) -> str:
     """The text a cross-encoder (a reranker, a reward model) reads for a (query, document) pair: `separator`
     between the two, or (`chat`) the model's chat template rendering the query as the user's turn and the
     document as the assistant's, without a generation prompt (how reward models read a prompt and an answer).
-    Raises ValueError (`ChatTemplateError`) when the template refuses the turns."""
+    Raises ValueError (`ChatTemplateError`) when the template refuses the turns; `template_kwargs`: extra
+    template variables (data.chat_template_kwargs)."""
     if fmt == "chat":
         return tokenizer.apply_chat_template([{"role": "user", "content": query},
                                               {"role": "assistant", "content": document}],
-                                             add_generation_prompt=False)
+                                             add_generation_prompt=False, **(template_kwargs or {}))
     if fmt != "separator":
         raise ConfigError(f"pair format {fmt!r}: one of {', '.join(PAIR_FORMATS)}.")
     return query + separator + document

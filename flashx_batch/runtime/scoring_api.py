@@ -133,10 +133,10 @@ class ScoringApi:
             raise ConfigError(f"{self.model_dir.name} is not a sequence classifier (config.json names "
                               f"{self.config.architecture}); classify needs a *ForSequenceClassification checkpoint.")
         c = self.config.classifier
-        return classifications(self._pooler().classify(self._fitted(prompts)), c.labels, c.multi_label)
+        return classifications(self._pooler().classify(self._scored(prompts)), c.labels, c.multi_label)
 
-    def score_pairs(self, pairs: Sequence[tuple[str, str]], format: str = "separator", separator: str = "\n"
-                    ) -> list[float]:
+    def score_pairs(self, pairs: Sequence[tuple[str, str]], format: str = "separator", separator: str = "\n",
+                    template_kwargs: dict | None = None) -> list[float]:
         """A cross-encoder's score of each (query, document) pair: a one-label sequence classifier (a reranker,
         a reward model) reading the pair as `pooling.pair_text` writes it (`format="chat"`: the chat template,
         query as the user's turn, document as the assistant's), its logit at the last token."""
@@ -147,9 +147,24 @@ class ScoringApi:
                               f"{self.model_dir.name} is {what}: use classify for its labels.")
         if self.tokenizer is None:
             raise ConfigError(f"{self.model_dir}/tokenizer.json is missing; score_pairs reads text pairs.")
-        texts = [pooling.pair_text(q, d, format, separator, self.tokenizer) for q, d in pairs]
+        texts = [pooling.pair_text(q, d, format, separator, self.tokenizer, template_kwargs) for q, d in pairs]
         encoded = self.tokenizer.encode_batch(texts, add_special_tokens=format != "chat")  # a template writes BOS
-        return self._pooler().classify(self._fitted(encoded))[:, 0].tolist()
+        return self._pooler().classify(self._scored(encoded))[:, 0].tolist()
+
+    def _scored(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        """Prompts as a classifier's score head reads them: `transformers` scores the last token that is not
+        the pad id (a template ending in the pad token, e.g. pad = eos, is scored one token earlier); causal
+        attention makes trailing pad tokens irrelevant to the positions before them, so they are dropped."""
+        fitted, pad = self._fitted(prompts), self.config.pad_token_id
+        if pad is None:
+            return fitted
+        out = []
+        for ids in fitted:
+            end = len(ids)
+            while end > 1 and ids[end - 1] == pad:
+                end -= 1
+            out.append(ids[:end])
+        return out
 
     def _fitted(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
         return pooling.pooled_prompts([self.encode(p) for p in prompts], self.run_options, self.config.vocab_size)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from flashx_batch.data.plan import Plan, ShardSpec, plan_prompts
+from flashx_batch.data.plan import Plan, ShardSpec, adapter_name, adapter_problem, plan_prompts
 from flashx_batch.data.preflight import prompt_roles
 from flashx_batch.data.row_sampling import may_constrain, row_params
 from flashx_batch.data.validate import RowProblem, build_prompt, row_tools
@@ -91,7 +91,11 @@ class Generate(Task):
             texts.append(text)
             params.append(p)
             tools.append(row_tool_list if isinstance(row_tool_list, list) else None)
-            adapters.append(fr.columns[data.adapter_column][k] if data.adapter_column else None)
+            adapter = fr.columns[data.adapter_column][k] if data.adapter_column else None
+            if adapter is not None and (bad := adapter_problem(job, adapter)) is not None:
+                raise RuntimeError(f"{source.files[fi].path} row {ri}: {bad.message}; the input changed after "
+                                   "planning")
+            adapters.append(adapter_name(adapter))
             for c in extra:
                 extra[c].append(fr.columns[c][k])
             if references is not None:

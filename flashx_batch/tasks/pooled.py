@@ -158,6 +158,10 @@ class Score(Pooled):
         d = job.data
         if job.score.format not in PAIR_FORMATS:
             raise ConfigError(f"score.format={job.score.format!r}: one of {', '.join(PAIR_FORMATS)}.")
+        if job.score.format == "chat" and d.prompt_prefix:
+            raise ConfigError("data.prompt_prefix with score.format=chat would stand before the template's own start "
+                              "tokens; put the instruction in the query column (the user turn), or use "
+                              "score.format=separator.")
         if d.query_column == d.document_column:
             raise ConfigError(f"data.query_column and data.document_column are both {d.query_column!r}; a pair "
                               "needs two columns.")
@@ -180,9 +184,16 @@ class Score(Pooled):
             if isinstance(document, RowProblem):
                 return document
             try:
-                return data.prompt_prefix + pair_text(query, document, score.format, score.separator, tokenizer)
+                text = pair_text(query, document, score.format, score.separator, tokenizer, data.chat_template_kwargs)
             except ValueError as exc:  # the chat template's own refusal
                 return RowProblem(BAD_TYPE, f"the chat template rejected the pair: {exc}")
+            except Exception as exc:  # a template error on this row's data (jinja2 TemplateError, TypeError)
+                return RowProblem(BAD_TYPE, f"the chat template failed on the pair: {type(exc).__name__}: {exc}")
+            kept = document.strip()
+            if score.format == "chat" and kept and (kept[:64] not in text or kept[-64:] not in text):
+                return RowProblem("unrendered_message", "the chat template left the document (the assistant turn) "
+                                                        "out of the text; score.format=separator reads it as given")
+            return data.prompt_prefix + text
         return text
 
     def add_special_tokens(self, job) -> bool:

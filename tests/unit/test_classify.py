@@ -171,3 +171,34 @@ def test_a_score_job_every_id_once(tmp_path):
     _classifier("llama", three, 3)
     with pytest.raises(ConfigError, match="use classify"):
         Engine.from_pretrained(three, max_batch_size=2).score_pairs([("a", "b")])
+
+
+def test_trailing_pad_tokens_are_scored_as_transformers_scores_them(tmp_path):
+    """transformers' classifiers score the last token that is not the pad id: a prompt ending in pad tokens (a
+    template whose last token is the pad token, pad = eos) is scored where the real text ends."""
+    hf = _classifier("llama", tmp_path, 3)
+    prompts = [[5, 9, 33, 0], [12, 4, 0, 0], [99, 100, 101]]
+    engine = Engine.from_pretrained(tmp_path, max_batch_size=2, max_input_len=32, max_output_len=8)
+    got = torch.tensor([c.logits for c in engine.classify(prompts)])
+    with torch.no_grad():
+        want = torch.cat([hf(torch.tensor([p])).logits for p in prompts]).float()
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_an_adapter_cell_that_is_empty_means_the_base_model():
+    from flashx_batch.config import compose_job
+    from flashx_batch.data.plan import adapter_name, adapter_problem
+
+    job = compose_job(["conf=legal_docs", "data.adapter_column=adapter", "+model.lora_adapters={legal:/tmp/x}"])
+    assert adapter_name("") is None and adapter_problem(job, "") is None and adapter_problem(job, None) is None
+    assert adapter_problem(job, "legal") is None
+    assert adapter_problem(job, "other").code == "unknown_adapter"
+
+
+def test_a_prompt_prefix_before_a_chat_rendered_pair_is_refused(tmp_path):
+    from flashx_batch.config import compose_job
+    from flashx_batch.runner.job import plan_job
+
+    with pytest.raises(ConfigError, match="data.prompt_prefix with score.format=chat"):
+        plan_job(compose_job(["conf=legal_docs", "task=score", "score.format=chat", "data.prompt_prefix=Judge: ",
+                              f"output.dir={tmp_path}"]))

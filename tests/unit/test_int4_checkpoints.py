@@ -21,13 +21,23 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _pack_nibbles(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
-    """[..., 8k] values 0..15 -> int32 [..., k]: value order[i] of each eight at nibble i (lowest first)."""
+def _pack_words(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """[..., 8k] values 0..15 -> unsigned 32-bit words (int64) [..., k]: value order[i] of each eight at nibble i."""
     grouped = values.reshape(*values.shape[:-1], -1, 8).to(torch.int64)
     packed = torch.zeros(grouped.shape[:-1], dtype=torch.int64)
     for i, column in enumerate(order):
         packed |= (grouped[..., column] & 0xF) << (4 * i)
-    return _int32(packed)
+    return packed
+
+
+def _pack_nibbles(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    return _int32(_pack_words(values, order))
+
+
+def _gptq_v1_zeros(zeros: torch.Tensor) -> torch.Tensor:
+    """GPTQ v1 qzeros: the packed word minus 0x11111111 (GPTQModel's v2 -> v1 conversion; a zero point of 0
+    borrows from the next nibble)."""
+    return _int32((_pack_words(zeros) - 0x11111111) % 2**32)
 
 
 def _int32(packed: torch.Tensor) -> torch.Tensor:
@@ -58,8 +68,8 @@ def quantize_linear(weight: torch.Tensor, method: str, group: int, sym: bool, de
     q = torch.round(weight.t() / scales.float()[g_idx] + zeros[g_idx]).clamp(0, 15).long()  # [in, out]
     dequantized = ((q - zeros[g_idx]).float() * scales.float()[g_idx]).t()
     if method == "gptq":
-        stored_zeros = zeros if v2 else zeros - 1
-        parts = {"qweight": _pack_rows_gptq(q), "qzeros": _pack_nibbles(stored_zeros), "scales": scales}
+        qzeros = _pack_nibbles(zeros) if v2 else _gptq_v1_zeros(zeros)
+        parts = {"qweight": _pack_rows_gptq(q), "qzeros": qzeros, "scales": scales}
         if desc_act:
             parts["g_idx"] = g_idx.to(torch.int32)
     else:
@@ -133,3 +143,17 @@ def test_an_int4_part_of_the_wrong_shape_is_refused_naming_it(tmp_path):
                                              r"\[16, 64\] \(gptq int4, group size 32: a \[64, 128\] weight\) needs "
                                              r"float \[4, 64\]"):
         check_checkpoint(tmp_path / "model")
+
+
+def test_gptq_v1_zero_points_of_zero_and_fifteen_come_back():
+    """v1 zero points are stored as the word minus 0x11111111: a 0 borrows from its neighbour, which must come
+    back exactly (a per-nibble + 1 would read 16 and one less for the neighbour)."""
+    from flashx_batch.models.quantized import dequantize_gptq
+
+    zeros = torch.tensor([[0, 5, 8, 15, 0, 0, 1, 15], [15, 0, 7, 0, 3, 0, 15, 9]])
+    q = torch.randint(0, 16, (8, 8), generator=torch.Generator().manual_seed(0))
+    scales = torch.rand(2, 8).half() + 0.1
+    g_idx = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)
+    got = dequantize_gptq(_pack_rows_gptq(q), _gptq_v1_zeros(zeros), scales, g_idx, 4, zeros_minus_one=True)
+    want = ((q - zeros[g_idx.long()]).float() * scales.float()[g_idx.long()]).t()
+    assert torch.equal(got, want)
