@@ -7,11 +7,13 @@ order. One loader serves every family.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -166,8 +168,7 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
                              "tensor parallelism over it is not supported yet (runtime.tensor_parallel_size=1).")
     # the checkpoint holds the whole model: a rank checks it against the whole model's shapes
     full_shapes = {n: tuple(p.shape) for n, p in params.items()} if shard is None else parameter_shapes(cfg)
-    routes, special = _scan(model_dir, cfg, full_shapes, scheme)
-    headers = {path: safetensors_header(path) for path in {path for sources in routes.values() for path, _ in sources}}
+    routes, special, headers = _scan(model_dir, cfg, full_shapes, scheme)
     # file -> its tensors' pieces as (byte offset in the data section, HF name, header entry, where it lands: a
     # view of the parameter, the rank's piece of it or None for all of it)
     reads: dict[Path, list[tuple[int, str, dict, torch.Tensor, Cut | None]]] = {}
@@ -187,40 +188,37 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
                 reads.setdefault(path, []).append((offset, hf_name, info, dest, cut))
                 start += count
     scratch = bytearray(_READ_CHUNK)
-    with torch.no_grad():
+    small = _SmallTensors()  # a quantized weight's scales and packed parts, one open handle per file
+    with torch.no_grad(), small:
         for path in sorted(reads):
             with open(path, "rb", buffering=0) as fh:
                 data_start = 8 + int.from_bytes(fh.read(8), "little")
                 for offset, hf_name, info, dest, cut in sorted(reads[path], key=lambda r: (r[0], r[4] or ())):
                     read = special.get(hf_name)
                     if read is not None and read.kind == "fp8":  # dequantized block-row by block-row as it is read
-                        scale = _whole_tensor(*read.parts["scale"], headers)
+                        scale = small.read(*read.parts["scale"]).float()
                         _read_fp8(fh, path, hf_name, info, data_start + offset, dest, scratch, scale, scheme)
                     elif read is not None:  # int4: one linear unpacked and dequantized at a time
-                        parts = {part: _raw_tensor(*source) for part, source in read.parts.items()}
-                        dest.reshape(read.shape).copy_(scheme.dequantize(parts, read.shape[1]))
+                        parts = {part: small.read(*source) for part, source in read.parts.items()}
+                        dest.reshape(read.shape).copy_(scheme.dequantize(parts))
                     else:
                         _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch, cut)
 
 
-def _whole_tensor(path: Path, hf_name: str, headers: dict[Path, dict]) -> torch.Tensor:
-    """A small tensor (an FP8 weight's scales) read whole, as float32."""
-    info = headers.get(path) or safetensors_header(path)
-    info = info[hf_name]
-    out = torch.empty([int(d) for d in info["shape"]], dtype=torch.float32)
-    with open(path, "rb", buffering=0) as fh:
-        data_start = 8 + int.from_bytes(fh.read(8), "little")
-        _read_tensor(fh, path, hf_name, info, data_start + int(info["data_offsets"][0]), out,
-                     bytearray(max(1, out.numel()) * _TORCH_DTYPES[info["dtype"]].itemsize))
-    return out
+class _SmallTensors(contextlib.ExitStack):
+    """Small tensors read whole, as stored (an FP8 weight's scales, an int4 linear's packed parts: their bytes on
+    disk, no more), through one safetensors handle per file for the whole load."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._handles: dict[Path, Any] = {}
 
-def _raw_tensor(path: Path, hf_name: str) -> torch.Tensor:
-    """One tensor as stored (an int4 linear's packed parts: the bytes on disk, no more)."""
-    from safetensors import safe_open
+    def read(self, path: Path, hf_name: str) -> torch.Tensor:
+        from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as fh:
-        return fh.get_tensor(hf_name)
+        if path not in self._handles:
+            self._handles[path] = self.enter_context(safe_open(str(path), framework="pt"))
+        return self._handles[path].get_tensor(hf_name)
 
 
 def _read_fp8(fh, path: Path, hf_name: str, info: dict, position: int, dest: torch.Tensor, scratch: bytearray,
@@ -299,8 +297,9 @@ def route_checkpoint(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[
 
 
 def _scan(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], scheme: Scheme | None
-          ) -> tuple[dict[str, list[Source]], dict[str, QuantizedRead]]:
-    """`route_checkpoint`'s routes, and how each quantized tensor is read (its HF name -> the read)."""
+          ) -> tuple[dict[str, list[Source]], dict[str, QuantizedRead], dict[Path, dict]]:
+    """`route_checkpoint`'s routes, how each quantized tensor is read (its HF name -> the read), and every
+    file's header (read once: the loader reads the tensors at their offsets)."""
     found: dict[str, dict[int | None, tuple[Path, str, tuple[int, ...]]]] = {}
     unexpected: list[str] = []
     headers = {path: safetensors_header(path) for path in weight_files(model_dir)}
@@ -359,7 +358,7 @@ def _scan(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
         )
     if unexpected:
         log.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected), unexpected[:3])
-    return routes, special
+    return routes, special, headers
 
 
 def _as_rows(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -30,11 +30,12 @@ from flashx_batch.models.peft_adapter import TARGETS, LoraAdapter, module_shape
 
 @dataclass(frozen=True)
 class RowAdapters:
-    """The adapter slot of each row of a forward pass (0: the base model), on the device and on the host."""
+    """The adapter slot of each row of a forward pass (0: the base model), the slots present, and the device the
+    pass's masks and token indices are built on (from these host values, once per distinct pass)."""
 
-    slots: torch.Tensor  # [B] long, on the model's device
-    host: tuple[int, ...]  # the same, on the host
+    slots: tuple[int, ...]
     present: tuple[int, ...]  # sorted, without 0, never empty
+    device: torch.device
 
 
 # A pass whose tokens number at least this many per adapter present runs each adapter's own rows through
@@ -204,7 +205,6 @@ class LoraSet:
 
     def __init__(self, model, adapters: Sequence[LoraAdapter]) -> None:
         self.adapters = list(adapters)
-        self.names = {a.name: i + 1 for i, a in enumerate(self.adapters)}
         cfg, dtype, device = model.config, model.embed.dtype, model.embed.device
         offsets, owner, start = [], [], 0
         for slot, adapter in enumerate(self.adapters, start=1):
@@ -250,10 +250,6 @@ class LoraSet:
                 own[slot] = (own_a.to(dtype=dtype, device=device), own_bt, _split(own_bt, out_sizes, rank))
         return LoraLinear(self, a.to(dtype=dtype, device=device), bt.to(dtype=dtype, device=device), out_sizes, own)
 
-    def slot(self, name: str | None) -> int:
-        """The slot of adapter `name` (None: the base model, 0); KeyError for a name not loaded."""
-        return 0 if name is None else self.names[name]
-
     def columns(self, present: tuple[int, ...]) -> torch.Tensor | None:
         """The stacked columns (within one part) of the adapters `present` (None: all adapters are)."""
         if len(present) == len(self.adapters):
@@ -277,21 +273,21 @@ class LoraSet:
             return
         if row_lengths is not None and shape[0] == 1:
             counts = row_lengths
-        elif shape[0] == len(rows.host):
+        elif shape[0] == len(rows.slots):
             counts = (shape[1],) * shape[0]
         else:
-            raise RuntimeError(f"LoRA: {len(rows.host)} rows' adapters for a pass over token ids {tuple(shape)}")
-        if len(counts) != len(rows.host):
-            raise RuntimeError(f"LoRA: {len(rows.host)} rows' adapters for a pass packing {len(counts)} rows")
-        key = (rows.host, tuple(counts), last_only)
+            raise RuntimeError(f"LoRA: {len(rows.slots)} rows' adapters for a pass over token ids {tuple(shape)}")
+        if len(counts) != len(rows.slots):
+            raise RuntimeError(f"LoRA: {len(rows.slots)} rows' adapters for a pass packing {len(counts)} rows")
+        key = (rows.slots, tuple(counts), last_only)
         found = self._passes.get(key)  # decode steps of an unchanged batch: one pass, its masks built once
         if found is None:
-            runs = {sum(counts): _runs(counts, rows.host)}
+            runs = {sum(counts): _runs(counts, rows.slots)}
             if last_only:
-                runs.setdefault(len(counts), _runs((1,) * len(counts), rows.host))
+                runs.setdefault(len(counts), _runs((1,) * len(counts), rows.slots))
             grouped = sum(counts) >= GROUPED_TOKENS_PER_ADAPTER * len(rows.present) or (
-                len(rows.present) == 1 and 0 not in rows.host)
-            found = LoraPass(self, runs, rows.present, grouped, rows.slots.device)
+                len(rows.present) == 1 and 0 not in rows.slots)
+            found = LoraPass(self, runs, rows.present, grouped, rows.device)
             if len(self._passes) >= 8:
                 self._passes.pop(next(iter(self._passes)))
             self._passes[key] = found
@@ -308,5 +304,4 @@ def row_adapters(lora: LoraSet | None, slots: Sequence[int], device: torch.devic
     present = tuple(sorted(set(slots) - {0})) if lora is not None else ()
     if not present:
         return None
-    host = tuple(slots)
-    return RowAdapters(torch.tensor(host, dtype=torch.long, device=device), host, present)
+    return RowAdapters(tuple(slots), present, device)

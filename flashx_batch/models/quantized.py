@@ -76,7 +76,7 @@ class Int4Groups:
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else -(-in_features // self.group_size)
 
-    def dequantize(self, parts: dict[str, torch.Tensor], in_features: int) -> torch.Tensor:
+    def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.method == "gptq":
             return dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
                                    self.group_size, self.zeros_minus_one)

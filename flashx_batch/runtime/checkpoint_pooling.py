@@ -31,13 +31,15 @@ class UnsupportedPooling(ConfigError):
 class DenseLayer:
     """sentence-transformers' `Dense`: y = activation(x W^T + b)."""
 
-    weight: torch.Tensor  # [out, in] float32, on the host
+    weight: torch.Tensor  # [out, in] float32, on the engine's device
     bias: torch.Tensor | None
     tanh: bool
 
+    def to(self, device: torch.device) -> DenseLayer:
+        return DenseLayer(self.weight.to(device), None if self.bias is None else self.bias.to(device), self.tanh)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.device)
-        y = torch.nn.functional.linear(x, self.weight.to(x.device), bias)
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
         return torch.tanh(y) if self.tanh else y
 
 
@@ -46,6 +48,10 @@ class CheckpointPooling:
     pooling: str
     normalize: bool
     dense: tuple[DenseLayer, ...] = ()
+
+    def to(self, device: torch.device) -> CheckpointPooling:
+        """The same head with its Dense layers on `device` (moved once, not per batch)."""
+        return CheckpointPooling(self.pooling, self.normalize, tuple(layer.to(device) for layer in self.dense))
 
     def width(self, hidden_size: int) -> int:
         """Components of this head's vectors (before any Matryoshka cut)."""

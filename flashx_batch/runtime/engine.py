@@ -75,6 +75,7 @@ class Engine(ScoringApi):
         self.config = effective_config(ModelConfig.from_dir(self.model_dir), options)
         self.dtype = check_options(options, self.config, self.backend)
         self.lora_adapters = dict(lora_adapters or {})
+        self._adapter_slot = {name: i + 1 for i, name in enumerate(self.lora_adapters)}  # `LoraSet`'s slots
         self.adapter_digests: dict[str, str] = {}  # name -> content digest of each adapter loaded
         if self.lora_adapters:
             check_lora_options(options, self.config)
@@ -140,7 +141,8 @@ class Engine(ScoringApi):
         self._lm: LogLikelihood | None = None
         self._grammars: GrammarBook | None = None
         try:  # a sentence-transformers checkpoint's own embedding head (None: it has none)
-            self._own_pooling = checkpoint_pooling(self.model_dir)
+            own = checkpoint_pooling(self.model_dir)
+            self._own_pooling = own.to(self.device) if own is not None else None
         except UnsupportedPooling as exc:  # refused when something embeds, not for generation
             self._own_pooling = exc
 
@@ -290,7 +292,7 @@ class Engine(ScoringApi):
         if len(adapters) != count:
             raise ConfigError(f"generate: {len(adapters)} adapters for {count} prompts; give one per prompt "
                               "(None for the base model).")
-        names = {name: i + 1 for i, name in enumerate(self.lora_adapters)}
+        names = self._adapter_slot
         unknown = sorted({a for a in adapters if a is not None and a not in names})
         if unknown:
             loaded = ", ".join(names) or "none"

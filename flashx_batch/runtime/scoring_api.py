@@ -140,16 +140,24 @@ class ScoringApi:
         """A cross-encoder's score of each (query, document) pair: a one-label sequence classifier (a reranker,
         a reward model) reading the pair as `pooling.pair_text` writes it (`format="chat"`: the chat template,
         query as the user's turn, document as the assistant's), its logit at the last token."""
-        c = self.config.classifier
-        if c is None or c.num_labels != 1:
-            what = f"{c.num_labels} labels" if c is not None else self.config.architecture
-            raise ConfigError(f"score_pairs needs a one-label sequence classifier (a reranker or reward model); "
-                              f"{self.model_dir.name} is {what}: use classify for its labels.")
+        self._one_label_head()
         if self.tokenizer is None:
             raise ConfigError(f"{self.model_dir}/tokenizer.json is missing; score_pairs reads text pairs.")
         texts = [pooling.pair_text(q, d, format, separator, self.tokenizer, template_kwargs) for q, d in pairs]
-        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=format != "chat")  # a template writes BOS
-        return self._pooler().classify(self._scored(encoded))[:, 0].tolist()
+        return self.scores(self.tokenizer.encode_batch(texts, add_special_tokens=format != "chat"))  # templates: BOS
+
+    def scores(self, prompts: list[str] | list[list[int]]) -> list[float]:
+        """A one-label sequence classifier's (a reranker's, a reward model's) logit for each prompt (token ids, or
+        text encoded with the tokenizer's BOS): what `score_pairs` and task=score compute for written pairs."""
+        self._one_label_head()
+        return self._pooler().classify(self._scored(prompts))[:, 0].tolist()
+
+    def _one_label_head(self) -> None:
+        c = self.config.classifier
+        if c is None or c.num_labels != 1:
+            what = f"{c.num_labels} labels" if c is not None else self.config.architecture
+            raise ConfigError(f"scores need a one-label sequence classifier (a reranker or reward model); "
+                              f"{self.model_dir.name} is {what}: use classify for its labels.")
 
     def _scored(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
         """Prompts as a classifier's score head reads them: `transformers` scores the last token that is not

@@ -53,21 +53,23 @@ class _LiveRows:
         self.sampling: SamplingBatch | None = None
         self.table: torch.Tensor | None = None
         self.adapters: list[int] = []  # each row's LoRA adapter slot (0: the base model)
-        self._adapter_rows: RowAdapters | None = None  # `adapters` on the device, built once per batch change
+        # `adapters` on the device (None: every row on the base model), built once per batch change (stale: unbuilt)
+        self._adapter_rows: RowAdapters | None = None
+        self._adapters_stale = True
 
     def join(self, tokens: torch.Tensor, steps: torch.Tensor, sampling: SamplingBatch, adapters: list[int]) -> None:
         self.tokens, self.steps = torch.cat((self.tokens, tokens)), torch.cat((self.steps, steps))
         self.sampling = sampling if self.sampling is None else self.sampling.extend(sampling)
         self.adapters += adapters
-        self._adapter_rows = None
+        self._adapters_stale = True
 
     def adapter_rows(self, lora: LoraSet | None) -> RowAdapters | None:
-        if self._adapter_rows is None:
-            self._adapter_rows = row_adapters(lora, self.adapters, self.tokens.device)
+        if self._adapters_stale:
+            self._adapter_rows, self._adapters_stale = row_adapters(lora, self.adapters, self.tokens.device), False
         return self._adapter_rows
 
     def keep(self, positions: tuple[int, ...]) -> None:
-        self._adapter_rows = None
+        self._adapters_stale = True
         if not positions:  # the batch is over: nothing of it (a paged batch's slot tables) outlives it
             self.tokens, self.steps, self.sampling, self.table = self.tokens[:0], self.steps[:0], None, None
             self.adapters = []

@@ -1,7 +1,8 @@
 """Tasks whose rows are one prefill each, pooled at the end: `task=embed` (one vector per row,
 `Engine.embed`), `task=classify` (a sequence classifier's logits, probabilities and label per row,
 `Engine.classify`) and `task=score` (a one-label classifier's score of a (query, document) pair per row:
-rerankers, reward models; `Engine.score_pairs`); all over `runtime/pooling.py`.
+rerankers, reward models; `Engine.scores` on pairs written by `pooling.pair_text`, as `Engine.score_pairs`
+writes them); all over `runtime/pooling.py`.
 
 The rows are planned as prompts are (checked, tokenized, bucketed by length; `data.prompt_prefix` is the
 instruction an embedding model wants before each text, e.g. Qwen3-Embedding's "Instruct: ...\\nQuery: ").
@@ -20,7 +21,7 @@ from flashx_batch.config_schema import CONSTRAINT_KEYS
 from flashx_batch.data.plan import Plan, ShardSpec, plan_prompts
 from flashx_batch.data.validate import BAD_TYPE, RowProblem, build_prompt, check_text
 from flashx_batch.errors import ConfigError
-from flashx_batch.runtime.pooling import PAIR_FORMATS, pair_text
+from flashx_batch.runtime.pooling import PAIR_FORMATS, POOLINGS, pair_text
 from flashx_batch.tasks.base import ShardResult, ShardRows, ShardSource, Task, passthrough_arrays, register
 from flashx_batch.tasks.tables import id_type
 
@@ -119,7 +120,7 @@ class Embed(Pooled):
     def validate(self, job) -> None:
         super().validate(job)
         e = job.embed
-        if e.pooling is not None and e.pooling not in ("last", "mean", "cls"):
+        if e.pooling is not None and e.pooling not in POOLINGS:
             raise ConfigError(f"embed.pooling={e.pooling!r}: one of last, mean, cls (or null: the model's own).")
         if e.dimensions is not None and e.dimensions < 1:
             raise ConfigError(f"embed.dimensions={e.dimensions}: give a positive count of components, or null.")
@@ -200,4 +201,4 @@ class Score(Pooled):
         return job.score.format != "chat"  # a chat template writes its own BOS
 
     def values(self, job, engine, encoded):
-        return {"score": pa.array([c.logits[0] for c in engine.classify(encoded)], pa.float32())}, {}
+        return {"score": pa.array(engine.scores(encoded), pa.float32())}, {}
