@@ -7,33 +7,24 @@ order. One loader serves every family.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
+from torch import nn
 
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.decoder import DecoderModel
+from flashx_batch.models.layers import Linear
 from flashx_batch.models.parallel import Cut, TensorShard, checkpoint_cut
-from flashx_batch.models.quantized import (
-    FP8_DTYPES,
-    Fp8Blocks,
-    QuantizedRead,
-    Scheme,
-    checkpoint_scheme,
-    dequantize_rows,
-    fp8_read,
-    int4_read,
-    int4_weight_name,
-    quantization_auxiliaries,
-)
-from flashx_batch.models.safetensors_file import _FLOAT_DTYPES, _TORCH_DTYPES, safetensors_header
+from flashx_batch.models.quantized import QuantizedRead, Scheme, checkpoint_scheme
+from flashx_batch.models.quantized_rows import RowLayout, concat_rows
+from flashx_batch.models.safetensors_file import _FLOAT_DTYPES, _TORCH_DTYPES, WholeTensors, safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +134,27 @@ def _our_name(hf_name: str) -> tuple[str, int | None] | None:
 
 Source = tuple[Path, str]  # (safetensors file, HF tensor name)
 _READ_CHUNK = 16 << 20  # bytes read from a file per call: the only host buffer loading adds to the weights
-_FP8_CHUNK_ELEMENTS = 4 << 20  # FP8 weights: elements dequantized per chunk (a float32 copy of 16 MB, and its scales)
 
 
-def load_weights(model: DecoderModel, model_dir: Path) -> None:
+# builds the module a quantized linear runs as from its row layout (one, or a fused projection's parts where they
+# cannot share one), its bias, the compute dtype and device: `quant.checkpoint_linear.quantized_linear`
+QuantizedLinearFactory = Callable[[RowLayout | list[RowLayout], torch.Tensor | None, torch.dtype, torch.device],
+                                  nn.Module]
+# linears whose weight the model reads itself (latent attention's absorbed `kv_b`), dequantized at load
+_READ_AS_WEIGHTS = ("attn.kv_b",)
+Scanned = tuple[dict[str, list[Source]], dict[str, QuantizedRead], dict[Path, dict]]
+
+
+class _QuantizedSlot(nn.Module):
+    """Where a quantized linear goes until its weight is read: holds only its bias (routed like any parameter)."""
+
+    def __init__(self, linear: Linear) -> None:
+        super().__init__()
+        self.bias = linear.bias
+
+
+def load_weights(model: DecoderModel, model_dir: Path, scanned: Scanned | None = None,
+                 quantized_linears: QuantizedLinearFactory | None = None) -> None:
     """Fill every parameter of `model` from the checkpoint. Everything that can be wrong with it is
     found by `route_checkpoint` from the headers first; this only reads and copies.
 
@@ -155,6 +163,10 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
     pages would count as resident) in chunks, and each chunk copied into the tensor's place in its
     parameter (its rows of a fused or stacked one), converting to the parameter's dtype and device
     on the way. No tensor is materialised whole, no parts are concatenated.
+
+    A pre-quantized checkpoint's linears that `load_model` left as `_QuantizedSlot`s are read one at a time
+    into their row layout and replaced by `quantized_linears`' module; its other quantized tensors (stacked
+    experts, `kv_b`) are dequantized into their float parameters, one linear at a time.
 
     A rank of a tensor-parallel replica (`model.shard`) reads only its slice of each tensor
     (`parallel.checkpoint_cut`): its rows, or its columns of every row, chunk by chunk."""
@@ -168,11 +180,15 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
                              "tensor parallelism over it is not supported yet (runtime.tensor_parallel_size=1).")
     # the checkpoint holds the whole model: a rank checks it against the whole model's shapes
     full_shapes = {n: tuple(p.shape) for n, p in params.items()} if shard is None else parameter_shapes(cfg)
-    routes, special, headers = _scan(model_dir, cfg, full_shapes, scheme)
+    routes, special, headers = scanned or _scan(model_dir, cfg, full_shapes, scheme)
     # file -> its tensors' pieces as (byte offset in the data section, HF name, header entry, where it lands: a
     # view of the parameter, the rank's piece of it or None for all of it)
     reads: dict[Path, list[tuple[int, str, dict, torch.Tensor, Cut | None]]] = {}
+    kept: dict[str, list[Source]] = {}
     for name, sources in routes.items():
+        if name not in params:  # a `_QuantizedSlot`'s weight
+            kept[name.rsplit(".", 1)[0]] = sources
+            continue
         param = params[name].detach()
         rows = param.view(_as_rows(tuple(param.shape)))  # fused parts and stacked experts: consecutive rows
         start = 0
@@ -188,52 +204,45 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
                 reads.setdefault(path, []).append((offset, hf_name, info, dest, cut))
                 start += count
     scratch = bytearray(_READ_CHUNK)
-    small = _SmallTensors()  # a quantized weight's scales and packed parts, one open handle per file
-    with torch.no_grad(), small:
+    with torch.no_grad(), WholeTensors(headers) as whole:
         for path in sorted(reads):
             with open(path, "rb", buffering=0) as fh:
                 data_start = 8 + int.from_bytes(fh.read(8), "little")
                 for offset, hf_name, info, dest, cut in sorted(reads[path], key=lambda r: (r[0], r[4] or ())):
                     read = special.get(hf_name)
-                    if read is not None and read.kind == "fp8":  # dequantized block-row by block-row as it is read
-                        scale = small.read(*read.parts["scale"]).float()
-                        _read_fp8(fh, path, hf_name, info, data_start + offset, dest, scratch, scale, scheme)
-                    elif read is not None:  # int4: one linear unpacked and dequantized at a time
-                        parts = {part: small.read(*source) for part, source in read.parts.items()}
-                        dest.reshape(read.shape).copy_(scheme.dequantize(parts))
+                    if read is not None:  # one quantized linear dequantized at a time
+                        dest.reshape(read.shape).copy_(_layout(scheme, read, whole).to_float())
                     else:
                         _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch, cut)
+        for path, sources in kept.items():
+            layouts = [_layout(scheme, special[hf_name], whole) for _, hf_name in sources]
+            fused = concat_rows(layouts)
+            slot = model.get_submodule(path)
+            module = quantized_linears(layouts if fused is None else fused, slot.bias, model.embed.dtype,
+                                       model.embed.device)
+            parent, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent), child, module)
 
 
-class _SmallTensors(contextlib.ExitStack):
-    """Small tensors read whole, as stored (an FP8 weight's scales, an int4 linear's packed parts: their bytes on
-    disk, no more), through one safetensors handle per file for the whole load."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._handles: dict[Path, Any] = {}
-
-    def read(self, path: Path, hf_name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        if path not in self._handles:
-            self._handles[path] = self.enter_context(safe_open(str(path), framework="pt"))
-        return self._handles[path].get_tensor(hf_name)
+def _layout(scheme: Scheme, read: QuantizedRead, whole: WholeTensors) -> RowLayout:
+    return scheme.layout(read, {part: whole.read(*source) for part, source in read.parts.items()})
 
 
-def _read_fp8(fh, path: Path, hf_name: str, info: dict, position: int, dest: torch.Tensor, scratch: bytearray,
-              scale: torch.Tensor, blocks: Fp8Blocks) -> None:
-    """Read an FP8 weight at `position` into `dest` (its rows of our parameter) in whole rows, each chunk
-    dequantized with its blocks' scales into `dest`'s dtype: a float copy never exceeds one chunk."""
-    out, width = (int(d) for d in info["shape"])
-    rows = dest.reshape(out, width)
-    per_chunk = max(1, min(len(scratch), _FP8_CHUNK_ELEMENTS) // width)
-    fh.seek(position)
-    for first in range(0, out, per_chunk):
-        n = min(per_chunk, out - first)
-        _fill(fh, memoryview(scratch)[: n * width], path, hf_name)
-        q = torch.frombuffer(scratch, dtype=FP8_DTYPES[info["dtype"]], count=n * width).view(n, width)
-        rows[first : first + n].copy_(dequantize_rows(q, scale, first, blocks))
+def keep_quantized(model: DecoderModel, scanned: Scanned) -> int:
+    """Replace each of the meta-built `model`'s linears whose weight the checkpoint holds quantized (every part of
+    it) by a `_QuantizedSlot`, so that `to_empty` allocates no float weight for it. Returns how many."""
+    routes, special, _ = scanned
+    count = 0
+    for name, sources in routes.items():
+        path, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not all(h in special for _, h in sources) or path.endswith(_READ_AS_WEIGHTS):
+            continue
+        parent, _, child = path.rpartition(".")
+        module = model.get_submodule(path) if parent else None
+        if isinstance(module, Linear) and module.lora is None:
+            setattr(model.get_submodule(parent), child, _QuantizedSlot(module))
+            count += 1
+    return count
 
 
 def _fill(fh, view: memoryview, path: Path, hf_name: str) -> None:
@@ -304,24 +313,23 @@ def _scan(model_dir: Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
     unexpected: list[str] = []
     headers = {path: safetensors_header(path) for path in weight_files(model_dir)}
     located = {hf_name: path for path, header in headers.items() for hf_name in header}
-    auxiliary = quantization_auxiliaries(located, scheme)  # scales, zero points: read with their weights
+    auxiliary = scheme.auxiliaries(located) if scheme else set()  # scales, zero points: read with their weights
     special: dict[str, QuantizedRead] = {}
     for path, header in headers.items():
         for hf_name, info in header.items():
             if hf_name in auxiliary:
                 continue
-            weight_name = int4_weight_name(hf_name, scheme)
+            weight_name = scheme.weight_name(hf_name) if scheme else None  # GPTQ's qweight: routed as the weight
             mapped = _our_name(weight_name or hf_name)
             if mapped is None or mapped[0] not in shapes:
                 if not IGNORED.match(hf_name):
                     unexpected.append(hf_name)
                 continue
             shape = tuple(int(d) for d in info["shape"])
-            if weight_name is not None:  # GPTQ / AWQ: routed as the float weight it packs
-                special[hf_name] = int4_read(path, hf_name, info, located, headers, scheme)
-                shape = special[hf_name].shape
-            elif scheme is not None and info.get("dtype") in FP8_DTYPES:
-                special[hf_name] = fp8_read(path, hf_name, shape, located, headers, scheme)
+            read = scheme.read(path, hf_name, info, located, headers) if scheme else None
+            if read is not None:  # routed as the float weight it stands for
+                special[hf_name] = read
+                shape = read.shape
             elif info.get("dtype") not in _FLOAT_DTYPES:
                 raise ModelLoadError(f"{path.name}:{hf_name}: dtype {info.get('dtype')} is not a float format this "
                                      f"runtime loads ({', '.join(sorted(_FLOAT_DTYPES))})"
@@ -376,14 +384,24 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, config: ModelConfig | None = None, shard: TensorShard | None = None
-               ) -> DecoderModel:
+               max_positions: int, config: ModelConfig | None = None, shard: TensorShard | None = None,
+               quantized_linears: QuantizedLinearFactory | None = None) -> DecoderModel:
     """Build the decoder for `model_dir` on `device`, weights fused, contiguous and resident (`config`:
     the directory's, as the engine runs it; default: read from config.json). With `shard`, the part of
-    the model one rank of a tensor-parallel replica holds (`models.parallel`)."""
+    the model one rank of a tensor-parallel replica holds (`models.parallel`).
+
+    A pre-quantized checkpoint's linears stay quantized where `quantized_linears` is given (the module
+    each becomes: `quant.checkpoint_linear.quantized_linear`), so host memory stays near the checkpoint's
+    own bytes; without it every weight is dequantized into the float model at load."""
     cfg = config or ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = DecoderModel(cfg, dtype, torch.device("meta"), shard)
+    scanned = None
+    scheme = checkpoint_scheme(model_dir) if quantized_linears is not None and shard is None else None
+    if scheme is not None:
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+        scanned = _scan(model_dir, cfg, shapes, scheme)
+        keep_quantized(model, scanned)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed  # to_empty breaks the tie; restore it
@@ -391,7 +409,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, scanned, quantized_linears)
     model.build_rotary(max_positions)
     model.eval()
     return model

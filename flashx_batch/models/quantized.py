@@ -1,13 +1,15 @@
 """Pre-quantized checkpoints: which `quantization_config` schemes the loader reads, and how.
 
-Read now, each dequantized into the model's compute dtype while loading (kept in memory quantized,
-with per-matmul scales, is not built yet: the weights are resident in the compute dtype):
+Each scheme says which checkpoint tensors belong to a quantized linear (`auxiliaries`, `weight_name`),
+checks them from the headers (`read`: shapes and dtypes against each other, naming the tensor) and
+turns one linear's tensors into a row layout (`layout`, `models.quantized_rows`). The loader keeps the
+layout as it is (a module that dequantizes per matmul, or our int8 kernel) or dequantizes it at load
+where the model has no module for it (stacked experts, latent attention's `kv_b`).
 
 - FP8 block-wise, as DeepSeek-V3 / R1, Qwen3 and GLM-4.5 FP8 releases ship it (`quant_method: fp8`,
   `fmt: e4m3`, `weight_block_size: [rows, cols]`): a linear's `weight` is float8_e4m3fn and its
   `weight_scale_inv` [ceil(out / rows), ceil(in / cols)] float32 holds one scale per block; the float
-  weight is each block times its scale. Dequantized block-row by block-row as it is read
-  (`dequantize_rows`): a float copy of a whole tensor never exists.
+  weight is each block times its scale.
 - GPTQ int4 (`quant_method: gptq`, AutoGPTQ / GPTQModel layout): `qweight` int32 [in / 8, out], eight
   4-bit values of consecutive input channels per int32, lowest nibble first; `qzeros` int32
   [groups, out / 8], eight output channels' zero points per int32 (`checkpoint_format: gptq` stores each
@@ -18,11 +20,11 @@ with per-matmul scales, is not built yet: the weights are resident in the comput
 - AWQ int4 (`quant_method: awq`, `version: gemm`, AutoAWQ layout): `qweight` int32 [in, out / 8] and
   `qzeros` int32 [groups, out / 8], each int32 eight output channels in the order 0 2 4 6 1 3 5 7 from
   the lowest nibble up; `scales` float16 [groups, out]; weight = (q - zero) * scale, transposed.
-  Both int4 formats are dequantized one linear at a time (`dequantize_gptq`, `dequantize_awq`).
+- compressed-tensors (`quant_method: compressed-tensors`): `models.compressed_tensors`.
 
-Refused, naming the scheme and this list: every other `quant_method` (compressed-tensors, bitsandbytes,
-NVFP4, ...), FP8 without block scales or other than e4m3, int4 schemes of other bit widths, AWQ's GEMV
-layout or without zero points, a quantized LM head.
+Refused, naming the scheme and this list: every other `quant_method` (bitsandbytes, NVFP4, ...), FP8
+without block scales or other than e4m3, int4 schemes of other bit widths, AWQ's GEMV layout or without
+zero points, a quantized LM head.
 """
 
 from __future__ import annotations
@@ -30,16 +32,51 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from flashx_batch.errors import ModelLoadError
+from flashx_batch.models.quantized_rows import RowLayout, awq_rows, fp8_block_rows, gptq_rows
 
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}  # safetensors dtype name -> torch dtype
 SCALE_SUFFIX = "_scale_inv"  # `<name>.weight_scale_inv` scales `<name>.weight`
 SUPPORTED = ("fp8 block-wise (quant_method: fp8, fmt: e4m3, weight_block_size: [rows, cols]), gptq and awq "
-             "(gemm) int4")
+             "(gemm) int4, compressed-tensors int8 (W8A8, W8A16), int4 (pack-quantized W4A16) and fp8 weights")
 INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # an int4 linear's tensors, `<name>.<part>`
+
+
+Source = tuple[Path, str]  # (safetensors file, tensor name)
+Headers = dict[Path, dict]  # file -> its safetensors header (tensor name -> dtype, shape, data_offsets)
+
+
+@dataclass(frozen=True)
+class QuantizedRead:
+    """One quantized linear as the loader reads it: the float weight's [out, in] `shape` and the checkpoint
+    tensors it is made of (`parts`: role -> where), for its scheme's `layout`."""
+
+    shape: tuple[int, int]
+    parts: dict[str, Source]
+    detail: object = None  # what the scheme needs beyond the tensors (compressed-tensors: the module's arguments)
+
+
+class Scheme(Protocol):
+    def describe(self) -> str: ...
+
+    def record(self) -> dict: ...
+
+    def auxiliaries(self, located: dict[str, Path]) -> set[str]: ...
+
+    def weight_name(self, hf_name: str) -> str | None: ...
+
+    def read(self, path: Path, hf_name: str, info: dict, located: dict[str, Path],
+             headers: Headers) -> QuantizedRead | None: ...
+
+    def layout(self, read: QuantizedRead, tensors: dict[str, torch.Tensor]) -> RowLayout: ...
+
+
+def _shape(info: dict) -> tuple[int, ...]:
+    return tuple(int(d) for d in info["shape"])
 
 
 @dataclass(frozen=True)
@@ -56,6 +93,35 @@ class Fp8Blocks:
     def describe(self) -> str:
         return f"fp8 e4m3, blocks {self.rows}x{self.cols}"
 
+    def record(self) -> dict:
+        return {"format": "fp8", "scheme": "block-wise e4m3", "block": [self.rows, self.cols]}
+
+    def auxiliaries(self, located: dict[str, Path]) -> set[str]:
+        return {name for name in located if name.endswith(SCALE_SUFFIX)}
+
+    def weight_name(self, hf_name: str) -> str | None:
+        return None
+
+    def read(self, path: Path, hf_name: str, info: dict, located: dict[str, Path],
+             headers: Headers) -> QuantizedRead | None:
+        """An FP8 weight's read, its scale checked: there, float, one per block (None: a float tensor)."""
+        if info.get("dtype") not in FP8_DTYPES:
+            return None
+        shape, name = _shape(info), scale_of(hf_name)
+        if len(shape) != 2 or name not in located:
+            raise ModelLoadError(f"{path.name}:{hf_name}: an FP8 weight {list(shape)} without its {name} (the "
+                                 f"checkpoint declares {self.describe()}); is a shard file missing?")
+        got = headers[located[name]][name]
+        want = self.scale_shape(shape)
+        if _shape(got) != want or got.get("dtype") not in ("F32", "BF16", "F16"):
+            raise ModelLoadError(f"{located[name].name}:{name}: shape {got['shape']} {got.get('dtype')}, but "
+                                 f"{hf_name} {list(shape)} in {self.rows}x{self.cols} blocks needs float scales "
+                                 f"{list(want)}.")
+        return QuantizedRead((shape[0], shape[1]), {"weight": (path, hf_name), "scale": (located[name], name)})
+
+    def layout(self, read: QuantizedRead, tensors: dict[str, torch.Tensor]) -> RowLayout:
+        return fp8_block_rows(tensors["weight"], tensors["scale"], self.rows, self.cols)
+
 
 @dataclass(frozen=True)
 class Int4Groups:
@@ -68,6 +134,10 @@ class Int4Groups:
     def describe(self) -> str:
         return f"{self.method} int4, group size {self.group_size}"
 
+    def record(self) -> dict:
+        scheme = ("v1" if self.zeros_minus_one else "v2") if self.method == "gptq" else "gemm"
+        return {"format": self.method, "scheme": f"int4 {scheme}", "group_size": self.group_size}
+
     def weight_shape(self, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
         """[out, in] of the float weight a `qweight` of this shape packs."""
         rows, cols = qweight_shape
@@ -76,48 +146,58 @@ class Int4Groups:
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else -(-in_features // self.group_size)
 
-    def dequantize(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    def auxiliaries(self, located: dict[str, Path]) -> set[str]:
+        return {name for name in located for part in INT4_PARTS[1:]
+                if name.endswith("." + part) and name[: -len(part)] + "qweight" in located}
+
+    def weight_name(self, hf_name: str) -> str | None:
+        """`<linear>.weight` for an int4 linear's `<linear>.qweight`."""
+        return hf_name[: -len("qweight")] + "weight" if hf_name.endswith(".qweight") else None
+
+    def read(self, path: Path, hf_name: str, info: dict, located: dict[str, Path],
+             headers: Headers) -> QuantizedRead | None:
+        """An int4 linear's read, its parts checked against each other (shapes, dtypes)."""
+        if self.weight_name(hf_name) is None:
+            return None
+        base, qshape = hf_name[: -len("qweight")], _shape(info)
+        if info.get("dtype") != "I32" or len(qshape) != 2:
+            raise ModelLoadError(f"{path.name}:{hf_name}: {info.get('dtype')} {list(qshape)}; {self.method} packs "
+                                 "int4 into a 2-D int32 qweight.")
+        out, inp = self.weight_shape(qshape)
+        groups = self.groups(inp)
+        want = {"qzeros": ("I32", (groups, -(-out // 8))), "scales": (None, (groups, out))}
+        if self.method == "gptq" and base + "g_idx" in located:
+            want["g_idx"] = ("I32", (inp,))
+        what = f"{list(qshape)} ({self.describe()}: a [{out}, {inp}] weight)"
+        parts = {"qweight": (path, hf_name)} | check_parts(path, hf_name, base, want, located, headers, what)
+        return QuantizedRead((out, inp), parts)
+
+    def layout(self, read: QuantizedRead, tensors: dict[str, torch.Tensor]) -> RowLayout:
         if self.method == "gptq":
-            return dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
-                                   self.group_size, self.zeros_minus_one)
-        return dequantize_awq(parts["qweight"], parts["qzeros"], parts["scales"], self.group_size)
+            return gptq_rows(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"),
+                             self.group_size, self.zeros_minus_one)
+        return awq_rows(tensors["qweight"], tensors["qzeros"], tensors["scales"], self.group_size)
 
 
-Scheme = Fp8Blocks | Int4Groups
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of an int32 holds output channel AWQ_ORDER[i] of its 8
-_AWQ_UNPACK = tuple(AWQ_ORDER.index(c) for c in range(8))
+FLOAT_SCALES = ("F32", "BF16", "F16")
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., n] -> its eight 4-bit values [..., n, 8], lowest nibble first."""
-    return (packed[..., None] >> _SHIFTS) & 0xF
-
-
-def _group_of(in_features: int, group_size: int, g_idx: torch.Tensor | None) -> torch.Tensor:
-    if g_idx is not None:
-        return g_idx.long()
-    return torch.zeros(in_features, dtype=torch.long) if group_size == -1 else torch.arange(in_features) // group_size
-
-
-def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                    group_size: int, zeros_minus_one: bool) -> torch.Tensor:
-    """A GPTQ int4 linear -> its float32 weight [out, in]."""
-    out = qweight.shape[1]
-    q = _nibbles(qweight).permute(0, 2, 1).reshape(-1, out)  # [in, out]: row 8i + s is nibble s of row i
-    if zeros_minus_one:  # v1 stores each word minus 0x11111111 (borrows across nibbles): add it back as a word
-        qzeros = ((qzeros.to(torch.int64) + 0x11111111) & 0xFFFFFFFF).to(torch.int32)  # wraps like the int32 sum
-    zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :out]  # [groups, out]
-    group = _group_of(q.shape[0], group_size, g_idx)
-    return ((q - zeros[group]).float() * scales.float()[group]).t().contiguous()
-
-
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """An AWQ (GEMM layout) int4 linear -> its float32 weight [out, in]."""
-    q = _nibbles(qweight)[..., list(_AWQ_UNPACK)].reshape(qweight.shape[0], -1)  # [in, out]
-    zeros = _nibbles(qzeros)[..., list(_AWQ_UNPACK)].reshape(qzeros.shape[0], -1)  # [groups, out]
-    group = _group_of(q.shape[0], group_size, None)
-    return ((q - zeros[group]).float() * scales.float()[group]).t().contiguous()
+def check_parts(path: Path, hf_name: str, base: str, want: dict[str, tuple[str | None, tuple[int, ...]]],
+                located: dict[str, Path], headers: Headers, what: str) -> dict[str, Source]:
+    """Where each of a linear's other tensors (`base` + part) is, each checked for its dtype (None: a float
+    one) and shape; ModelLoadError naming the first missing or mismatched one."""
+    parts: dict[str, Source] = {}
+    for part, (dtype, shape) in want.items():
+        name = base + part
+        if name not in located:
+            raise ModelLoadError(f"{path.name}:{hf_name}: its {name} is missing; is a shard file missing?")
+        got = headers[located[name]][name]
+        wrong_dtype = got.get("dtype") != dtype if dtype is not None else got.get("dtype") not in FLOAT_SCALES
+        if _shape(got) != shape or wrong_dtype:
+            raise ModelLoadError(f"{located[name].name}:{name}: {got.get('dtype')} {got['shape']}, but {hf_name} "
+                                 f"{what} needs {dtype or 'float'} {list(shape)}.")
+        parts[part] = (located[name], name)
+    return parts
 
 
 def checkpoint_scheme(model_dir: Path) -> Scheme | None:
@@ -133,6 +213,10 @@ def checkpoint_scheme(model_dir: Path) -> Scheme | None:
     method = str(quant.get("quant_method", "?"))
     if method in ("gptq", "awq"):
         return _int4_scheme(quant, method, where)
+    if method == "compressed-tensors":
+        from flashx_batch.models.compressed_tensors import compressed_tensors_scheme
+
+        return compressed_tensors_scheme(quant, where, SUPPORTED)
     if method != "fp8":
         raise ModelLoadError(f"{where}: a pre-quantized checkpoint (quant_method={method}) this runtime does not "
                              f"read; supported: {SUPPORTED}. Use the float checkpoint (with runtime.precision_map for "
@@ -149,14 +233,6 @@ def checkpoint_scheme(model_dir: Path) -> Scheme | None:
 def scale_of(hf_name: str) -> str:
     """The name of the scale tensor of quantized weight `hf_name`."""
     return hf_name + SCALE_SUFFIX
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, first_row: int, blocks: Fp8Blocks) -> torch.Tensor:
-    """Rows first_row.. of a quantized weight (`q` [r, in] float8) as float32: each element times its block's
-    scale (`scale`: the whole [ceil(out / rows), ceil(in / cols)] table)."""
-    rows = torch.arange(first_row, first_row + q.shape[0]) // blocks.rows
-    cols = torch.arange(q.shape[1]) // blocks.cols
-    return q.float().mul_(scale[rows][:, cols])
 
 
 def _int4_scheme(quant: dict, method: str, where: str) -> Int4Groups:
@@ -180,79 +256,3 @@ def _int4_scheme(quant: dict, method: str, where: str) -> Int4Groups:
     if problems:
         raise ModelLoadError(f"{where}: {method} with {', '.join(problems)} is not read; supported: {SUPPORTED}.")
     return Int4Groups(method, int(group), zeros_minus_one=method == "gptq" and fmt == "gptq")
-
-
-Source = tuple[Path, str]  # (safetensors file, tensor name)
-
-
-@dataclass(frozen=True)
-class QuantizedRead:
-    """How the loader reads one quantized weight: `kind` fp8 (its `scale`) or int4 (its packed parts), the
-    float weight's [out, in] `shape`."""
-
-    kind: str
-    shape: tuple[int, int]
-    parts: dict[str, Source]
-
-
-def quantization_auxiliaries(located: dict[str, Path], scheme: Scheme | None) -> set[str]:
-    """The checkpoint's tensors read with a quantized weight rather than routed on their own: FP8 scales,
-    int4 zero points, scales and group indices."""
-    if isinstance(scheme, Fp8Blocks):
-        return {name for name in located if name.endswith(SCALE_SUFFIX)}
-    if isinstance(scheme, Int4Groups):
-        return {name for name in located for part in INT4_PARTS[1:]
-                if name.endswith("." + part) and name[: -len(part)] + "qweight" in located}
-    return set()
-
-
-def int4_weight_name(hf_name: str, scheme: Scheme | None) -> str | None:
-    """`<linear>.weight` for an int4 linear's `<linear>.qweight` (None for any other tensor)."""
-    if isinstance(scheme, Int4Groups) and hf_name.endswith(".qweight"):
-        return hf_name[: -len("qweight")] + "weight"
-    return None
-
-
-def fp8_read(path: Path, hf_name: str, shape: tuple[int, ...], located: dict[str, Path], headers: dict[Path, dict],
-             scheme: Fp8Blocks) -> QuantizedRead:
-    """An FP8 weight's read, its scale checked: there, float32, one per block."""
-    name = scale_of(hf_name)
-    if len(shape) != 2 or name not in located:
-        raise ModelLoadError(f"{path.name}:{hf_name}: an FP8 weight {list(shape)} without its {name} (the "
-                             f"checkpoint declares {scheme.describe()}); is a shard file missing?")
-    info = headers[located[name]][name]
-    want = scheme.scale_shape(shape)
-    if tuple(int(d) for d in info["shape"]) != want or info.get("dtype") not in ("F32", "BF16", "F16"):
-        raise ModelLoadError(f"{located[name].name}:{name}: shape {info['shape']} {info.get('dtype')}, but "
-                             f"{hf_name} {list(shape)} in {scheme.rows}x{scheme.cols} blocks needs float scales "
-                             f"{list(want)}.")
-    return QuantizedRead("fp8", (int(shape[0]), int(shape[1])), {"scale": (located[name], name)})
-
-
-def int4_read(path: Path, hf_name: str, info: dict, located: dict[str, Path], headers: dict[Path, dict],
-              scheme: Int4Groups) -> QuantizedRead:
-    """An int4 linear's read, its parts checked against each other (shapes, dtypes)."""
-    base = hf_name[: -len("qweight")]
-    qshape = tuple(int(d) for d in info["shape"])
-    if info.get("dtype") != "I32" or len(qshape) != 2:
-        raise ModelLoadError(f"{path.name}:{hf_name}: {info.get('dtype')} {list(qshape)}; {scheme.method} packs int4 "
-                             "into a 2-D int32 qweight.")
-    out, inp = scheme.weight_shape(qshape)
-    groups = scheme.groups(inp)
-    want = {"qzeros": ("I32", (groups, -(-out // 8))), "scales": (None, (groups, out))}
-    if scheme.method == "gptq" and base + "g_idx" in located:
-        want["g_idx"] = ("I32", (inp,))
-    parts: dict[str, Source] = {"qweight": (path, hf_name)}
-    for part, (dtype, shape) in want.items():
-        name = base + part
-        if name not in located:
-            raise ModelLoadError(f"{path.name}:{hf_name}: its {name} is missing ({scheme.describe()}); is a shard "
-                                 "file missing?")
-        got = headers[located[name]][name]
-        wrong_dtype = got.get("dtype") != dtype if dtype is not None else got.get("dtype") not in ("F32", "BF16", "F16")
-        if tuple(int(d) for d in got["shape"]) != shape or wrong_dtype:
-            raise ModelLoadError(f"{located[name].name}:{name}: {got.get('dtype')} {got['shape']}, but {hf_name} "
-                                 f"{list(qshape)} ({scheme.describe()}: a [{out}, {inp}] weight) needs "
-                                 f"{dtype or 'float'} {list(shape)}.")
-        parts[part] = (located[name], name)
-    return QuantizedRead("int4", (out, inp), parts)

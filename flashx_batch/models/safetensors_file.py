@@ -1,10 +1,11 @@
 """Reading a safetensors file's header without its tensors, with errors that name the file and say what
 is wrong (a cut-short copy, a corrupt header, byte counts that do not match the shapes): shared by the
-checkpoint loader and the LoRA adapter reader."""
+checkpoint loader and the LoRA adapter reader; and reading one tensor whole with plain reads (`WholeTensors`)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -14,8 +15,10 @@ from flashx_batch.errors import ModelLoadError
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}  # safetensors dtype names we convert exactly
 # safetensors dtype name -> torch dtype, for the formats in _FLOAT_DTYPES
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-# every dtype whose byte counts the header check verifies (the float formats, and FP8 weights)
-_SIZED_DTYPES = {**_TORCH_DTYPES, "F8_E4M3": torch.float8_e4m3fn}
+# every dtype whose byte counts the header check verifies (the float formats, FP8 weights, a quantized
+# checkpoint's integer tensors)
+_SIZED_DTYPES = {**_TORCH_DTYPES, "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.uint8,
+                 "I32": torch.int32, "I64": torch.int64}
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:
@@ -52,3 +55,38 @@ def safetensors_header(path: Path) -> dict[str, dict]:
         raise ModelLoadError(f"{path}: truncated: its header describes {8 + n + end} bytes, the file holds {size}; "
                              "copy the checkpoint again (an interrupted download or copy).")
     return tensors
+
+
+class WholeTensors:
+    """Reads a quantized linear's tensors whole, as stored (their bytes on disk, no more), with plain reads at
+    their offsets: no memory map, whose pages would count as resident for the whole load."""
+
+    def __init__(self, headers: dict[Path, dict]) -> None:
+        self.headers = headers
+        self._files: dict[Path, tuple[int, int]] = {}  # path -> (descriptor, start of its data section)
+
+    def __enter__(self) -> WholeTensors:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd, _ in self._files.values():
+            os.close(fd)
+
+    def read(self, path: Path, hf_name: str) -> torch.Tensor:
+        if path not in self._files:
+            fd = os.open(path, os.O_RDONLY)
+            self._files[path] = (fd, 8 + int.from_bytes(os.pread(fd, 8, 0), "little"))
+        fd, data_start = self._files[path]
+        info = self.headers[path][hf_name]
+        first, stop = (int(x) for x in info["data_offsets"])
+        buffer = bytearray(stop - first)
+        got = 0
+        while got < len(buffer):
+            more = os.preadv(fd, [memoryview(buffer)[got:]], data_start + first + got)
+            if not more:
+                raise ModelLoadError(f"{path.name}:{hf_name}: the file ended inside this tensor; was it changed "
+                                     "while loading? Copy the checkpoint again.")
+            got += more
+        dtype = _SIZED_DTYPES[info["dtype"]]  # the header check verified its byte count
+        shape = [int(d) for d in info["shape"]]
+        return torch.frombuffer(buffer, dtype=dtype).view(shape) if buffer else torch.empty(shape, dtype=dtype)

@@ -161,21 +161,31 @@ class QuantLinear(nn.Module):
             module.bias = bias.detach().to(dtype).clone()
         return module
 
+    @classmethod
+    def from_int8(cls, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                  activations: bool = True) -> QuantLinear:
+        """A module over int8 values `q` [N, K] and per-row `scales` [N] as they are (a pre-quantized checkpoint's:
+        no float copy, no second rounding). `activations`: the weights were calibrated with int8 activations
+        per token (W8A8), which the kernel chosen here applies where it has one (`int8_dynamic`); otherwise
+        (weight-only int8, W8A16) a kernel that keeps activations in `dtype`."""
+        out_features, in_features = q.shape
+        kernel = choose_kernel("int8", q.device, dtype, out_features, in_features, None)
+        if kernel == "int8_dynamic" and not activations:
+            kernel = "dequant"  # int8 values, activations in `dtype`: `forward`'s scale-the-output route
+        module = cls("int8", kernel, out_features, in_features, None, dtype)
+        with torch.no_grad():
+            module._store_int8(q.contiguous(), scales.float(), dtype)
+        if bias is not None:
+            module.bias = bias.detach().to(dtype).clone()
+        return module
+
     def _store(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         if self.kernel == "simulated":
             self.register_buffer("weight", _simulate(weight, self.fmt, self.group_size, dtype))
         elif self.fmt in fm.FLOAT_FORMATS:
             self.register_buffer("weight", weight.to(fm.FLOAT_FORMATS[self.fmt]).contiguous().clone())
         elif self.fmt == "int8":
-            q, scales = fm.quantize_int8(weight)
-            if self.kernel == "int8_dynamic" and fm.onednn_int8_available():
-                self._packed = fm.PackedInt8(q, scales)
-            small = self.out_features * self.in_features < INT_MM_MAX_WEIGHTS
-            if self.kernel == "int8_dynamic" and (self._packed is None or (small and fm.int_mm_matches_packed())):
-                self.register_buffer("qweight_t", q.t().contiguous())  # `_int_mm` reads the weight as [K, N]
-            elif self.kernel != "int8_dynamic":
-                self.register_buffer("qweight", q)
-            self.register_buffer("scales", scales.to(dtype))
+            self._store_int8(*fm.quantize_int8(weight), dtype)
         else:
             q, scales, zeros = fm.quantize_int4(weight, self.group_size)
             packed = fm.pack_int4(q)
@@ -187,6 +197,17 @@ class QuantLinear(nn.Module):
                 self._int4 = fm.int4_kernel_operands(self.kernel, packed, scales, zeros, self.group_size, dtype)
                 self.register_buffer("kweight", self._int4.weight)
                 self.register_buffer("scale_and_zero", self._int4.scale_and_zero)
+
+    def _store_int8(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        """Hold int8 values `q` [N, K] with per-row `scales` [N] in the layout this module's kernel reads."""
+        if self.kernel == "int8_dynamic" and fm.onednn_int8_available():
+            self._packed = fm.PackedInt8(q, scales)
+        small = self.out_features * self.in_features < INT_MM_MAX_WEIGHTS
+        if self.kernel == "int8_dynamic" and (self._packed is None or (small and fm.int_mm_matches_packed())):
+            self.register_buffer("qweight_t", q.t().contiguous())  # `_int_mm` reads the weight as [K, N]
+        elif self.kernel != "int8_dynamic":
+            self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales.to(dtype))
 
     def _apply(self, fn, recurse=True):  # keep the int4 operand view in step with moved buffers
         out = super()._apply(fn, recurse)

@@ -27,6 +27,7 @@ from flashx_batch.models.loader import load_model
 from flashx_batch.models.lora import LoraSet
 from flashx_batch.models.parallel import TensorShard, rank_config
 from flashx_batch.models.peft_adapter import read_adapter
+from flashx_batch.quant.checkpoint_linear import quantized_linear
 from flashx_batch.runtime import kv_sizing
 from flashx_batch.runtime.capabilities import Capabilities, capabilities
 from flashx_batch.runtime.checkpoint_pooling import UnsupportedPooling, checkpoint_pooling
@@ -171,7 +172,8 @@ class Engine(ScoringApi):
     def _torch_runner(self, merge: MergeSettings) -> TorchRunner:
         o, cfg = self.run_options, self.config
         shard = TensorShard(self.replica.rank, self.replica.size, self.replica.comm) if self.replica else None
-        model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg, shard)
+        model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg, shard,
+                           quantized_linears=quantized_linear)
         if self.lora_adapters:
             model.lora = LoraSet(model, [read_adapter(n, p, cfg) for n, p in self.lora_adapters.items()])
             self.adapter_digests = {a.name: a.digest for a in model.lora.adapters}

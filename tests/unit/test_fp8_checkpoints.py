@@ -14,6 +14,7 @@ from parity_support import cpu_engine, hf_greedy, prompts
 
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.loader import check_checkpoint
+from flashx_batch.quant.checkpoint_linear import DequantizingLinear
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
@@ -71,6 +72,9 @@ def test_fp8_blocks_generate_transformers_tokens_on_the_dequantized_weights(tmp_
     assert quantized >= 8
     check_checkpoint(tmp_path)
     engine = cpu_engine(tmp_path)
+    kept = [m for m in engine.runner.model.modules() if isinstance(m, DequantizingLinear)]
+    # kept as FP8 (dense linears; latent attention's q_a / q_b / kv_a / o): experts and kv_b are dequantized
+    assert len(kept) >= 4 and all(m.q.dtype == torch.float8_e4m3fn for m in kept)
     batch = prompts(3, (5, 17, 9, 30))
     got = [o.token_ids for o in engine.generate(batch, _greedy(12))]
     assert got == [hf_greedy(hf, p, 12) for p in batch]
@@ -102,7 +106,16 @@ def test_a_bad_fp8_checkpoint_is_refused_naming_the_tensor(tmp_path):
 @pytest.mark.parametrize("quantization, message", [
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, r"gptq with bits=8 \(int4 only\)"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version=gemv"),
-    ({"quant_method": "compressed-tensors"}, r"quant_method=compressed-tensors\) this runtime does not read"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method=bitsandbytes\) this runtime does not read"),
+    ({"quant_method": "compressed-tensors"}, "not a valid compressed-tensors config: config_groups: Field required"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                           "group_size": 16}}}},
+     r"config group group_0 \(nvfp4-pack-quantized\): float4 weights is not read"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}}}},
+     r"int8 activations \(tensor, static, symmetric\) with int8 weights"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt=e5m2"),
     ({"quant_method": "fp8"}, "weight_block_size=None"),
 ])

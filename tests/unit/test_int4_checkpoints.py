@@ -15,6 +15,7 @@ from parity_support import cpu_engine, hf_greedy, prompts
 
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.loader import check_checkpoint
+from flashx_batch.quant.checkpoint_linear import DequantizingLinear
 from flashx_batch.runtime.params import SamplingParams
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -125,6 +126,10 @@ def test_int4_checkpoints_generate_transformers_tokens_on_the_dequantized_weight
     hf = int4_checkpoint(arch, tmp_path / "model", method, group, sym, desc_act, v2)
     check_checkpoint(tmp_path / "model")
     engine = cpu_engine(tmp_path / "model")
+    for layer in engine.runner.model.layers:  # every linear kept packed (act-order parts of different orders: split)
+        for linear in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
+            parts = list(linear.parts) if desc_act and linear in (layer.attn.qkv, layer.mlp.gate_up) else [linear]
+            assert all(isinstance(p, DequantizingLinear) and p.packed.dtype == torch.uint8 for p in parts)
     batch = prompts(4, (6, 19, 11))
     got = [o.token_ids for o in engine.generate(batch, SamplingParams(max_new_tokens=12, ignore_eos=True))]
     assert got == [hf_greedy(hf, p, 12) for p in batch]
@@ -148,12 +153,12 @@ def test_an_int4_part_of_the_wrong_shape_is_refused_naming_it(tmp_path):
 def test_gptq_v1_zero_points_of_zero_and_fifteen_come_back():
     """v1 zero points are stored as the word minus 0x11111111: a 0 borrows from its neighbour, which must come
     back exactly (a per-nibble + 1 would read 16 and one less for the neighbour)."""
-    from flashx_batch.models.quantized import dequantize_gptq
+    from flashx_batch.models.quantized_rows import gptq_rows
 
     zeros = torch.tensor([[0, 5, 8, 15, 0, 0, 1, 15], [15, 0, 7, 0, 3, 0, 15, 9]])
     q = torch.randint(0, 16, (8, 8), generator=torch.Generator().manual_seed(0))
     scales = torch.rand(2, 8).half() + 0.1
     g_idx = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.int32)
-    got = dequantize_gptq(_pack_rows_gptq(q), _gptq_v1_zeros(zeros), scales, g_idx, 4, zeros_minus_one=True)
+    got = gptq_rows(_pack_rows_gptq(q), _gptq_v1_zeros(zeros), scales, g_idx, 4, zeros_minus_one=True).to_float()
     want = ((q - zeros[g_idx.long()]).float() * scales.float()[g_idx.long()]).t()
     assert torch.equal(got, want)
