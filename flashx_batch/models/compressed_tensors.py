@@ -34,10 +34,13 @@ import torch
 
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.quantized_rows import (
+    FP8_DTYPES,
     Fp8Rows,
     Int4Rows,
     Int8Rows,
+    QuantizedRead,
     RowLayout,
+    check_parts,
     fp8_block_rows,
     groups_of,
     pack_pairs,
@@ -101,8 +104,6 @@ class CompressedTensors:
         return hf_name[: -len("_packed")] if hf_name.endswith(".weight_packed") else None
 
     def read(self, path: Path, hf_name: str, info: dict, located: dict[str, Path], headers: dict[Path, dict]):
-        from flashx_batch.models.quantized import FP8_DTYPES, QuantizedRead, check_parts
-
         dtype = info.get("dtype")
         packed = hf_name.endswith(".weight_packed")
         if not packed and not (hf_name.endswith(".weight") and (dtype == "I8" or dtype in FP8_DTYPES)):

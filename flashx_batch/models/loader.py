@@ -22,8 +22,8 @@ from flashx_batch.models.config import ModelConfig
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.layers import Linear
 from flashx_batch.models.parallel import Cut, TensorShard, checkpoint_cut
-from flashx_batch.models.quantized import QuantizedRead, Scheme, checkpoint_scheme
-from flashx_batch.models.quantized_rows import RowLayout, concat_rows
+from flashx_batch.models.quantized import Scheme, checkpoint_scheme
+from flashx_batch.models.quantized_rows import QuantizedRead, RowLayout, concat_rows
 from flashx_batch.models.safetensors_file import _FLOAT_DTYPES, _TORCH_DTYPES, WholeTensors, safetensors_header
 
 log = logging.getLogger(__name__)

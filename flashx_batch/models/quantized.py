@@ -37,27 +37,22 @@ from typing import Protocol
 import torch
 
 from flashx_batch.errors import ModelLoadError
-from flashx_batch.models.quantized_rows import RowLayout, awq_rows, fp8_block_rows, gptq_rows
+from flashx_batch.models.quantized_rows import (
+    FP8_DTYPES,
+    Headers,
+    QuantizedRead,
+    RowLayout,
+    awq_rows,
+    check_parts,
+    fp8_block_rows,
+    gptq_rows,
+    header_shape,
+)
 
-FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}  # safetensors dtype name -> torch dtype
 SCALE_SUFFIX = "_scale_inv"  # `<name>.weight_scale_inv` scales `<name>.weight`
 SUPPORTED = ("fp8 block-wise (quant_method: fp8, fmt: e4m3, weight_block_size: [rows, cols]), gptq and awq "
              "(gemm) int4, compressed-tensors int8 (W8A8, W8A16), int4 (pack-quantized W4A16) and fp8 weights")
 INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # an int4 linear's tensors, `<name>.<part>`
-
-
-Source = tuple[Path, str]  # (safetensors file, tensor name)
-Headers = dict[Path, dict]  # file -> its safetensors header (tensor name -> dtype, shape, data_offsets)
-
-
-@dataclass(frozen=True)
-class QuantizedRead:
-    """One quantized linear as the loader reads it: the float weight's [out, in] `shape` and the checkpoint
-    tensors it is made of (`parts`: role -> where), for its scheme's `layout`."""
-
-    shape: tuple[int, int]
-    parts: dict[str, Source]
-    detail: object = None  # what the scheme needs beyond the tensors (compressed-tensors: the module's arguments)
 
 
 class Scheme(Protocol):
@@ -73,10 +68,6 @@ class Scheme(Protocol):
              headers: Headers) -> QuantizedRead | None: ...
 
     def layout(self, read: QuantizedRead, tensors: dict[str, torch.Tensor]) -> RowLayout: ...
-
-
-def _shape(info: dict) -> tuple[int, ...]:
-    return tuple(int(d) for d in info["shape"])
 
 
 @dataclass(frozen=True)
@@ -107,13 +98,13 @@ class Fp8Blocks:
         """An FP8 weight's read, its scale checked: there, float, one per block (None: a float tensor)."""
         if info.get("dtype") not in FP8_DTYPES:
             return None
-        shape, name = _shape(info), scale_of(hf_name)
+        shape, name = header_shape(info), scale_of(hf_name)
         if len(shape) != 2 or name not in located:
             raise ModelLoadError(f"{path.name}:{hf_name}: an FP8 weight {list(shape)} without its {name} (the "
                                  f"checkpoint declares {self.describe()}); is a shard file missing?")
         got = headers[located[name]][name]
         want = self.scale_shape(shape)
-        if _shape(got) != want or got.get("dtype") not in ("F32", "BF16", "F16"):
+        if header_shape(got) != want or got.get("dtype") not in ("F32", "BF16", "F16"):
             raise ModelLoadError(f"{located[name].name}:{name}: shape {got['shape']} {got.get('dtype')}, but "
                                  f"{hf_name} {list(shape)} in {self.rows}x{self.cols} blocks needs float scales "
                                  f"{list(want)}.")
@@ -159,7 +150,7 @@ class Int4Groups:
         """An int4 linear's read, its parts checked against each other (shapes, dtypes)."""
         if self.weight_name(hf_name) is None:
             return None
-        base, qshape = hf_name[: -len("qweight")], _shape(info)
+        base, qshape = hf_name[: -len("qweight")], header_shape(info)
         if info.get("dtype") != "I32" or len(qshape) != 2:
             raise ModelLoadError(f"{path.name}:{hf_name}: {info.get('dtype')} {list(qshape)}; {self.method} packs "
                                  "int4 into a 2-D int32 qweight.")
@@ -177,27 +168,6 @@ class Int4Groups:
             return gptq_rows(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"),
                              self.group_size, self.zeros_minus_one)
         return awq_rows(tensors["qweight"], tensors["qzeros"], tensors["scales"], self.group_size)
-
-
-FLOAT_SCALES = ("F32", "BF16", "F16")
-
-
-def check_parts(path: Path, hf_name: str, base: str, want: dict[str, tuple[str | None, tuple[int, ...]]],
-                located: dict[str, Path], headers: Headers, what: str) -> dict[str, Source]:
-    """Where each of a linear's other tensors (`base` + part) is, each checked for its dtype (None: a float
-    one) and shape; ModelLoadError naming the first missing or mismatched one."""
-    parts: dict[str, Source] = {}
-    for part, (dtype, shape) in want.items():
-        name = base + part
-        if name not in located:
-            raise ModelLoadError(f"{path.name}:{hf_name}: its {name} is missing; is a shard file missing?")
-        got = headers[located[name]][name]
-        wrong_dtype = got.get("dtype") != dtype if dtype is not None else got.get("dtype") not in FLOAT_SCALES
-        if _shape(got) != shape or wrong_dtype:
-            raise ModelLoadError(f"{located[name].name}:{name}: {got.get('dtype')} {got['shape']}, but {hf_name} "
-                                 f"{what} needs {dtype or 'float'} {list(shape)}.")
-        parts[part] = (located[name], name)
-    return parts
 
 
 def checkpoint_scheme(model_dir: Path) -> Scheme | None:

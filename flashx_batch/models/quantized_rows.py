@@ -1,4 +1,5 @@
-"""A pre-quantized checkpoint's linear weights in the row layouts this runtime keeps them in.
+"""A pre-quantized checkpoint's linear weights in the row layouts this runtime keeps them in, and the
+checked reads (`QuantizedRead`, `check_parts`) the schemes build from safetensors headers.
 
 Each checkpoint format (FP8 blocks, GPTQ / AWQ int4, compressed-tensors int8 / int4 / FP8) is converted
 once, at load, into one of three layouts whose rows are output channels, so that the parts a fused
@@ -24,9 +25,13 @@ bit for bit. Conversions run in bounded chunks of rows, so a large linear never 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from flashx_batch.errors import ModelLoadError
+
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}  # safetensors dtype name -> torch dtype
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of an int32 holds output channel AWQ_ORDER[i] of its 8
 _AWQ_UNPACK = [AWQ_ORDER.index(c) for c in range(8)]
@@ -175,3 +180,42 @@ def fp8_block_rows(q: torch.Tensor, scale_table: torch.Tensor, block_rows: int, 
     """FP8 values [N, K] with one scale per `block_rows` x `block_cols` block ([ceil(N / rows), ceil(K / cols)])."""
     rows = torch.arange(q.shape[0]) // block_rows
     return Fp8Rows(q, scale_table.float()[rows].contiguous(), block_cols)
+
+
+Source = tuple[Path, str]  # (safetensors file, tensor name)
+Headers = dict[Path, dict]  # file -> its safetensors header (tensor name -> dtype, shape, data_offsets)
+
+
+@dataclass(frozen=True)
+class QuantizedRead:
+    """One quantized linear as the loader reads it: the float weight's [out, in] `shape` and the checkpoint
+    tensors it is made of (`parts`: role -> where), for its scheme's `layout`."""
+
+    shape: tuple[int, int]
+    parts: dict[str, Source]
+    detail: object = None  # what the scheme needs beyond the tensors (compressed-tensors: the module's arguments)
+
+
+def header_shape(info: dict) -> tuple[int, ...]:
+    return tuple(int(d) for d in info["shape"])
+
+
+FLOAT_SCALES = ("F32", "BF16", "F16")
+
+
+def check_parts(path: Path, hf_name: str, base: str, want: dict[str, tuple[str | None, tuple[int, ...]]],
+                located: dict[str, Path], headers: Headers, what: str) -> dict[str, Source]:
+    """Where each of a linear's other tensors (`base` + part) is, each checked for its dtype (None: a float
+    one) and shape; ModelLoadError naming the first missing or mismatched one."""
+    parts: dict[str, Source] = {}
+    for part, (dtype, shape) in want.items():
+        name = base + part
+        if name not in located:
+            raise ModelLoadError(f"{path.name}:{hf_name}: its {name} is missing; is a shard file missing?")
+        got = headers[located[name]][name]
+        wrong_dtype = got.get("dtype") != dtype if dtype is not None else got.get("dtype") not in FLOAT_SCALES
+        if header_shape(got) != shape or wrong_dtype:
+            raise ModelLoadError(f"{located[name].name}:{name}: {got.get('dtype')} {got['shape']}, but {hf_name} "
+                                 f"{what} needs {dtype or 'float'} {list(shape)}.")
+        parts[part] = (located[name], name)
+    return parts
