@@ -362,6 +362,8 @@ def render(report: Report) -> str:
     for name, info in (report.torch.get("backends") or {}).items():
         extra = f"  {info.get('devices')} default {info.get('default_dtype')}" if info.get("available") else ""
         lines.append(f"  {name:<6}{'available' if info.get('available') else '-'}{extra}")
+        for fmt, runs in (info.get("weight_formats") or {}).items():
+            lines.append(f"        {fmt}: {runs}")
     lines.append("")
     if report.findings:
         lines.append("Traps found:")

@@ -182,9 +182,25 @@ class Backend:
         try:
             facts["device_count"] = self.device_count()
             facts["devices"] = [self.device_name(i) for i in range(facts["device_count"])]
+            if self.torch_runtime:
+                facts["weight_formats"] = self.weight_formats()
         except Exception as exc:  # a half-installed stack: report, do not crash the report
             facts["error"] = f"{type(exc).__name__}: {exc}"
         return facts
+
+    def fp8_matmul(self) -> bool:
+        """Whether this device multiplies FP8 matrices in hardware (none here)."""
+        return False
+
+    def weight_formats(self) -> dict[str, str]:
+        """What each weight format runs as on this device (`doctor`): the `quant.linear` kernel, or a
+        dequantization per matmul. The kernels are still probed before use."""
+        fp8 = "dequantized per matmul" + (" (the device has FP8 matmuls; not used yet)" if self.fp8_matmul() else "")
+        return {"int8, float32 activations": self.int8_kernel(torch.float32),
+                "int8, bfloat16 activations": self.int8_kernel(torch.bfloat16),
+                "int4 (precision maps), bfloat16 activations": self.int4_kernel or "dequant",
+                "int4 checkpoints (GPTQ, AWQ, compressed-tensors)": "dequantized per matmul",
+                "fp8 checkpoints": fp8}
 
 
 def ray_accelerator_ids() -> dict[str, list[str]] | None:

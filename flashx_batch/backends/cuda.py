@@ -25,6 +25,10 @@ class CudaBackend(Backend):
     def int8_kernel(cls, dtype: torch.dtype) -> str:
         return "int8pack_mm" if dtype in (torch.bfloat16, torch.float16) else "dequant"
 
+    def fp8_matmul(self) -> bool:
+        # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards; ROCm's MI300 reports its own gfx version
+        return torch.version.hip is None and torch.cuda.get_device_capability(0) >= (8, 9)
+
     @classmethod
     def is_available(cls) -> bool:
         try:

@@ -258,6 +258,7 @@ class ModelConfig:
     bos_token_id: int | None
     pad_token_id: int | None
     classifier: ClassifierSpec | None = None  # a sequence classifier (reward model, reranker): no LM head
+    quantized: str | None = None  # a pre-quantized checkpoint's quant_method (`models.quantized` reads its scheme)
 
     @property
     def rotary_dim(self) -> int:
@@ -354,6 +355,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
             classifier=_read_classifier(raw, bool(classify)),
+            quantized=str((raw.get("quantization_config") or {}).get("quant_method", "?"))
+            if raw.get("quantization_config") else None,
         )
 
 

@@ -24,7 +24,13 @@ from flashx_batch.models.layers import Linear
 from flashx_batch.models.parallel import Cut, TensorShard, checkpoint_cut
 from flashx_batch.models.quantized import Scheme, checkpoint_scheme
 from flashx_batch.models.quantized_rows import QuantizedRead, RowLayout, concat_rows
-from flashx_batch.models.safetensors_file import _FLOAT_DTYPES, _TORCH_DTYPES, WholeTensors, safetensors_header
+from flashx_batch.models.safetensors_file import (
+    _FLOAT_DTYPES,
+    _TORCH_DTYPES,
+    WholeTensors,
+    release_freed_memory,
+    safetensors_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +220,7 @@ def load_weights(model: DecoderModel, model_dir: Path, scanned: Scanned | None =
                         dest.reshape(read.shape).copy_(_layout(scheme, read, whole).to_float())
                     else:
                         _read_tensor(fh, path, hf_name, info, data_start + offset, dest, scratch, cut)
+        del scratch  # the float reads' buffer: not needed by the quantized linears
         for path, sources in kept.items():
             layouts = [_layout(scheme, special[hf_name], whole) for _, hf_name in sources]
             fused = concat_rows(layouts)
@@ -222,6 +229,8 @@ def load_weights(model: DecoderModel, model_dir: Path, scanned: Scanned | None =
                                        model.embed.device)
             parent, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent), child, module)
+            del layouts, fused, module
+            release_freed_memory()
 
 
 def _layout(scheme: Scheme, read: QuantizedRead, whole: WholeTensors) -> RowLayout:

@@ -35,7 +35,7 @@ FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}  # safetensors dtype name -> torch
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of an int32 holds output channel AWQ_ORDER[i] of its 8
 _AWQ_UNPACK = [AWQ_ORDER.index(c) for c in range(8)]
-_CHUNK_VALUES = 1 << 22  # 4-bit values unpacked per step of a conversion (their int32 temporaries: 16 MB)
+_CHUNK_VALUES = 1 << 20  # 4-bit values unpacked per step of a conversion (their int32 temporaries: 4 MB)
 
 
 @dataclass

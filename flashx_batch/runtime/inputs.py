@@ -40,6 +40,14 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
         if options.cache_policy != "static" or options.long_input not in ("error", "truncate"):
             raise ConfigError(f"runtime.backend=onnx supports cache_policy=static and long_input=error|truncate, "
                               f"not cache_policy={options.cache_policy} long_input={options.long_input}.")
+    if cfg is not None and cfg.quantized:
+        clashes = [what for what, clash in (
+            ("runtime.precision_map (its weights are quantized already)", bool(options.precision_map)),
+            (f"runtime.tensor_parallel_size={options.tensor_parallel_size} (quantized weights are not split "
+             "across ranks yet)", options.tensor_parallel_size > 1)) if clash]
+        if clashes:
+            raise ConfigError(f"a pre-quantized checkpoint ({cfg.quantized}) does not combine with "
+                              f"{'; '.join(clashes)}: drop that setting, or use the float checkpoint.")
     split = options.backend == "onnx" or options.tensor_parallel_size > 1
     if cfg is not None and cfg.classifier is not None and split:
         raise ConfigError("a sequence classifier (*ForSequenceClassification) runs on a torch backend with "
@@ -73,6 +81,8 @@ def check_lora_options(options: EngineOptions, cfg: ModelConfig | None = None) -
          options.long_input == "rolling_merge"),
         ("runtime.precision_map (adapters apply to float linears only)", bool(options.precision_map)),
         ("a sequence classifier (adapters apply to generation)", cfg is not None and cfg.classifier is not None),
+        (f"a pre-quantized checkpoint ({cfg and cfg.quantized}: adapters apply to float linears only)",
+         cfg is not None and cfg.quantized is not None),
     ) if clash]
     if clashes:
         raise ConfigError("model.lora_adapters does not combine with " + "; ".join(clashes) + ": drop the adapters "

@@ -197,6 +197,25 @@ def test_refusals_name_the_tensor_or_the_scheme(tmp_path):
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:.*self_attn.*"]
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.down_proj.weight_packed: a int4 tensor, but "
-                                             r"quantization_config gives module model.layers.0.mlp.down_proj no scheme"):
+    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.down_proj.weight_packed: a int4 tensor, but quant"
+                                             r"ization_config gives module model.layers.0.mlp.down_proj no scheme"):
         check_checkpoint(tmp_path / "model")
+
+
+def test_settings_a_quantized_checkpoint_does_not_run_with_are_refused_before_loading(tmp_path):
+    from flashx_batch.errors import ConfigError
+    from flashx_batch.models.config import ModelConfig
+    from flashx_batch.runtime.inputs import check_lora_options, check_options
+    from flashx_batch.runtime.options import EngineOptions
+
+    ct_checkpoint("llama", tmp_path / "model", _scheme("W8A16", strategy="channel", group_size=None), "int-quantized",
+                  lambda w, i: _int8(w))
+    cfg = ModelConfig.from_dir(tmp_path / "model")
+    assert cfg.quantized == "compressed-tensors"
+    with pytest.raises(ConfigError, match=r"pre-quantized checkpoint \(compressed-tensors\) does not combine with "
+                                          r"runtime.precision_map"):
+        check_options(EngineOptions(precision_map="map.json"), cfg)
+    with pytest.raises(ConfigError, match=r"runtime.tensor_parallel_size=2 \(quantized weights are not split"):
+        check_options(EngineOptions(tensor_parallel_size=2), cfg)
+    with pytest.raises(ConfigError, match=r"model.lora_adapters does not combine with a pre-quantized checkpoint"):
+        check_lora_options(EngineOptions(), cfg)
