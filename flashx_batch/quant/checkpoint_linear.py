@@ -8,9 +8,11 @@
   float8) as `DequantizingLinear`: kept as stored (a byte per two int4 values, a byte per FP8 value,
   their scales) and dequantized into the activations' dtype for each matmul. Why not at load: host
   memory then stays near the checkpoint's bytes on disk (a float32 copy is 8x an int4 checkpoint, 4x an
-  FP8 one), which is what decides whether a model fits a node; the per-call dequantization costs decode
-  speed (docs/benchmarks.md, "Pre-quantized checkpoints"). Its weights are exactly the formats' reference
-  dequantization, so its outputs are those of a float model loaded from the dequantized weights.
+  FP8 one), which is what decides whether a model fits a node. On the host the per-call dequantization is
+  one compiled pass into a reused float32 buffer (`quant.dequant_kernels`: one float copy of the largest
+  linear, held once per thread), then BLAS; its cost: docs/benchmarks.md, "Pre-quantized checkpoints".
+  Its weights are exactly the formats' reference dequantization, so its outputs are those of a float
+  model loaded from the dequantized weights.
   Not built: FP8 matmuls with block scales on GPUs that have them, and our int4 kernels over
   these weights (their zero-point convention differs; converting would round the weights again).
 """
@@ -21,12 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashx_batch.backends import on_host
 from flashx_batch.models.quantized_rows import Fp8Rows, Int4Rows, Int8Rows, RowLayout
+from flashx_batch.quant import dequant_kernels
 from flashx_batch.quant.linear import QuantLinear, SplitLinear
 
 
 class DequantizingLinear(nn.Module):
-    """y = x W^T (+ b), W an int4 or FP8 row layout kept as stored, dequantized for each call."""
+    """y = x W^T (+ b), W an int4 or FP8 row layout kept as stored, dequantized for each call: on the host by
+    `quant.dequant_kernels` into a reused float32 buffer, elsewhere by torch ops."""
 
     kernel = "dequant"
 
@@ -35,10 +40,16 @@ class DequantizingLinear(nn.Module):
         super().__init__()
         self.fmt = "int4" if isinstance(layout, Int4Rows) else "fp8"
         self.out_features = layout.rows
+        self.group_size: int | None = None  # int4: input channel k in group k // group_size (None: `group` says)
         if isinstance(layout, Int4Rows):
             self.in_features = layout.in_features
-            for name in ("packed", "zeros", "scales", "group"):
+            for name in ("packed", "zeros", "group"):
                 self.register_buffer(name, getattr(layout, name).to(device))
+            # float32 scales (the stored float16 / bfloat16 values exactly): what the kernels multiply by
+            self.register_buffer("scales", layout.scales.to(device=device, dtype=torch.float32))
+            size = max(int((layout.group == 0).sum()), 1)  # group 0's channels: the group size, if contiguous
+            contiguous = torch.equal(layout.group, torch.arange(self.in_features) // size)
+            self.group_size = size if contiguous and size % 2 == 0 else None
         else:
             self.in_features, self.block_cols = layout.q.shape[1], layout.block_cols
             self.register_buffer("q", layout.q.to(device))
@@ -55,6 +66,11 @@ class DequantizingLinear(nn.Module):
         return self.layout().to_float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if on_host(x):
+            weight = dequant_kernels.buffer(self.out_features, self.in_features)
+            parts = dict(self.named_buffers(), block_cols=getattr(self, "block_cols", None))
+            if dequant_kernels.dequantize_into(weight, self.fmt, parts, self.group_size):
+                return F.linear(x, weight if x.dtype == torch.float32 else weight.to(x.dtype), self.bias)
         return F.linear(x, self.reference_weight().to(x.dtype), self.bias)
 
     def nbytes(self) -> int:

@@ -129,7 +129,8 @@ def compute(job: JobConfig, plan: Plan, model_stats: dict[str, list], resolved_a
         fp[f"data.{k}"] = getattr(d, k)
     scheme = checkpoint_scheme(resolve_model_dir(job.model.path))
     if scheme is not None:  # a pre-quantized checkpoint's scheme (only when set: float jobs still resume)
-        fp["model.quantization"] = scheme.describe()
+        # format, scheme, group size; and whether its weights are kept (W8A8: int8 activations) or dequantized
+        fp["model.quantization"] = {**scheme.record(), "weights": r.quantized_weights}
     if adapter_digests:  # LoRA adapters by content (a retrained adapter under the same name is another job)
         fp["model.lora_adapters"] = dict(sorted(adapter_digests.items()))
     for k in ("tools_column", "tools", "chat_template_kwargs", "adapter_column"):  # only when set: older jobs resume

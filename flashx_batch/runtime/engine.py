@@ -173,7 +173,7 @@ class Engine(ScoringApi):
         o, cfg = self.run_options, self.config
         shard = TensorShard(self.replica.rank, self.replica.size, self.replica.comm) if self.replica else None
         model = load_model(self.model_dir, self.dtype, self.device, o.row_capacity, cfg, shard,
-                           quantized_linears=quantized_linear)
+                           quantized_linears=quantized_linear if o.quantized_weights == "keep" else None)
         if self.lora_adapters:
             model.lora = LoraSet(model, [read_adapter(n, p, cfg) for n, p in self.lora_adapters.items()])
             self.adapter_digests = {a.name: a.digest for a in model.lora.adapters}

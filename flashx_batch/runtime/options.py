@@ -80,6 +80,10 @@ class EngineOptions:
     prefix_cache_tokens: int = knob(0, "prefix reuse: KV tokens kept for shared prefixes (0 = off)")
     precision_map: str | None = knob(None, "JSON from `python -m flashx_batch.quantize`: per-tensor weight "
                                            "formats")
+    quantized_weights: str = knob("keep", "a pre-quantized checkpoint's linears: keep (as stored: int8 on our int8 "
+                                          "kernels, int4 / FP8 dequantized per matmul; memory near the checkpoint's "
+                                          "bytes) or dequantize (to the compute dtype at load: 2-8x the memory)",
+                                  ("keep", "dequantize"))
     prepack_weights: bool = knob(True, "CPU float32 / bfloat16: linear weights packed for oneDNN, which then "
                                        "runs every matmul (2x weight memory)")
     kv_layout: str = knob("auto", "growing refilled batches: stripes (equal, cut for the longest row), extents "

@@ -47,7 +47,7 @@ def _pack8(values, dim: int):
     return words.movedim(-1, dim).contiguous()
 
 
-def _convert(name: str, w, fmt: str) -> dict:
+def _convert(name: str, w, fmt: str, group: int = GROUP) -> dict:
     """One float linear weight [N, K] -> the tensors `fmt` stores for it."""
     import torch
 
@@ -60,11 +60,11 @@ def _convert(name: str, w, fmt: str) -> dict:
         scale = padded.reshape(rows, 128, cols, 128).abs().amax((1, 3)).clamp(min=1e-12) / 448.0
         expanded = scale.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
         return {name: (w / expanded).to(torch.float8_e4m3fn), name + "_scale_inv": scale}
-    groups = w.reshape(out, inp // GROUP, GROUP)
+    groups = w.reshape(out, inp // group, group)
     if fmt == "gptq_int4":  # symmetric: zero point 8; qzeros stored v1 (word minus 0x11111111)
         scale = (groups.abs().amax(2) / 7.5).clamp(min=1e-8).half()  # [N, G]
         q = (torch.round(groups / scale.float()[..., None]) + 8).clamp(0, 15).long().reshape(out, inp)
-        zeros = torch.full((inp // GROUP, out), 8, dtype=torch.int64)
+        zeros = torch.full((inp // group, out), 8, dtype=torch.int64)
         qzeros = (_pack8(zeros, 1).long() - 0x11111111) % 2**32
         qzeros = torch.where(qzeros >= 2**31, qzeros - 2**32, qzeros).to(torch.int32)
         return {base + "qweight": _pack8(q.t(), 0), base + "qzeros": qzeros, base + "scales": scale.t().contiguous()}
@@ -89,47 +89,56 @@ def _convert(name: str, w, fmt: str) -> dict:
             base + "weight_shape": torch.tensor([out, inp])}
 
 
-def write_format(source: Path, out: Path, fmt: str) -> None:
-    """`source` (a float checkpoint) written as `fmt` into `out`, one tensor at a time."""
+def write_format(source: Path, out: Path, fmt: str, group: int = GROUP) -> None:
+    """`source` (a float checkpoint) written as `fmt` into `out`, one tensor at a time (int4 in groups of `group`);
+    its tokenizer and other files copied."""
     import shutil
 
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from flashx_batch.models.loader import weight_files
 
     if fmt == "ct_w8a8":
         subprocess.run([sys.executable, "-m", "flashx_batch.quantize", f"model.path={source}",
                         f"output.checkpoint={out}"], check=True, capture_output=True)
         return
     out.mkdir(parents=True)
-    index = json.loads((source / "model.safetensors.index.json").read_text())
+    files = weight_files(source)
     weight_map = {}
-    for file in sorted(set(index["weight_map"].values())):
+    for path in files:
         tensors = {}
-        with safe_open(str(source / file), framework="pt") as fh:
+        with safe_open(str(path), framework="pt") as fh:
             for name in fh.keys():  # noqa: SIM118
                 tensor = fh.get_tensor(name)
-                tensors.update(_convert(name, tensor, fmt) if name.endswith(tuple(f"{x}.weight" for x in LINEARS))
-                               else {name: tensor})
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, file)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+                tensors.update(_convert(name, tensor, fmt, group)
+                               if name.endswith(tuple(f"{x}.weight" for x in LINEARS)) else {name: tensor})
+        save_file(tensors, str(out / path.name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, path.name)
+    if len(files) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {
         "fp8_block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                       "weight_block_size": [128, 128]},
-        "gptq_int4": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": False},
-        "awq_int4": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
-        "ct_w4a16": _ct_w4a16_config(),
+        "gptq_int4": {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True, "desc_act": False},
+        "awq_int4": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
+        "ct_w4a16": _ct_w4a16_config(group),
     }[fmt]
     (out / "config.json").write_text(json.dumps(config))
-    shutil.copy2(source / "model.safetensors.index.json", out / "source_index.json")
+    for other in source.iterdir():
+        if other.is_file() and other.suffix != ".safetensors" and other.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(other, out / other.name)
 
 
-def _ct_w4a16_config() -> dict:
+def _ct_w4a16_config(group: int) -> dict:
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
-    return json.loads(QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W4A16", ["Linear"])},
-                                         format="pack-quantized", ignore=["lm_head"]).model_dump_json())
+    scheme = preset_name_to_scheme("W4A16", ["Linear"])
+    scheme = scheme.model_copy(update={"weights": scheme.weights.model_copy(update={"group_size": group})})
+    return json.loads(QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                                         ignore=["lm_head"]).model_dump_json())
 
 
 def measure(model_dir: Path) -> dict:
