@@ -207,7 +207,7 @@ def compressed_tensors_scheme(quant: dict, where: str, supported: str) -> Compre
         from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     except ImportError:
         raise ModelLoadError(f"{where}: a compressed-tensors checkpoint needs the `compressed-tensors` package "
-                             "(pip install compressed-tensors).") from None
+                             "(pip install 'flashx-batch[compressed-tensors]').") from None
     if quant.get("transform_config"):
         raise ModelLoadError(f"{where}: compressed-tensors with a transform_config (rotations) is not read; "
                              f"supported: {supported}.")

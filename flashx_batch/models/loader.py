@@ -231,6 +231,10 @@ def load_weights(model: DecoderModel, model_dir: Path, scanned: Scanned | None =
             setattr(model.get_submodule(parent), child, module)
             del layouts, fused, module
             release_freed_memory()
+        if kept:
+            log.info("%d linears kept as stored (%s); runtime.quantized_weights=dequantize holds them in %s instead "
+                     "(more memory, faster where no kernel fits: docs/benchmarks.md)", len(kept), scheme.describe(),
+                     str(model.embed.dtype).removeprefix("torch."))
 
 
 def _layout(scheme: Scheme, read: QuantizedRead, whole: WholeTensors) -> RowLayout:

@@ -32,7 +32,11 @@ _TARGET = re.compile(TARGET[3:])
 
 def write_w8a8(model_dir: Path, out: Path) -> dict:
     """Quantize `model_dir` into `out` (a new or empty directory); returns counts of what was written."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+    try:
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+    except ImportError:
+        raise ConfigError("output.checkpoint writes a compressed-tensors checkpoint, which needs the library: "
+                          "pip install 'flashx-batch[compressed-tensors]'.") from None
     from safetensors import safe_open
     from safetensors.torch import save_file
 
