@@ -17,11 +17,15 @@ Read, per config group (each with its own `format` or the config's):
   (`pack-quantized`: `weight_packed` int32 [N, ceil(K / 8)] holding value + 8, `weight_shape`,
   `weight_scale` [N, G], `weight_zero_point` int32 [ceil(N / 8), G] packed along rows, `weight_g_idx`).
 - float8 e4m3 weights per tensor, channel, group or block (`float-quantized` / `naive-quantized`).
-  Their activation quantization, if any, is not applied: activations stay in the compute dtype.
+  Their FP8 activation quantization, if any, is not applied: activations stay in the compute dtype (more
+  precise than the checkpoint was calibrated for, never less).
+- Config groups that match one module with different arguments are refused (which one the writer applied
+  is ambiguous); group indices out of range are refused when the weights are read.
 
 Refused in preflight, naming the group and what is read: other bit widths and types (NVFP4, MXFP4, ...),
-asymmetric int8, int8 per group, static activation scales, int4 weights with quantized activations,
-output activations, transforms (`transform_config`: rotations), sparsity compressors.
+asymmetric int8, int8 per group, asymmetric int4 per tensor, FP8 per token or head, static activation
+scales, integer weights with quantized float activations (W4AFP8), int4 weights with quantized
+activations, output activations, transforms (`transform_config`: rotations), sparsity compressors.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from flashx_batch.models.quantized_rows import (
     Int8Rows,
     QuantizedRead,
     RowLayout,
+    check_groups,
     check_parts,
     fp8_block_rows,
     groups_of,
@@ -88,14 +93,20 @@ class CompressedTensors:
                 "group_size": sizes[0] if len(sizes) == 1 else sizes or None}
 
     def module_args(self, module: str) -> ModuleArgs | None:
+        """The arguments of the config groups whose targets match `module` (a name, a `re:` regex, or the class
+        `Linear`, which every quantized linear is); None when ignored or matched by none. Groups that match
+        it with different arguments are refused: which one the writer applied is not something to guess."""
         from compressed_tensors.utils.match import match_name
 
         if any(match_name(module, target) for target in self.ignore):
             return None
-        for targets, args in self.groups:
-            if any(target == "Linear" or match_name(module, target) for target in targets):
-                return args
-        return None
+        matched = {args for targets, args in self.groups
+                   if any(target == "Linear" or match_name(module, target) for target in targets)}
+        if len(matched) > 1:
+            raise ModelLoadError(f"compressed-tensors: module {module} is matched by config groups of different "
+                                 f"schemes ({'; '.join(sorted(a.describe() for a in matched))}); the checkpoint's "
+                                 "config is ambiguous for it.")
+        return next(iter(matched), None)
 
     def auxiliaries(self, located: dict[str, Path]) -> set[str]:
         return {name for name in located for part in AUXILIARY if name.endswith("." + part)}
@@ -145,8 +156,10 @@ class CompressedTensors:
                 return fp8_block_rows(tensors["weight"], scale, *args.block)
             scale = scale.reshape(-1, 1).expand(out, 1) if args.strategy == "tensor" else scale
             return Fp8Rows(tensors["weight"], scale.contiguous(), args.group_size or inp)
-        return _int4_rows(args, tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point"),
-                          tensors.get("weight_g_idx"), out, inp)
+        layout = _int4_rows(args, tensors["weight_packed"], tensors["weight_scale"], tensors.get("weight_zero_point"),
+                            tensors.get("weight_g_idx"), out, inp)
+        check_groups(layout, read.parts.get("weight_g_idx"))
+        return layout
 
 
 def _packed_shape(path: Path, hf_name: str, info: dict, located: dict[str, Path], headers: dict[Path, dict]
@@ -249,10 +262,10 @@ def _module_args(name: str, scheme, fmt: str, where: str, supported: str) -> Mod
         raise refuse(f"{w.type}{w.num_bits} weights")
     if kind == "int8" and (not w.symmetric or strategy not in ("channel", "tensor")):
         raise refuse(f"int8 weights {'with zero points' if not w.symmetric else 'per ' + strategy}")
-    if kind == "int4" and strategy not in ("group", "channel", "tensor"):
-        raise refuse(f"int4 weights per {strategy}")
-    if kind == "fp8" and not w.symmetric:
-        raise refuse("fp8 weights with zero points")
+    if kind == "int4" and (strategy not in ("group", "channel", "tensor") or strategy == "tensor" and not w.symmetric):
+        raise refuse(f"int4 weights per {strategy}{'' if w.symmetric else ' with zero points'}")
+    if kind == "fp8" and (not w.symmetric or strategy not in ("tensor", "channel", "group", "block")):
+        raise refuse(f"fp8 weights per {strategy}{'' if w.symmetric else ' with zero points'}")
     activations = False
     if acts is not None and str(acts.type) == "int":
         if kind != "int8" or acts.num_bits != 8 or not acts.symmetric or acts.dynamic is not True \
@@ -261,8 +274,10 @@ def _module_args(name: str, scheme, fmt: str, where: str, supported: str) -> Mod
                          f"{'dynamic' if acts.dynamic else 'static'}, {'' if acts.symmetric else 'a'}symmetric) "
                          f"with {kind} weights (int8 activations: dynamic, symmetric, per token, with int8 weights)")
         activations = True
-    elif acts is not None and str(acts.type) != "float":
-        raise refuse(f"{acts.type} activations")
+    elif acts is not None and (str(acts.type) != "float" or kind != "fp8"):
+        # float activations are left unquantized only beside FP8 weights (module doc); with integer weights
+        # (W4AFP8, W8AFP8) the checkpoint was calibrated for a rounding this runtime would not apply
+        raise refuse(f"{acts.type}{acts.num_bits} activations with {kind} weights")
     block = tuple(w.block_structure) if strategy == "block" and w.block_structure else None
     if strategy == "block" and block is None:
         raise refuse("block weights without a block_structure")

@@ -43,6 +43,7 @@ from flashx_batch.models.quantized_rows import (
     QuantizedRead,
     RowLayout,
     awq_rows,
+    check_groups,
     check_parts,
     fp8_block_rows,
     gptq_rows,
@@ -99,7 +100,10 @@ class Fp8Blocks:
         if info.get("dtype") not in FP8_DTYPES:
             return None
         shape, name = header_shape(info), scale_of(hf_name)
-        if len(shape) != 2 or name not in located:
+        if len(shape) != 2:
+            raise ModelLoadError(f"{path.name}:{hf_name}: an FP8 tensor of shape {list(shape)}; {self.describe()} "
+                                 "quantizes 2-D linear weights only.")
+        if name not in located:
             raise ModelLoadError(f"{path.name}:{hf_name}: an FP8 weight {list(shape)} without its {name} (the "
                                  f"checkpoint declares {self.describe()}); is a shard file missing?")
         got = headers[located[name]][name]
@@ -165,8 +169,10 @@ class Int4Groups:
 
     def layout(self, read: QuantizedRead, tensors: dict[str, torch.Tensor]) -> RowLayout:
         if self.method == "gptq":
-            return gptq_rows(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"),
-                             self.group_size, self.zeros_minus_one)
+            layout = gptq_rows(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"),
+                               self.group_size, self.zeros_minus_one)
+            check_groups(layout, read.parts.get("g_idx"))
+            return layout
         return awq_rows(tensors["qweight"], tensors["qzeros"], tensors["scales"], self.group_size)
 
 

@@ -219,3 +219,13 @@ def check_parts(path: Path, hf_name: str, base: str, want: dict[str, tuple[str |
                                  f"{what} needs {dtype or 'float'} {list(shape)}.")
         parts[part] = (located[name], name)
     return parts
+
+
+def check_groups(layout: Int4Rows, source: Source | None) -> None:
+    """Every input channel's group index names one of the layout's groups (a checkpoint's `g_idx` is data:
+    its values are only known once read); ModelLoadError naming the tensor."""
+    groups = layout.zeros.shape[1]
+    if len(layout.group) and (int(layout.group.min()) < 0 or int(layout.group.max()) >= groups):
+        where = f"{source[0].name}:{source[1]}" if source else "group indices"
+        raise ModelLoadError(f"{where}: group indices {int(layout.group.min())}..{int(layout.group.max())}, but the "
+                             f"linear has {groups} groups of scales and zero points; the checkpoint is damaged.")

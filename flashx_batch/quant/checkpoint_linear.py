@@ -66,11 +66,20 @@ class DequantizingLinear(nn.Module):
         return self.layout().to_float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if on_host(x):
-            weight = dequant_kernels.buffer(self.out_features, self.in_features)
+        if on_host(x) and dequant_kernels.kernels() is not None:
             parts = dict(self.named_buffers(), block_cols=getattr(self, "block_cols", None))
-            if dequant_kernels.dequantize_into(weight, self.fmt, parts, self.group_size):
-                return F.linear(x, weight if x.dtype == torch.float32 else weight.to(x.dtype), self.bias)
+            step = dequant_kernels.block_rows(self.out_features, self.in_features)
+            out = None if step == self.out_features else x.new_empty(*x.shape[:-1], self.out_features)
+            for first in range(0, self.out_features, step):
+                weight = dequant_kernels.buffer(min(step, self.out_features - first), self.in_features)
+                dequant_kernels.dequantize_into(weight, self.fmt, parts, self.group_size, first)
+                rows = slice(first, first + weight.shape[0])
+                part = F.linear(x, weight if x.dtype == torch.float32 else weight.to(x.dtype),
+                                None if self.bias is None else self.bias[rows])
+                if out is None:  # the whole weight in one block
+                    return part
+                out[..., rows] = part
+            return out
         return F.linear(x, self.reference_weight().to(x.dtype), self.bias)
 
     def nbytes(self) -> int:

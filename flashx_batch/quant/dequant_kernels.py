@@ -20,8 +20,14 @@ import threading
 import numpy as np
 import torch
 
+from flashx_batch.quant.row_kernel import compile_kernel
+
 log = logging.getLogger("flashx_batch.quant.dequant_kernels")
 _local = threading.local()  # each thread's reusable float32 buffer (engines in threads never share one)
+# numba's parallel regions are entered one thread at a time (its `workqueue` layer, where OpenMP and TBB are
+# missing, kills the process on concurrent entry; the other layers would oversubscribe the cores anyway)
+_calls = threading.Lock()
+BUFFER_VALUES = 8 << 20  # a buffer's float32 values at most (32 MiB): larger weights dequantize in row blocks
 
 
 @functools.cache
@@ -29,14 +35,13 @@ def kernels():
     """(int4 with contiguous groups, int4 with a group per input channel, FP8) compiled, or None."""
     try:
         import numba
-        from numba import njit, prange
+        from numba import prange
     except Exception as exc:  # never fatal, only slower
         log.info("numba unavailable (%s): kept checkpoint weights dequantize through torch ops", exc)
         return None
 
     # Each row through 1-D views of it: numba vectorizes these loops (indexing the 2-D arrays in the loop
     # body measured 4x slower). No fast-math: the products must round as torch's do.
-    @njit(parallel=True, cache=True)
     def int4_grouped(packed, zeros, scales, group_size, out):  # pragma: no cover - compiled
         # group_size even: a group starts on a byte, so its values come two to a byte. Whole groups in a
         # fixed-length loop (what vectorizes), then what a partial last group or an odd width leaves.
@@ -56,7 +61,6 @@ def kernels():
                     byte = np.int32(source[k >> 1])
                     row[k] = np.float32(((byte >> 4) if k & 1 else (byte & 15)) - zero) * scale
 
-    @njit(parallel=True, cache=True)
     def int4_indexed(packed, zeros, scales, group, out):  # pragma: no cover - compiled
         rows, width = out.shape
         for n in prange(rows):
@@ -67,7 +71,6 @@ def kernels():
                 value = (byte >> 4) if k & 1 else (byte & 15)
                 row[k] = np.float32(value - np.int32(zero_row[g])) * scale_row[g]
 
-    @njit(parallel=True, cache=True)
     def fp8_blocks(codes, table, scales, block_cols, out):  # pragma: no cover - compiled
         rows, width = out.shape
         whole = width // block_cols
@@ -81,42 +84,55 @@ def kernels():
                 row[k] = table[source[k]] * scales[n, whole]
 
     try:
+        compiled = tuple(compile_kernel(numba, kernel, parallel=True)
+                         for kernel in (int4_grouped, int4_indexed, fp8_blocks))
         probe = np.zeros((2, 4), np.float32)
-        int4_grouped(np.zeros((2, 2), np.uint8), np.zeros((2, 1), np.uint8), np.ones((2, 1), np.float32), 4, probe)
+        ones = np.ones((2, 1), np.float32)
+        compiled[0](np.zeros((2, 2), np.uint8), np.zeros((2, 1), np.uint8), ones, 4, probe)
+        compiled[1](np.zeros((2, 2), np.uint8), np.zeros((2, 1), np.uint8), ones, np.zeros(4, np.int64), probe)
+        compiled[2](np.zeros((2, 4), np.uint8), np.ones(256, np.float32), ones, 4, probe)
     except Exception as exc:  # a numba that cannot compile here
         log.warning("dequantization kernels failed to compile (%s): torch ops serve every call", exc)
         return None
-    del numba
-    return int4_grouped, int4_indexed, fp8_blocks
+    return numba, compiled
 
 
 FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 def buffer(rows: int, width: int) -> torch.Tensor:
-    """A float32 [rows, width] view of this thread's buffer, grown to the largest weight asked for."""
+    """A float32 [rows, width] view of this thread's buffer, grown to the largest block asked for."""
     held = getattr(_local, "buffer", None)
     if held is None or held.numel() < rows * width:
         held = _local.buffer = torch.empty(rows * width, dtype=torch.float32)
     return held[: rows * width].view(rows, width)
 
 
-def dequantize_into(out: torch.Tensor, fmt: str, parts: dict, contiguous_groups: int | None) -> bool:
-    """Fill `out` (float32 [N, K], host memory) with the weight; False where the kernels are unavailable.
-    `parts`: the module's buffers (int4: packed, zeros, scales as float32, group; fp8: q, scales, block_cols);
-    `contiguous_groups`: the group size where input channel k is in group k // size (else `group` is read)."""
-    compiled = kernels()
-    if compiled is None:
+def block_rows(rows: int, width: int) -> int:
+    """Rows of a weight dequantized at once: all of them up to `BUFFER_VALUES` floats, else blocks that fit."""
+    return rows if rows * width <= BUFFER_VALUES else max(1, BUFFER_VALUES // width)
+
+
+def dequantize_into(out: torch.Tensor, fmt: str, parts: dict, contiguous_groups: int | None, first: int = 0) -> bool:
+    """Fill `out` (float32 [n, K], host memory) with rows first..first + n of the weight; False where the kernels
+    are unavailable. `parts`: the module's buffers (int4: packed, zeros, scales as float32, group; fp8: q,
+    scales, block_cols); `contiguous_groups`: the group size where input channel k is in group k // size
+    (else `group` is read)."""
+    ready = kernels()
+    if ready is None:
         return False
-    int4_grouped, int4_indexed, fp8_blocks = compiled
+    numba, (int4_grouped, int4_indexed, fp8_blocks) = ready
+    rows = slice(first, first + out.shape[0])
     target = out.numpy()
-    if fmt == "fp8":
-        fp8_blocks(parts["q"].view(torch.uint8).numpy(), FP8_TABLE, parts["scales"].numpy(), parts["block_cols"],
-                   target)
-    elif contiguous_groups is not None:
-        int4_grouped(parts["packed"].numpy(), parts["zeros"].numpy(), parts["scales"].numpy(), contiguous_groups,
-                     target)
-    else:
-        int4_indexed(parts["packed"].numpy(), parts["zeros"].numpy(), parts["scales"].numpy(), parts["group"].numpy(),
-                     target)
+    with _calls:
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        if fmt == "fp8":
+            fp8_blocks(parts["q"][rows].view(torch.uint8).numpy(), FP8_TABLE, parts["scales"][rows].numpy(),
+                       parts["block_cols"], target)
+        elif contiguous_groups is not None:
+            int4_grouped(parts["packed"][rows].numpy(), parts["zeros"][rows].numpy(), parts["scales"][rows].numpy(),
+                         contiguous_groups, target)
+        else:
+            int4_indexed(parts["packed"][rows].numpy(), parts["zeros"][rows].numpy(), parts["scales"][rows].numpy(),
+                         parts["group"].numpy(), target)
     return True

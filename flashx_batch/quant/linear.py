@@ -167,7 +167,8 @@ class QuantLinear(nn.Module):
         """A module over int8 values `q` [N, K] and per-row `scales` [N] as they are (a pre-quantized checkpoint's:
         no float copy, no second rounding). `activations`: the weights were calibrated with int8 activations
         per token (W8A8), which the kernel chosen here applies where it has one (`int8_dynamic`); otherwise
-        (weight-only int8, W8A16) a kernel that keeps activations in `dtype`."""
+        (weight-only int8, W8A16) a kernel that keeps activations in `dtype`. The scales are held in `dtype`,
+        as the kernels take them: in bfloat16 each row's scale is rounded to 8 bits of mantissa."""
         out_features, in_features = q.shape
         kernel = choose_kernel("int8", q.device, dtype, out_features, in_features, None)
         if kernel == "int8_dynamic" and not activations:

@@ -41,8 +41,10 @@ def check_options(options: EngineOptions, cfg: ModelConfig | None = None,
             raise ConfigError(f"runtime.backend=onnx supports cache_policy=static and long_input=error|truncate, "
                               f"not cache_policy={options.cache_policy} long_input={options.long_input}.")
     if cfg is not None and cfg.quantized:
+        kept = options.quantized_weights == "keep"
         clashes = [what for what, clash in (
-            ("runtime.precision_map (its weights are quantized already)", bool(options.precision_map)),
+            ("runtime.precision_map with runtime.quantized_weights=keep (its weights are quantized already)",
+             bool(options.precision_map) and kept),
             (f"runtime.tensor_parallel_size={options.tensor_parallel_size} (quantized weights are not split "
              "across ranks yet)", options.tensor_parallel_size > 1)) if clash]
         if clashes:
@@ -81,8 +83,9 @@ def check_lora_options(options: EngineOptions, cfg: ModelConfig | None = None) -
          options.long_input == "rolling_merge"),
         ("runtime.precision_map (adapters apply to float linears only)", bool(options.precision_map)),
         ("a sequence classifier (adapters apply to generation)", cfg is not None and cfg.classifier is not None),
-        (f"a pre-quantized checkpoint ({cfg and cfg.quantized}: adapters apply to float linears only)",
-         cfg is not None and cfg.quantized is not None),
+        (f"a pre-quantized checkpoint ({cfg and cfg.quantized}) kept as stored (adapters apply to float linears "
+         "only; runtime.quantized_weights=dequantize gives them float ones)",
+         cfg is not None and cfg.quantized is not None and options.quantized_weights == "keep"),
     ) if clash]
     if clashes:
         raise ConfigError("model.lora_adapters does not combine with " + "; ".join(clashes) + ": drop the adapters "

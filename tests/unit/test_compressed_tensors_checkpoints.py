@@ -213,9 +213,53 @@ def test_settings_a_quantized_checkpoint_does_not_run_with_are_refused_before_lo
     cfg = ModelConfig.from_dir(tmp_path / "model")
     assert cfg.quantized == "compressed-tensors"
     with pytest.raises(ConfigError, match=r"pre-quantized checkpoint \(compressed-tensors\) does not combine with "
-                                          r"runtime.precision_map"):
+                                          r"runtime.precision_map with runtime.quantized_weights=keep"):
         check_options(EngineOptions(precision_map="map.json"), cfg)
     with pytest.raises(ConfigError, match=r"runtime.tensor_parallel_size=2 \(quantized weights are not split"):
         check_options(EngineOptions(tensor_parallel_size=2), cfg)
-    with pytest.raises(ConfigError, match=r"model.lora_adapters does not combine with a pre-quantized checkpoint"):
+    with pytest.raises(ConfigError, match=r"model.lora_adapters does not combine with a pre-quantized checkpoint "
+                                          r"\(compressed-tensors\) kept as stored"):
         check_lora_options(EngineOptions(), cfg)
+    # dequantized at load, the model is all float linears: both apply
+    check_options(EngineOptions(precision_map="map.json", quantized_weights="dequantize"), cfg)
+    check_lora_options(EngineOptions(quantized_weights="dequantize"), cfg)
+
+
+@pytest.mark.parametrize("groups, message", [
+    ({"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                     "group_size": 32}},
+      "group_1": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                         "group_size": 32, "symmetric": False}}},
+     r"module model.layers.0.mlp.\w+_proj is matched by config groups of different schemes"),
+    ({"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                     "group_size": 32},
+                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+     r"float8 activations with int4 weights is not read"),
+    ({"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor",
+                                                     "symmetric": False}}},
+     r"int4 weights per tensor with zero points is not read"),
+])
+def test_configs_that_cannot_be_read_exactly_are_refused(tmp_path, groups, message):
+    ct_checkpoint("llama", tmp_path / "model", _scheme("W4A16", group_size=32), "pack-quantized",
+                  lambda w, i: _int4(w, 32, True, False, i))
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config["quantization_config"]["config_groups"] = groups
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message):
+        check_checkpoint(tmp_path / "model")
+
+
+def test_group_indices_out_of_range_are_refused_naming_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    scheme = _scheme("W4A16", group_size=32)
+    ct_checkpoint("llama", tmp_path / "model", scheme, "pack-quantized", lambda w, i: _int4(w, 32, True, True, i))
+    path = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.1.self_attn.o_proj.weight_g_idx"
+    tensors[name] = tensors[name].clone()
+    tensors[name][5] = 99
+    save_file(tensors, str(path))
+    check_checkpoint(tmp_path / "model")  # values, not shapes: found when the weights are read
+    with pytest.raises(ModelLoadError, match=rf"{name}: group indices 0..99, but the linear has 2 groups"):
+        cpu_engine(tmp_path / "model")

@@ -50,3 +50,16 @@ def test_fp8_kernel_reads_every_code_and_its_block_scale():
     assert dequant_kernels.dequantize_into(out, "fp8", parts, None)
     assert torch.equal(out, layout.to_float()) is False  # NaN != NaN: compare with NaNs equal
     assert torch.allclose(out, layout.to_float(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_weight_over_the_buffer_is_dequantized_and_multiplied_in_row_blocks(monkeypatch):
+    layout = _int4(50, 64, 32, False)
+    bias = torch.randn(50)
+    module = DequantizingLinear(layout, bias, torch.float32, torch.device("cpu"))
+    x = torch.randn(3, 7, 64)
+    whole = module(x)
+    monkeypatch.setattr(dequant_kernels, "BUFFER_VALUES", 64 * 16)  # 16 rows a block: 4 blocks, the last of 2
+    assert dequant_kernels.block_rows(50, 64) == 16
+    blocked = module(x)
+    assert torch.allclose(blocked, whole, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(whole, torch.nn.functional.linear(x, layout.to_float(), bias), rtol=1e-6, atol=1e-6)
