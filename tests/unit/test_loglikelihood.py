@@ -252,3 +252,33 @@ def test_multiple_choice_job_resumes_after_a_crash_exactly_once(tmp_path):
     generated, errors = output_ids(out)
     assert max((generated + errors).values()) == 1
     assert set(generated) == set(range(6)) and set(errors) == {6}
+
+
+def test_loglikelihood_equals_lm_eval_on_a_second_family(tmp_path, one_thread, texts):
+    """The same parity on a tiny random Qwen2 (q / k / v biases, tied embeddings) with the bundled tokenizer: the
+    scores are not a property of the bundled Llama alone."""
+    import sys
+
+    lm_hf = pytest.importorskip("lm_eval.models.huggingface")
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from model_factory import build
+
+    from flashx_batch.bench.models import add_bundled_tokenizer
+
+    build("qwen2", tmp_path, seed=7, vocab_size=4096, max_position_embeddings=128)
+    add_bundled_tokenizer(tmp_path, 4096)
+    engine = Engine.from_pretrained(tmp_path, max_input_len=MAX_LEN, max_batch_size=4, max_output_len=8,
+                                    long_input="truncate")
+    from transformers import PreTrainedTokenizerFast
+
+    # the tokenizer its files name (`tokenizer_class: PreTrainedTokenizerFast`), as our engine reads it: left to
+    # itself, transformers 5 picks its Qwen2 tokenizer class by the config's model type, which splits this
+    # (Llama-style) tokenizer.json's text differently; real Qwen2 checkpoints ship a tokenizer.json that agrees
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    hf = lm_hf.HFLM(pretrained=str(tmp_path), tokenizer=tokenizer, dtype="float32", batch_size=16, device="cpu",
+                    max_length=MAX_LEN, logits_cache=False)
+    pairs = _pairs(texts, engine)[:40]
+    ours = engine.loglikelihood(pairs)
+    ref = hf.loglikelihood(_instances("loglikelihood", pairs), disable_tqdm=True)
+    assert max(abs(a[0] - b[0]) for a, b in zip(ours, ref, strict=True)) <= 1e-4
+    assert [a[1] for a in ours] == [b[1] for b in ref]
