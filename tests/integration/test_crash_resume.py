@@ -59,12 +59,17 @@ def _manifests(out: Path) -> int:
     return len(list(d.glob("*.json"))) if d.is_dir() else 0
 
 
-def _kill_after(proc, out: Path, commits: int, jitter_s: float, timeout: float = 120) -> bool:
-    """SIGKILL `proc` once `commits` manifests exist (+ jitter); False if it finished first."""
+def _kill_at(proc, out: Path, commits: int, in_flight: bool, timeout: float = 120) -> bool:
+    """SIGKILL `proc` at an event: once `commits` manifests exist, or (`in_flight`) once a shard beyond them
+    has started (its attempt directory exists) — never after a delay, so where it dies does not depend on the
+    machine's speed. False if it finished first."""
     deadline = time.monotonic() + timeout
-    while _manifests(out) < commits and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(jitter_s)
+
+    def reached() -> bool:
+        return _manifests(out) >= commits and (not in_flight or any((out / "_attempts").glob("*")))
+
+    while not reached() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
     if proc.poll() is not None:
         return False
     os.kill(proc.pid, signal.SIGKILL)
@@ -86,15 +91,15 @@ def _assert_exactly_once(out: Path) -> None:
 
 
 def test_sigkill_at_random_points_then_resume(job_args, tmp_path):
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = 20261205  # fixed: the kill points are the same on every run
     rng = random.Random(seed)
     out = tmp_path / "out"
     kills = 0
     for _ in range(8):  # at least 5 kills land before the job can finish on its own
-        target = _manifests(out) + rng.randint(1, 2)  # 1-2 more commits in this run, then a random delay
+        # 1-2 more commits in this run, then die right at the commit or once the next shard is under way
+        target = _manifests(out) + rng.randint(1, 2)
         proc = cli(job_args(out), cwd=tmp_path, background=True)
-        # the delay stays short: on a fast machine a shard commits in a few tens of ms
-        if _kill_after(proc, out, target, rng.uniform(0.0, 0.03)):
+        if _kill_at(proc, out, target, in_flight=rng.random() < 0.5):
             kills += 1
         if kills >= 5:
             break
@@ -116,10 +121,9 @@ def test_sigterm_stops_with_143_and_resumes(job_args, tmp_path):
         time.sleep(0.01)
     assert proc.poll() is None, "finished before it could be interrupted"
     proc.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    log = proc.communicate(timeout=60)[0]
+    log = proc.communicate(timeout=120)[0]
     assert proc.returncode == 143, log[-3000:]
-    assert time.monotonic() - sent < 30  # drained within executor.grace_period_s (the in-flight shard committed)
+    assert not any((out / "_attempts").glob("*"))  # drained: the in-flight shard committed, none abandoned
     record = json.loads((out / "job.json").read_text())
     assert record["status"] == "interrupted"
     assert not (out / "_SUCCESS").exists()
@@ -158,9 +162,8 @@ def test_second_signal_stops_at_once_and_grace_expiry_stops_too(job_args, shards
     time.sleep(1.5)
     assert proc.poll() is None  # draining: waits for the in-flight shard, up to 60 s
     proc.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    proc.communicate(timeout=30)
-    assert proc.returncode == 143 and time.monotonic() - sent < 10
+    proc.communicate(timeout=50)  # well inside the 60 s grace: the second signal did not wait for it
+    assert proc.returncode == 143
     record = json.loads((out / "job.json").read_text())
     assert record["status"] == "interrupted" and record["accounting"]["pending_rows"] > 0
     # the same hang, one signal, a 2 s grace period: the drain gives up on the shard and exits 143
@@ -169,8 +172,9 @@ def test_second_signal_stops_at_once_and_grace_expiry_stops_too(job_args, shards
     _wait_for(lambda: set((out / "_attempts").glob(f"{hung}.*")) - stale or proc.poll() is not None)
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
-    proc.communicate(timeout=30)
-    assert proc.returncode == 143 and 1.5 < time.monotonic() - sent < 15
+    proc.communicate(timeout=120)  # the shard hangs for ever: only the grace period's expiry ends the run
+    # a lower bound only (a slow machine makes it later, never earlier): it honoured the 2 s grace period
+    assert proc.returncode == 143 and time.monotonic() - sent > 1.5
     resumed = cli(job_args(out), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_exactly_once(out)
@@ -241,9 +245,9 @@ def test_samples_and_per_row_sampling_survive_kills_exactly_once(tmp_path):
         return overrides(tiny_model_dir(), data, out, *common, per_row)
 
     out, kills = tmp_path / "out", 0
-    for _ in range(5):
+    for attempt in range(5):
         proc = cli(args(out), cwd=tmp_path, background=True)
-        if _kill_after(proc, out, _manifests(out) + 1, random.uniform(0.0, 0.03)):
+        if _kill_at(proc, out, _manifests(out) + 1, in_flight=attempt % 2 == 1):
             kills += 1
         if kills >= 2:
             break

@@ -18,7 +18,7 @@ def test_presets_are_the_top_level_conf_dir():
     assert {"legal_docs", "smoke", "eval_sweep"} <= set(preset_names())
 
 
-@pytest.mark.parametrize("name", ["legal_docs", "smoke", "eval_sweep"])
+@pytest.mark.parametrize("name", preset_names())
 def test_every_preset_composes(name):
     job = compose_job([f"conf={name}"])
     assert isinstance(job, JobConfig)
@@ -28,11 +28,6 @@ def test_every_preset_composes(name):
     assert resolve_model_dir(job.model.path).name == "legal-tiny"
     data = "legal_eval.parquet" if name == "eval_sweep" else "legal_docs.parquet"  # the sweep evaluates
     assert resolve_data_path(job.data.path).endswith(f"flashx_batch/assets/data/{data}")
-
-
-def test_all_preset_files_compose():
-    for name in preset_names():
-        assert isinstance(compose_job([f"conf={name}"]), JobConfig)
 
 
 def test_legal_docs_is_the_embedded_default():

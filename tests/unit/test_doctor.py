@@ -35,23 +35,29 @@ def run_doctor(*args: str, as_module: bool = False, **env: str) -> subprocess.Co
 
 @pytest.fixture(scope="session")
 def torch_npu_target(tmp_path_factory) -> Path:
-    """The real torch_npu wheel, installed with --no-deps into a temporary directory (no CANN here)."""
-    wheel = os.environ.get("FLASHX_TORCH_NPU_WHEEL")
-    if not wheel:
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashx-batch" / "test-wheels"
-        found = sorted(cache.glob(f"torch_npu-{TORCH_MM}*.whl"))
-        if not found:
-            got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                                  "-d", str(cache), f"torch_npu=={TORCH_MM}.*"],
-                                 capture_output=True, text=True, timeout=600)
-            found = sorted(cache.glob(f"torch_npu-{TORCH_MM}*.whl"))
-            if got.returncode or not found:
-                pytest.skip(f"torch_npu {TORCH_MM} wheel not downloadable here: {got.stderr[-300:]}")
-        wheel = str(found[-1])
+    """torch_npu without CANN, in a directory to put on PYTHONPATH; no network. By default a stand-in built here
+    that works the way the real wheel does: a distribution of this torch's version registering the
+    `torch.backends` entry point torch auto-loads on import, whose import fails loading CANN's libhccl.so. With
+    FLASHX_TORCH_NPU_WHEEL=path/to/torch_npu.whl, that real wheel instead (installed with --no-deps)."""
     target = tmp_path_factory.mktemp("torch_npu_site")
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-                           "--target", str(target), wheel], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+    wheel = os.environ.get("FLASHX_TORCH_NPU_WHEEL")
+    if wheel:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                               "--target", str(target), wheel], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return target
+    version = f"{TORCH_MM}.0"
+    (target / "torch_npu").mkdir()
+    (target / "torch_npu" / "__init__.py").write_text(
+        "import ctypes\n"
+        "__version__ = " + repr(version) + "\n"
+        "ctypes.CDLL('libhccl.so')  # what the real package's native module needs first: absent without CANN\n"
+        "def _autoload():\n    pass\n")
+    info = target / f"torch_npu-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch_npu\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+    (info / "RECORD").write_text("")
     return target
 
 

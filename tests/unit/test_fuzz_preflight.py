@@ -709,5 +709,6 @@ def model_dir() -> Path:
                                  HealthCheck.data_too_large, HealthCheck.large_base_example])
 @given(case=cases())
 def test_dry_run_never_crashes_and_plans_every_id_once(model_dir, case):
-    finding = check_case(model_dir, case)
+    # extra checks too: what the dry run accepted, the real run must be able to write and use
+    finding = check_case(model_dir, case, extra_checks=True)
     assert finding is None, f"{finding.kind}\n{finding.detail}"

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from merge_support import assert_dense_path_equals_scatter
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.errors import ConfigError
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.kvcache.spec import LayerCache
 from flashx_batch.runtime.kv_merge import (
@@ -124,7 +125,6 @@ def test_presets_set_both_dials_and_an_explicit_value_overrides_its_own():
     from types import SimpleNamespace
 
     from flashx_batch.config import JobConfig
-    from flashx_batch.errors import ConfigError
     from flashx_batch.runner.fingerprint import compute
     from flashx_batch.runtime.options import KV_PRESETS, EngineOptions
 
@@ -375,6 +375,9 @@ def test_rolling_merge_completes_a_prompt_three_times_max_input_len(llama_dir):
     assert engine.scheduler.allocator.is_whole()
     reference = _engine(llama_dir).generate([long_prompt[:50]], SamplingParams(max_new_tokens=16, ignore_eos=True))
     assert out[1].token_ids == reference[0].token_ids  # a short row in the same batch is unaffected
+    # the long row's tokens are its own, not its batch's: the same alone
+    alone = engine.generate([long_prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    assert out[0].token_ids == alone.token_ids
 
 
 def test_merged_keys_are_averaged_before_rope_and_rotated_to_the_mean_position():
@@ -435,7 +438,7 @@ def test_stripes_hold_every_prompt_length_at_awkward_fractions(llama_dir):
                      max_output_len=9, kv_observe_window=8)
     out = engine.generate([_prompts((63,))[0]], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
     assert out.num_generated_tokens == 9
-    with pytest.raises(Exception, match="longer than a row"):
+    with pytest.raises(ConfigError, match="longer than a row"):
         engine.score([[5] * (engine.geometry.row_capacity + 1)])
 
 
