@@ -436,8 +436,13 @@ def test_stripes_hold_every_prompt_length_at_awkward_fractions(llama_dir):
     """Rounding the merge count can leave a shorter prompt longer once merged; the stripe must fit it."""
     engine = _engine(llama_dir, cache_policy="segment_sparse", kv_merge_fraction=0.4, max_input_len=64,
                      max_output_len=9, kv_observe_window=8)
-    out = engine.generate([_prompts((63,))[0]], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
-    assert out.num_generated_tokens == 9
+    prompt = _prompts((63,))[0]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=9, ignore_eos=True))[0]
+    assert out.num_generated_tokens == 9 and engine.scheduler.allocator.is_whole()
+    # the first token comes from the uncompressed prefill: the static cache's; the rest fit the stripe
+    static = _engine(llama_dir, max_input_len=64, max_output_len=9)
+    assert out.token_ids[:1] == static.generate([prompt], SamplingParams(max_new_tokens=1))[0].token_ids
+    assert engine.last_stats.kv_bytes_peak < engine.last_stats.kv_bytes_static_peak  # merged, not kept whole
     with pytest.raises(ConfigError, match="longer than a row"):
         engine.score([[5] * (engine.geometry.row_capacity + 1)])
 
