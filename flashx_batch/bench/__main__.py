@@ -49,6 +49,7 @@ from flashx_batch.bench import eval_mc, memory, report
 from flashx_batch.bench.gate import GateCheck, GateFailure
 from flashx_batch.bench.models import (
     LLAMA_27M,
+    MOE_SHAPES,
     QWEN3_MOE_78M,
     moe_shape,
     parameter_count,
@@ -105,6 +106,8 @@ FULL_PLAN = ModelPlan()
 MOE_PLAN = ModelPlan(workloads=("W1",), variants=("transformers_arrival", "ours_bucketed"), sweep=False,
                      targets=report.MOE_TARGETS)
 BUILTIN_MODELS = ("bundled-tiny", "llama-27m", "qwen3-moe")
+# the many-expert shapes (`bench.models.MOE_SHAPES`): by name only, not in the default run
+MANY_EXPERT_MODELS = tuple(MOE_SHAPES)
 
 
 @dataclass
@@ -144,6 +147,8 @@ def builtin_model(name: str, scratch: Path) -> tuple[Path, ModelPlan]:
         return random_llama(LLAMA_27M, out_dir=scratch / name), FULL_PLAN
     if name == "qwen3-moe":
         return random_qwen3_moe(QWEN3_MOE_78M, out_dir=scratch / name), MOE_PLAN
+    if name in MOE_SHAPES:
+        return random_qwen3_moe(MOE_SHAPES[name], out_dir=scratch / name), MOE_PLAN
     raise KeyError(name)
 
 
@@ -152,7 +157,7 @@ def resolve_models(names: list[str] | None, scratch: Path) -> dict[str, tuple[Pa
     A directory runs the full plan under its own name."""
     out = {}
     for value in names or BUILTIN_MODELS:
-        if value in BUILTIN_MODELS:
+        if value in BUILTIN_MODELS or value in MANY_EXPERT_MODELS:
             out[value] = builtin_model(value, scratch)
         else:
             out[Path(value).name] = (Path(value), FULL_PLAN)

@@ -26,6 +26,13 @@ QWEN3_MOE_78M = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, 
                      num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
                      mlp_only_layers=[], max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
                      eos_token_id=2, initializer_range=0.1)  # wide init: as LLAMA_27M
+# many-expert shapes (GLM-4.5 / DeepSeek-V3 route 8 of 128-256): 4 layers at hidden 256, so that a CPU run fits
+_MANY = dict(QWEN3_MOE_78M, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=8192)
+QWEN3_MOE_16X4 = dict(_MANY, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
+QWEN3_MOE_64X8 = dict(_MANY, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256)
+QWEN3_MOE_128X8 = dict(_MANY, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=128)
+MOE_SHAPES = {"qwen3-moe-16x4": QWEN3_MOE_16X4, "qwen3-moe-64x8": QWEN3_MOE_64X8, "qwen3-moe-128x8": QWEN3_MOE_128X8}
 
 
 def _save_random(config_cls: str, model_cls: str, shape: dict, seed: int, out_dir: Path | None,

@@ -1,7 +1,14 @@
-"""Mixture-of-experts MLP: a router picks `top_k` experts per token; tokens are grouped by expert and
-each active expert runs one matmul over all of its tokens (no per-token loop). Each expert count is
-read back to the host once per layer (a Python loop over the active experts): no CUDA graphs, no ONNX
-export for these models yet; a fixed-shape grouped matmul would lift both.
+"""Mixture-of-experts MLP: a router picks `top_k` experts per token; the (token, expert) pairs are sorted
+by expert, so each expert's tokens are one contiguous run, and the experts run in one of two ways:
+
+- **grouped** (few rows per expert, as decode steps with many experts give): one grouped GEMM per
+  projection over all experts at once (`torch._grouped_mm`, the sorted rows and each expert's end offset),
+  no host read-back and no Python loop over experts. Same products as the loop, bit for bit, on the CPU.
+- **loop** (many rows per expert: prefills): one matmul per active expert, through its oneDNN-packed copy
+  on the CPU, after reading the expert counts back to the host once per layer.
+
+`GROUPED_MAX_ROWS` picks between them by the average rows an expert gets; where this torch has no grouped
+GEMM for the device and dtype (probed once), the loop serves every call. No ONNX export for these models yet.
 
 Expert weights live stacked, `[experts, 2 x intermediate, hidden]` (gate and up fused) and
 `[experts, hidden, intermediate]`, filled straight from the checkpoint's per-expert tensors by the
@@ -19,6 +26,29 @@ from flashx_batch.backends import on_host
 from flashx_batch.backends.cpu import onednn_linear, onednn_pack
 from flashx_batch.models.config import MoESpec
 from flashx_batch.models.layers import GatedMLP, Linear
+
+# rows per expert (pairs / experts) up to which the grouped GEMM runs: measured on the CPU at hidden 256, one
+# thread, the grouped form 1.6-1.9x the loop's speed at a decode step (8 tokens, 16-128 experts), equal near
+# 128 rows an expert, and the loop over packed weights ahead past it (docs/benchmarks.md, "Mixture of experts")
+GROUPED_MAX_ROWS = 96
+_grouped_ok: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs here for `dtype`, checked once per (device type, dtype) on a tiny case
+    against per-group matmuls."""
+    key = (device.type, dtype)
+    if key not in _grouped_ok:
+        try:
+            g = torch.Generator().manual_seed(0)
+            a, b = torch.randn(5, 16, generator=g), torch.randn(3, 8, 16, generator=g)
+            offs = torch.tensor([2, 2, 5], dtype=torch.int32, device=device)
+            got = torch._grouped_mm(a.to(device, dtype), b.to(device, dtype).transpose(1, 2), offs=offs).float().cpu()
+            want = torch.cat([a[:2] @ b[0].T, a[2:] @ b[2].T])
+            _grouped_ok[key] = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _grouped_ok[key] = False
+    return _grouped_ok[key]
 
 
 class SparseMoE(nn.Module):
@@ -59,6 +89,24 @@ class SparseMoE(nn.Module):
             return onednn_linear(x, self.packed[expert][which])
         return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
 
+    def _grouped(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Sorted rows [pairs, hidden] through their experts (`ends`: each expert's end offset): [pairs, hidden]."""
+        gate, up = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=ends).split(
+            self.spec.intermediate, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.experts_down.transpose(1, 2), offs=ends)
+
+    def _loop(self, flat: torch.Tensor, tokens: torch.Tensor, slot_weights: torch.Tensor, counts: list[int],
+              out: torch.Tensor) -> None:
+        inter, start = self.spec.intermediate, 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            gate, up = self._expert_linear(flat[rows], expert, 0).split(inter, dim=-1)
+            h = self._expert_linear(F.silu(gate) * up, expert, 1) * slot_weights[start : start + count, None]
+            out.index_add_(0, rows, h.float())  # experts in ascending order
+            start += count
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (chosen experts [N, top_k], their weights [N, top_k]): softmax over every
         expert in float32, the top k, renormalised over them with `norm_topk_prob`; or sigmoid routing
@@ -97,16 +145,13 @@ class SparseMoE(nn.Module):
         flat_choice = chosen.reshape(-1)
         order = flat_choice.argsort(stable=True)
         tokens, slot_weights = order // self.spec.top_k, weights.reshape(-1)[order]
-        counts = torch.bincount(flat_choice, minlength=self.spec.num_experts).tolist()
-        inter, start = self.spec.intermediate, 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start : start + count]
-            gate, up = self._expert_linear(flat[rows], expert, 0).split(inter, dim=-1)
-            h = self._expert_linear(F.silu(gate) * up, expert, 1) * slot_weights[start : start + count, None]
-            out.index_add_(0, rows, h.float())  # experts in ascending order
-            start += count
+        counts = torch.bincount(flat_choice, minlength=self.spec.num_experts)
+        if (len(flat_choice) <= GROUPED_MAX_ROWS * self.spec.num_experts
+                and grouped_mm_available(flat.device, flat.dtype)):
+            h = self._grouped(flat[tokens], counts.cumsum(0).to(torch.int32)) * slot_weights[:, None]
+            out.index_add_(0, tokens, h.float())  # rows in expert order: each token's experts ascending
+        else:
+            self._loop(flat, tokens, slot_weights, counts.tolist(), out)
         out = out.to(flat.dtype)
         if self.shared is not None:
             shared = self.shared.forward(flat)
