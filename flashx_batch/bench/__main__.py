@@ -10,13 +10,15 @@ tokenizer.json; default the bundled model), writing DIR/peers/peers.json. Peers 
 
 Models (`--model`, repeatable; default all three names): `bundled-tiny` (the bundled model),
 `llama-27m` (a random ~27 M-parameter Llama), `qwen3-moe` (a random 78 M-parameter Qwen3-MoE, 8
-experts, top-2: the mixture-of-experts workload), or a Hugging Face model directory.
+experts, top-2: the mixture-of-experts workload), or a Hugging Face model directory. By name only (not
+in the default run): the many-expert shapes `qwen3-moe-16x4`, `qwen3-moe-64x8`, `qwen3-moe-128x8` (random
+Qwen3-MoE, 4 layers at hidden 256, experts x top-k; `bench.models.MOE_SHAPES`), on the MoE plan.
 
 Per dense model (and any directory): load every variant, run the correctness gate on a sample of each
 workload (also the warm-up), then time every variant on W1, W2, W3, interleaved, `--repeats` times
 (rotating who goes first), re-checking the gate on the timed outputs; then sweep the batch size on W1
 for the plots. `qwen3-moe` runs the same on W1 only, `transformers_arrival` against `ours_bucketed`,
-without the sweep (target: ours ÷ transformers >= 2.0). Then, per model, each of those two variants
+without the sweep (target: ours ÷ transformers >= 2.5). Then, per model, each of those two variants
 runs W1 once more in a fresh process of its own for its peak host RSS (`bench.memory`; `--no-memory`
 skips it). Then the evaluation workload (`bench.eval_mc`): multiple choice on the bundled eval set
 (240 items x 4 choices; 48 with --quick) through our `task=multiple_choice` job against
