@@ -92,6 +92,36 @@ def test_routing_groups_tokens_by_expert_and_weights_them():
     assert torch.allclose(weights.sum(-1), torch.ones(10))  # norm_topk_prob
 
 
+@pytest.mark.parametrize("tokens, form", [(3, "grouped"), (40, "grouped"), (800, "loop")])
+def test_grouped_experts_equal_the_loop_and_serve_few_rows_an_expert(tokens, form, monkeypatch):
+    """The grouped GEMM form (few rows an expert, empty experts included) gives the loop's output bit for bit
+    on the CPU and is the form a decode-sized call takes; many rows an expert (a prefill) take the loop."""
+    from flashx_batch.models import moe as moe_module
+    from flashx_batch.models.config import MoESpec
+
+    if not moe_module.grouped_mm_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no grouped GEMM on the CPU")
+    torch.manual_seed(1)
+    spec = MoESpec(num_experts=32, top_k=4, intermediate=24, norm_topk_prob=True, sparse_layers=(True,))
+    moe = SparseMoE(spec, 48, torch.float32, torch.device("cpu"))
+    for p in moe.parameters():
+        p.data.normal_()
+    x = torch.randn(tokens, 48)
+    original, calls = SparseMoE._grouped, []
+
+    def spy(self, rows, ends):
+        calls.append(len(rows))
+        return original(self, rows, ends)
+
+    monkeypatch.setattr(SparseMoE, "_grouped", spy)
+    first = moe.forward(x)
+    assert calls == ([tokens * 4] if form == "grouped" else [])
+    monkeypatch.setattr(moe_module, "GROUPED_MAX_ROWS", 0 if form == "grouped" else 10**9)  # the other form
+    assert torch.equal(first, moe.forward(x))
+    if tokens == 3:  # 12 rows over 32 experts: empty experts in the grouped GEMM
+        assert int(torch.bincount(moe.route(x)[0].reshape(-1), minlength=32).eq(0).sum()) > 0
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_bfloat16_experts_sum_as_the_reference_block_does(arch, moe_models):
     """In bfloat16 the routing weights' dtype and where the expert outputs are summed and rounded decide
