@@ -114,12 +114,35 @@ def test_grouped_experts_equal_the_loop_and_serve_few_rows_an_expert(tokens, for
         return original(self, rows, ends)
 
     monkeypatch.setattr(SparseMoE, "_grouped", spy)
+    monkeypatch.setattr(moe_module, "DECODE_MAX_PAIRS", 0)  # the grouped GEMM, not the host decode kernel
     first = moe.forward(x)
     assert calls == ([tokens * 4] if form == "grouped" else [])
     monkeypatch.setattr(moe_module, "GROUPED_MAX_ROWS", 0 if form == "grouped" else 10**9)  # the other form
     assert torch.equal(first, moe.forward(x))
     if tokens == 3:  # 12 rows over 32 experts: empty experts in the grouped GEMM
         assert int(torch.bincount(moe.route(x)[0].reshape(-1), minlength=32).eq(0).sum()) > 0
+
+
+def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loop(monkeypatch):
+    from flashx_batch.backends import cpu_moe
+    from flashx_batch.models import moe as moe_module
+    from flashx_batch.models.config import MoESpec
+
+    if cpu_moe.kernel() is None:
+        pytest.skip("numba unavailable")
+    torch.manual_seed(2)
+    spec = MoESpec(num_experts=64, top_k=8, intermediate=40, norm_topk_prob=True, sparse_layers=(True,))
+    moe = SparseMoE(spec, 56, torch.float32, torch.device("cpu"))
+    for p in moe.parameters():
+        p.data.normal_()
+    x = torch.randn(8, 56)  # a decode step: 64 pairs
+    original, calls = SparseMoE._decode_rows, []
+    monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
+    fast = moe.forward(x)
+    monkeypatch.setattr(moe_module, "DECODE_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe_module, "GROUPED_MAX_ROWS", 0)
+    looped = moe.forward(x)
+    assert calls == [1] and torch.allclose(fast, looped, rtol=1e-5, atol=1e-4)  # sums reassociated: last bits
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
