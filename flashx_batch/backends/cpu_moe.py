@@ -3,10 +3,11 @@ in one compiled call over all pairs.
 
 A decode step at batch 8 with 8 of 128 experts per token has ~64 pairs spread over ~50 experts, one or two
 rows each. `torch._grouped_mm` on the CPU walks every expert, empty ones included, with a dispatch per
-expert (about a fifth of such a step went to that bookkeeping); here the pairs, already sorted by expert,
-are cut into (pair, block of outputs) tasks run in parallel, each a few dot products over the hidden width
-read straight from the stacked weights. Sums are vectorised (reassociated): last-bit differences from a
-GEMM, as between BLAS kernels. Compiled with numba on first use (cached on disk where writable); where
+expert (about a fifth of such a step went to that bookkeeping). Here the pairs, already sorted by expert,
+are cut into (expert's run of rows, block of outputs) tasks run in parallel: each weight row is read once
+for the run's few dot products over the hidden width, straight from the stacked weights. Sums are
+vectorised (reassociated): last-bit differences from a GEMM, as between BLAS kernels.
+Compiled with numba on first use (cached on disk where writable); where
 numba is missing or fails, None, and the caller's grouped GEMM serves.
 """
 
@@ -36,20 +37,31 @@ def kernel():
     block = OUTPUTS_PER_TASK
 
     def expert_rows(x, experts, weights, out):  # pragma: no cover - compiled
-        """x [P, H] float32, experts [P] int64 (the expert of each row), weights [E, O, H] -> out [P, O]."""
+        """x [P, H] float32 sorted by expert, experts [P] int64 (non-decreasing), weights [E, O, H] -> out [P, O].
+        A task is one expert's run of rows and a block of outputs: each weight row is read once for the run."""
         pairs, width = x.shape
         outputs = weights.shape[1]
+        starts = np.empty(pairs + 1, np.int64)
+        runs = 0
+        for p in range(pairs):
+            if p == 0 or experts[p] != experts[p - 1]:
+                starts[runs] = p
+                runs += 1
+        starts[runs] = pairs
         blocks = (outputs + block - 1) // block
-        for task in prange(pairs * blocks):
-            p = task // blocks
-            first = (task - p * blocks) * block
-            row, expert = x[p], experts[p]
+        for task in prange(runs * blocks):
+            run = task // blocks
+            first = (task - run * blocks) * block
+            begin, end = starts[run], starts[run + 1]
+            expert = experts[begin]
             for o in range(first, min(outputs, first + block)):
                 w = weights[expert, o]
-                acc = np.float32(0.0)
-                for h in range(width):
-                    acc += row[h] * w[h]
-                out[p, o] = acc
+                for p in range(begin, end):
+                    row = x[p]
+                    acc = np.float32(0.0)
+                    for h in range(width):
+                        acc += row[h] * w[h]
+                    out[p, o] = acc
 
     try:
         try:
