@@ -138,15 +138,21 @@ def _kernel():
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
-def _compile(numba, source):
-    """`source` as a lazily compiling dispatcher with numba's on-disk cache (next to this file, or numba's
-    user cache for a read-only install; where neither is writable, without one). Nothing is compiled
-    here: `_ready` compiles the layouts and dtypes a job reads, on first use."""
+def compile_kernel(numba, source, **options):
+    """`source` jitted with numba's on-disk cache (next to the package or numba's user cache), or without
+    one where neither is writable (a read-only install: compiled in each process). Shared by every numba
+    kernel of the package."""
     try:
-        return numba.njit(parallel=True, fastmath=_FASTMATH, cache=True)(source)
-    except RuntimeError as exc:  # "cannot cache function ...: no locator available" (read-only install)
-        log.info("no writable numba cache (%s): the CPU decode kernel compiles in every process", exc)
-        return numba.njit(parallel=True, fastmath=_FASTMATH)(source)
+        return numba.njit(cache=True, **options)(source)
+    except RuntimeError as exc:  # "cannot cache function ...: no locator available"
+        log.info("no writable numba cache (%s): %s compiles in every process", exc, source.__name__)
+        return numba.njit(**options)(source)
+
+
+def _compile(numba, source):
+    """`source` as a lazily compiling dispatcher (`compile_kernel`). Nothing is compiled here: `_ready`
+    compiles the layouts and dtypes a job reads, on first use."""
+    return compile_kernel(numba, source, parallel=True, fastmath=_FASTMATH)
 
 
 # the kernel's three read layouts, each as a tiny constant-cache call: (cache shape, slot table, lengths)

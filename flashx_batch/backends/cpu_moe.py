@@ -20,6 +20,8 @@ import threading
 import numpy as np
 import torch
 
+from flashx_batch.backends.cpu_decode import compile_kernel
+
 log = logging.getLogger(__name__)
 OUTPUTS_PER_TASK = 32  # outputs of one pair a task computes: enough tasks to share out, few enough per call
 _calls = threading.Lock()  # numba's parallel regions entered one thread at a time (`quant.dequant_kernels`)
@@ -64,10 +66,7 @@ def kernel():
                     out[p, o] = acc
 
     try:
-        try:
-            compiled = numba.njit(parallel=True, fastmath=True, cache=True)(expert_rows)
-        except RuntimeError:  # "cannot cache function ...: no locator available" (a read-only install)
-            compiled = numba.njit(parallel=True, fastmath=True)(expert_rows)
+        compiled = compile_kernel(numba, expert_rows, parallel=True, fastmath=True)
         probe = np.zeros((1, 2), np.float32)
         compiled(np.ones((1, 4), np.float32), np.zeros(1, np.int64), np.ones((1, 2, 4), np.float32), probe)
         if not np.allclose(probe, 4.0):

@@ -160,7 +160,7 @@ class _QuantizedSlot(nn.Module):
 
 
 def load_weights(model: DecoderModel, model_dir: Path, scanned: Scanned | None = None,
-                 quantized_linears: QuantizedLinearFactory | None = None) -> None:
+                 quantized_linears: QuantizedLinearFactory | None = None, scheme: Scheme | None = None) -> None:
     """Fill every parameter of `model` from the checkpoint. Everything that can be wrong with it is
     found by `route_checkpoint` from the headers first; this only reads and copies.
 
@@ -180,7 +180,7 @@ def load_weights(model: DecoderModel, model_dir: Path, scanned: Scanned | None =
         raise ModelLoadError(f"{model_dir}: loading safetensors needs a little-endian host.")
     params = dict(model.named_parameters(remove_duplicate=False))
     shard, cfg = model.shard, model.config
-    scheme = checkpoint_scheme(model_dir)
+    scheme = scheme if scanned is not None else checkpoint_scheme(model_dir)  # `scanned` came with its scheme
     if scheme is not None and shard is not None:
         raise ModelLoadError(f"{model_dir}: a pre-quantized checkpoint ({scheme.describe()}) loads on one rank; "
                              "tensor parallelism over it is not supported yet (runtime.tensor_parallel_size=1).")
@@ -241,11 +241,10 @@ def _layout(scheme: Scheme, read: QuantizedRead, whole: WholeTensors) -> RowLayo
     return scheme.layout(read, {part: whole.read(*source) for part, source in read.parts.items()})
 
 
-def keep_quantized(model: DecoderModel, scanned: Scanned) -> int:
+def keep_quantized(model: DecoderModel, scanned: Scanned) -> None:
     """Replace each of the meta-built `model`'s linears whose weight the checkpoint holds quantized (every part of
-    it) by a `_QuantizedSlot`, so that `to_empty` allocates no float weight for it. Returns how many."""
+    it) by a `_QuantizedSlot`, so that `to_empty` allocates no float weight for it."""
     routes, special, _ = scanned
-    count = 0
     for name, sources in routes.items():
         path, _, leaf = name.rpartition(".")
         if leaf != "weight" or not all(h in special for _, h in sources) or path.endswith(_READ_AS_WEIGHTS):
@@ -254,8 +253,6 @@ def keep_quantized(model: DecoderModel, scanned: Scanned) -> int:
         module = model.get_submodule(path) if parent else None
         if isinstance(module, Linear) and module.lora is None:
             setattr(model.get_submodule(parent), child, _QuantizedSlot(module))
-            count += 1
-    return count
 
 
 def _fill(fh, view: memoryview, path: Path, hf_name: str) -> None:
@@ -422,7 +419,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
-    load_weights(model, model_dir, scanned, quantized_linears)
+    load_weights(model, model_dir, scanned, quantized_linears, scheme)
     model.build_rotary(max_positions)
     model.eval()
     return model

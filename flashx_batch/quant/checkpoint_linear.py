@@ -55,6 +55,16 @@ class DequantizingLinear(nn.Module):
             self.register_buffer("q", layout.q.to(device))
             self.register_buffer("scales", layout.scales.to(device))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype=dtype, device=device).clone())
+        self._parts = self._kernel_parts()
+
+    def _kernel_parts(self) -> dict:
+        """What `dequant_kernels.dequantize_into` reads: built once, not per call (rebuilt when buffers move)."""
+        return dict(self.named_buffers(), block_cols=getattr(self, "block_cols", None))
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._parts = self._kernel_parts()
+        return out
 
     def layout(self) -> RowLayout:
         if self.fmt == "int4":
@@ -67,7 +77,7 @@ class DequantizingLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if on_host(x) and dequant_kernels.kernels() is not None:
-            parts = dict(self.named_buffers(), block_cols=getattr(self, "block_cols", None))
+            parts = self._parts
             step = dequant_kernels.block_rows(self.out_features, self.in_features)
             out = None if step == self.out_features else x.new_empty(*x.shape[:-1], self.out_features)
             for first in range(0, self.out_features, step):

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import torch
 
-from flashx_batch.quant.row_kernel import compile_kernel
+from flashx_batch.backends.cpu_decode import compile_kernel
 
 log = logging.getLogger("flashx_batch.quant.dequant_kernels")
 _local = threading.local()  # each thread's reusable float32 buffer (engines in threads never share one)

@@ -206,7 +206,7 @@ def compiled_kernels() -> Kernels | None:
             out[i] = sum_squares(x[i], lanes) / np.float32(x.shape[1])
 
     try:
-        compiled = {fn.__name__: row_kernel.compile_kernel(numba, fn)
+        compiled = {fn.__name__: cpu_decode.compile_kernel(numba, fn)
                     for fn in (norm_round, residual_norm_round, rope_write, dequant_rows, sum_rows)}
         lanes = _sum_lanes(compiled.pop("sum_rows"))
         if lanes is None:

@@ -20,6 +20,8 @@ import logging
 
 import numpy as np
 
+from flashx_batch.backends.cpu_decode import compile_kernel
+
 log = logging.getLogger("flashx_batch.quant.row_kernel")
 
 NO_ROTATION = np.zeros((0, 0), np.float32)  # `round_rows`' hadamard when rows are rounded as they are
@@ -114,13 +116,6 @@ def register():
     return numba
 
 
-def compile_kernel(numba, source, **options):
-    """`source` jitted with numba's on-disk cache (next to the package or numba's user cache), or without
-    one where neither is writable (a read-only install: compiled in each process)."""
-    try:
-        return numba.njit(cache=True, **options)(source)
-    except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(**options)(source)
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import pytest
 import torch
 from model_factory import build
 from parity_support import cpu_engine, hf_greedy, prompts
+from quantized_support import projections, quantized_checkpoint
 
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.loader import check_checkpoint
@@ -77,25 +78,9 @@ def ct_checkpoint(arch: str, directory, scheme, fmt: str, quantize):
     QuantizationScheme targeting `Linear`), each projection quantized by `quantize(weight, index)`; returns
     transformers' model on the dequantized float32 weights."""
     from compressed_tensors.quantization import QuantizationConfig
-    from safetensors.torch import load_file, save_file
 
-    hf = build(arch, directory)
-    tensors = load_file(str(directory / "model.safetensors"))
-    reference = directory.parent / f"{directory.name}-dequantized"
-    hf.save_pretrained(reference)
-    dequantized = dict(tensors)
-    for i, name in enumerate(list(tensors)):
-        if name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
-            parts, dequantized[name] = quantize(tensors[name].float(), i)
-            del tensors[name]
-            tensors.update({name[: -len("weight")] + part: value for part, value in parts.items()})
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    save_file(dequantized, str(reference / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
     quant = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"])
-    config["quantization_config"] = json.loads(quant.model_dump_json())
-    (directory / "config.json").write_text(json.dumps(config))
-    return type(hf).from_pretrained(reference, dtype=torch.float32).eval()
+    return quantized_checkpoint(arch, directory, projections(quantize, LINEARS), json.loads(quant.model_dump_json()))
 
 
 def _scheme(preset: str, **weights):

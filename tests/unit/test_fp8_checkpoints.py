@@ -11,6 +11,7 @@ import pytest
 import torch
 from model_factory import build
 from parity_support import cpu_engine, hf_greedy, prompts
+from quantized_support import quantized_checkpoint
 
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.loader import check_checkpoint
@@ -43,26 +44,19 @@ def fp8_checkpoint(arch: str, directory, rows: int, cols: int):
     """A random `arch` model saved as an FP8 block-wise checkpoint in `directory`; returns transformers' model
     loaded from the same weights dequantized to float32 (the reference; saved beside it in float32), and how
     many tensors were quantized."""
-    from safetensors.torch import load_file, save_file
+    quantized = []
 
-    hf = build(arch, directory)
-    tensors = load_file(str(directory / "model.safetensors"))
-    reference = directory.parent / f"{directory.name}-dequantized"
-    hf.save_pretrained(reference)
-    dequantized = dict(tensors)
-    count = 0
-    for name in list(tensors):
-        if _quantized(name, tensors[name]):
-            q, scale, dequantized[name] = quantize_blocks(tensors[name].float(), rows, cols)
-            tensors[name], tensors[name + "_scale_inv"] = q, scale
-            count += 1
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    save_file(dequantized, str(reference / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [rows, cols]}
-    (directory / "config.json").write_text(json.dumps(config))
-    return type(hf).from_pretrained(reference, dtype=torch.float32).eval(), count
+    def quantize(name: str, weight: torch.Tensor, index: int):
+        if not _quantized(name, weight):
+            return None
+        q, scale, dequantized = quantize_blocks(weight, rows, cols)
+        quantized.append(name)
+        return {name: q, name + "_scale_inv": scale}, dequantized
+
+    hf = quantized_checkpoint(arch, directory, quantize, {"quant_method": "fp8", "fmt": "e4m3",
+                                                          "activation_scheme": "dynamic",
+                                                          "weight_block_size": [rows, cols]})
+    return hf, len(quantized)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3"])

@@ -6,12 +6,10 @@ are refused naming the tensor."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from model_factory import build
 from parity_support import cpu_engine, hf_greedy, prompts
+from quantized_support import projections, quantized_checkpoint
 
 from flashx_batch.errors import ModelLoadError
 from flashx_batch.models.loader import check_checkpoint
@@ -90,28 +88,11 @@ def _pack_rows_gptq(q: torch.Tensor) -> torch.Tensor:
 def int4_checkpoint(arch: str, directory, method: str, group: int, sym: bool, desc_act: bool = False,
                     v2: bool = False):
     """A random `arch` model saved packed as `method` int4; transformers' model on the dequantized weights."""
-    from safetensors.torch import load_file, save_file
-
-    hf = build(arch, directory)
-    tensors = load_file(str(directory / "model.safetensors"))
-    reference = directory.parent / f"{directory.name}-dequantized"
-    hf.save_pretrained(reference)
-    dequantized = dict(tensors)
-    for i, name in enumerate(list(tensors)):
-        if name.endswith(tuple(f"{linear}.weight" for linear in LINEARS)):
-            parts, dequantized[name] = quantize_linear(tensors[name].float(), method, group, sym, desc_act, v2, i)
-            del tensors[name]
-            base = name[: -len("weight")]
-            tensors.update({base + part: value for part, value in parts.items()})
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    save_file(dequantized, str(reference / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
     quant = {"quant_method": method, "bits": 4, "group_size": group}
     quant.update({"sym": sym, "desc_act": desc_act, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
                  if method == "gptq" else {"zero_point": True, "version": "gemm"})
-    config["quantization_config"] = quant
-    (directory / "config.json").write_text(json.dumps(config))
-    return type(hf).from_pretrained(reference, dtype=torch.float32).eval()
+    pack = projections(lambda w, i: quantize_linear(w, method, group, sym, desc_act, v2, i), LINEARS)
+    return quantized_checkpoint(arch, directory, pack, quant)
 
 
 CASES = [("gptq", 32, True, False, False), ("gptq", 16, False, True, False), ("gptq", -1, False, False, True),

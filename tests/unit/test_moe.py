@@ -92,20 +92,28 @@ def test_routing_groups_tokens_by_expert_and_weights_them():
     assert torch.allclose(weights.sum(-1), torch.ones(10))  # norm_topk_prob
 
 
+def _random_moe(experts: int, top_k: int, intermediate: int, hidden: int, seed: int) -> SparseMoE:
+    """A float32 CPU `SparseMoE` with normal random weights (router included)."""
+    from flashx_batch.models.config import MoESpec
+
+    torch.manual_seed(seed)
+    spec = MoESpec(num_experts=experts, top_k=top_k, intermediate=intermediate, norm_topk_prob=True,
+                   sparse_layers=(True,))
+    moe = SparseMoE(spec, hidden, torch.float32, torch.device("cpu"))
+    for p in moe.parameters():
+        p.data.normal_()
+    return moe
+
+
 @pytest.mark.parametrize("tokens, form", [(3, "grouped"), (40, "grouped"), (800, "loop")])
 def test_grouped_experts_equal_the_loop_and_serve_few_rows_an_expert(tokens, form, monkeypatch):
     """The grouped GEMM form (few rows an expert, empty experts included) gives the loop's output bit for bit
     on the CPU and is the form a decode-sized call takes; many rows an expert (a prefill) take the loop."""
     from flashx_batch.models import moe as moe_module
-    from flashx_batch.models.config import MoESpec
 
     if not moe_module.grouped_mm_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no grouped GEMM on the CPU")
-    torch.manual_seed(1)
-    spec = MoESpec(num_experts=32, top_k=4, intermediate=24, norm_topk_prob=True, sparse_layers=(True,))
-    moe = SparseMoE(spec, 48, torch.float32, torch.device("cpu"))
-    for p in moe.parameters():
-        p.data.normal_()
+    moe = _random_moe(experts=32, top_k=4, intermediate=24, hidden=48, seed=1)
     x = torch.randn(tokens, 48)
     original, calls = SparseMoE._grouped, []
 
@@ -126,15 +134,10 @@ def test_grouped_experts_equal_the_loop_and_serve_few_rows_an_expert(tokens, for
 def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loop(monkeypatch):
     from flashx_batch.backends import cpu_moe
     from flashx_batch.models import moe as moe_module
-    from flashx_batch.models.config import MoESpec
 
     if cpu_moe.kernel() is None:
         pytest.skip("numba unavailable")
-    torch.manual_seed(2)
-    spec = MoESpec(num_experts=64, top_k=8, intermediate=40, norm_topk_prob=True, sparse_layers=(True,))
-    moe = SparseMoE(spec, 56, torch.float32, torch.device("cpu"))
-    for p in moe.parameters():
-        p.data.normal_()
+    moe = _random_moe(experts=64, top_k=8, intermediate=40, hidden=56, seed=2)
     x = torch.randn(8, 56)  # a decode step: 64 pairs
     original, calls = SparseMoE._decode_rows, []
     monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
