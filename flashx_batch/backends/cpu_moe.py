@@ -9,6 +9,10 @@ for the run's few dot products over the hidden width, straight from the stacked 
 vectorised (reassociated): last-bit differences from a GEMM, as between BLAS kernels.
 Compiled with numba on first use (cached on disk where writable); where
 numba is missing or fails, None, and the caller's grouped GEMM serves.
+
+`int8_expert_rows` is the same walk over int8 experts (`quant.int8_experts`): rows already rounded to int8
+per row, products summed exactly in int32, then scaled in the order `torch._int_mm`'s callers scale them
+(`quant.formats.int8_dynamic_matmul`), so a row's outputs are the same bits whichever of the two serves it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ _calls = threading.Lock()  # numba's parallel regions entered one thread at a ti
 
 @functools.cache
 def kernel():
-    """The compiled `expert_rows(x, experts, weights, out)`, or None."""
+    """(numba, the compiled `expert_rows(x, experts, weights, out)`, the compiled int8 walk), or None."""
     try:
         import numba
         from numba import prange
@@ -65,16 +69,48 @@ def kernel():
                         acc += row[h] * w[h]
                     out[p, o] = acc
 
+    def int8_rows(codes, peaks, experts, q, scales, inv, out):  # pragma: no cover - compiled
+        """codes [P, K] int8 sorted by expert, peaks [P] float32 (each row's absolute maximum), experts [P],
+        q [E, O, K] int8, scales [E, O] float32, inv the rounding grid's step -> out [P, O]."""
+        pairs, width = codes.shape
+        outputs = q.shape[1]
+        starts = np.empty(pairs + 1, np.int64)
+        runs = 0
+        for p in range(pairs):
+            if p == 0 or experts[p] != experts[p - 1]:
+                starts[runs] = p
+                runs += 1
+        starts[runs] = pairs
+        blocks = (outputs + block - 1) // block
+        for task in prange(runs * blocks):
+            run = task // blocks
+            first = (task - run * blocks) * block
+            begin, end = starts[run], starts[run + 1]
+            expert = experts[begin]
+            for o in range(first, min(outputs, first + block)):
+                w = q[expert, o]
+                scale = scales[expert, o]
+                for p in range(begin, end):
+                    row = codes[p]
+                    acc = np.int32(0)
+                    for h in range(width):
+                        acc += np.int32(row[h]) * np.int32(w[h])
+                    # ((sum x step) x the weight row's scale) x the row's peak: torch's order, no reassociation
+                    out[p, o] = ((np.float32(acc) * inv) * scale) * peaks[p]
+
     try:
         compiled = compile_kernel(numba, expert_rows, parallel=True, fastmath=True)
+        compiled_int8 = compile_kernel(numba, int8_rows, parallel=True)  # no fastmath: the scaling stays in order
         probe = np.zeros((1, 2), np.float32)
         compiled(np.ones((1, 4), np.float32), np.zeros(1, np.int64), np.ones((1, 2, 4), np.float32), probe)
-        if not np.allclose(probe, 4.0):
-            raise RuntimeError(f"the compiled kernel returned {probe.ravel()} on a constant case")
+        compiled_int8(np.ones((1, 4), np.int8), np.ones(1, np.float32), np.zeros(1, np.int64),
+                      np.ones((1, 2, 4), np.int8), np.ones((1, 2), np.float32), np.float32(0.5), probe)
+        if not np.allclose(probe, 2.0):
+            raise RuntimeError(f"the compiled kernels returned {probe.ravel()} on a constant case")
     except Exception as exc:
-        log.warning("the decode-step expert kernel failed to compile (%s): grouped GEMMs serve", exc)
+        log.warning("the decode-step expert kernels failed to compile (%s): grouped GEMMs serve", exc)
         return None
-    return numba, compiled
+    return numba, compiled, compiled_int8
 
 
 def expert_rows(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
@@ -83,9 +119,26 @@ def expert_rows(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -
     ready = kernel()
     if ready is None or x.dtype != torch.float32 or weights.dtype != torch.float32 or not weights.is_contiguous():
         return None
-    numba, compiled = ready
+    numba, compiled, _ = ready
     out = torch.empty(x.shape[0], weights.shape[1], dtype=torch.float32)
     with _calls:
         numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
         compiled(x.contiguous().numpy(), experts.to(torch.int64).numpy(), weights.numpy(), out.numpy())
+    return out
+
+
+def int8_expert_rows(codes: torch.Tensor, peaks: torch.Tensor, experts: torch.Tensor, q: torch.Tensor,
+                     scales: torch.Tensor, step: float) -> torch.Tensor | None:
+    """Rows rounded to int8 (`codes` [P, K], `peaks` [P] or [P, 1]: each row's absolute maximum), sorted by
+    `experts` [P], through int8 experts `q` [E, O, K] with per-row `scales` [E, O] -> float32 [P, O]:
+    ((exact int32 sum x `step`) x scale) x peak per output. None where the kernel is unavailable."""
+    ready = kernel()
+    if ready is None or not q.is_contiguous() or not scales.is_contiguous():
+        return None
+    numba, _, compiled_int8 = ready
+    out = torch.empty(codes.shape[0], q.shape[1], dtype=torch.float32)
+    with _calls:
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        compiled_int8(codes.contiguous().numpy(), peaks.reshape(-1).float().contiguous().numpy(),
+                      experts.to(torch.int64).numpy(), q.numpy(), scales.float().numpy(), np.float32(step), out.numpy())
     return out

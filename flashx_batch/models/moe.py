@@ -13,6 +13,10 @@ by expert, so each expert's tokens are one contiguous run, and the experts run i
 `GROUPED_MAX_ROWS` picks between them by the average rows an expert gets; where this torch has no grouped
 GEMM for the device and dtype (probed once), the loop serves every call. No ONNX export for these models yet.
 
+A stacked weight can be replaced by a quantized one (`quantized["gate_up"]` / `quantized["down"]`: the quant
+layer's int8 experts, `quant.int8_experts`), any module with `sorted_rows(rows, experts, counts) -> outputs`
+over the same expert-sorted rows; the two projections then run one at a time, each in its own format.
+
 Expert weights live stacked, `[experts, 2 x intermediate, hidden]` (gate and up fused) and
 `[experts, hidden, intermediate]`, filled straight from the checkpoint's per-expert tensors by the
 loader. The router is a plain matmul, never a packed one: near-tied experts must be chosen as the
@@ -75,7 +79,9 @@ class SparseMoE(nn.Module):
                                          requires_grad=False)
         self.shared = GatedMLP(hidden, spec.shared_intermediate, dtype, device) if spec.shared_intermediate else None
         self.shared_gate = Linear(1, hidden, False, dtype, device) if spec.shared_gate else None
-        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # CPU: per expert, see `pack`
+        self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None  # CPU: per expert, `pack`
+        # "gate_up" / "down": a quantized replacement of that stacked weight (module docstring), set by the quant layer
+        self.quantized = nn.ModuleDict()
 
     @property
     def pack_dtype(self) -> torch.dtype | None:
@@ -86,12 +92,15 @@ class SparseMoE(nn.Module):
         """Keep each expert's two weights in oneDNN's layout as well and multiply through oneDNN's linear
         (`models.layers.Linear.pack`: the same kernels, the same reasons). The router stays a plain
         matmul (module docstring)."""
-        self.packed = [(onednn_pack(self.experts_gate_up[e]), onednn_pack(self.experts_down[e]))
+        def packed(name: str, weights: torch.Tensor, e: int) -> torch.Tensor | None:
+            return None if name in self.quantized else onednn_pack(weights[e])
+
+        self.packed = [(packed("gate_up", self.experts_gate_up, e), packed("down", self.experts_down, e))
                        for e in range(self.spec.num_experts)]
 
     def _expert_linear(self, x: torch.Tensor, expert: int, which: int) -> torch.Tensor:
         """x through expert's gate / up (`which` 0) or down (1) weight: its packed copy where there is one."""
-        if self.packed is not None:
+        if self.packed is not None and self.packed[expert][which] is not None:
             return onednn_linear(x, self.packed[expert][which])
         return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
 
@@ -109,6 +118,26 @@ class SparseMoE(nn.Module):
             return None
         gate, up = gate_up.split(self.spec.intermediate, dim=-1)
         return cpu_moe.expert_rows(F.silu(gate) * up, experts, self.experts_down)
+
+    def _project(self, which: int, rows: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Sorted rows through one projection (`which`: 0 gate / up, 1 down) of their experts, in that
+        projection's own format: the quantized replacement's, or the float forms of `forward`."""
+        name = ("gate_up", "down")[which]
+        if name in self.quantized:
+            return self.quantized[name].sorted_rows(rows, experts, counts)
+        weights = (self.experts_gate_up, self.experts_down)[which]
+        if len(rows) <= DECODE_MAX_PAIRS and on_host(rows):
+            out = cpu_moe.expert_rows(rows, experts, weights)
+            if out is not None:
+                return out
+        if len(rows) <= GROUPED_MAX_ROWS * self.spec.num_experts and grouped_mm_available(rows.device, rows.dtype):
+            return torch._grouped_mm(rows, weights.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+        out, start = rows.new_empty(len(rows), weights.shape[1]), 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                out[start : start + count] = self._expert_linear(rows[start : start + count], expert, which)
+                start += count
+        return out
 
     def _loop(self, flat: torch.Tensor, tokens: torch.Tensor, slot_weights: torch.Tensor, counts: list[int],
               out: torch.Tensor) -> None:
@@ -163,7 +192,11 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat_choice, minlength=self.spec.num_experts)
         pairs = len(flat_choice)
         h = None
-        if pairs <= DECODE_MAX_PAIRS and on_host(flat):  # a decode step: the host kernel, no per-expert dispatch
+        if len(self.quantized):  # a projection in another format: one projection at a time (module docstring)
+            sorted_experts = flat_choice[order]
+            gate, up = self._project(0, flat[tokens], sorted_experts, counts).split(self.spec.intermediate, dim=-1)
+            h = self._project(1, F.silu(gate) * up, sorted_experts, counts)
+        elif pairs <= DECODE_MAX_PAIRS and on_host(flat):  # a decode step: the host kernel, no per-expert dispatch
             h = self._decode_rows(flat[tokens], flat_choice[order])
         if h is None and pairs <= GROUPED_MAX_ROWS * self.spec.num_experts \
                 and grouped_mm_available(flat.device, flat.dtype):

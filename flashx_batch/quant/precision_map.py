@@ -33,7 +33,7 @@ from flashx_batch.errors import ConfigError
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.loader import weight_files
 from flashx_batch.quant import formats as fm
-from flashx_batch.quant.units import FormatSwap, model_units
+from flashx_batch.quant.units import EXPERT_KINDS, FormatSwap, Unit, model_units
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +189,16 @@ def loaded_summary(model: DecoderModel) -> dict:
             kernels[kernel] = kernels.get(kernel, 0) + 1
     native = fm.format_of_dtype(model.embed.dtype)
     for unit in model_units(model):
-        fmt = _unit_format(model, unit.module, unit.start, native)
+        fmt = _unit_format(model, unit, native)
         formats[fmt] = formats.get(fmt, 0) + 1
     return {"formats": formats, "kernels": kernels, "weight_bytes": total}
 
 
-def _unit_format(model: DecoderModel, path: str, row: int, native: str) -> str:
-    module = model.get_submodule(path)
+def _unit_format(model: DecoderModel, unit: Unit, native: str) -> str:
+    module, row = model.get_submodule(unit.module), unit.start
+    if unit.kind in EXPERT_KINDS:  # a `SparseMoE`'s stacked weight: its quantized replacement's format, if any
+        which = unit.kind.removeprefix("experts_")
+        return module.quantized[which].fmt if which in module.quantized else native
     if hasattr(module, "parts"):
         start = 0
         for part in module.parts:

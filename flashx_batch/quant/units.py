@@ -9,6 +9,11 @@ unfused projection; when neighbouring units share a format they are packed into 
 
 Embeddings and norms are never units: they keep the model's precision. A tied `lm_head` gets its own
 quantized copy; the embedding table it shared stays untouched.
+
+A mixture-of-experts layer's routed experts are two units, `experts_gate_up` and `experts_down`: a whole stacked
+weight each, every expert's rows, in int8 or the model's own format (`quant.int8_experts`); its shared expert is
+gate / up / down as a dense MLP's. Routers are never units (near-tied experts must be chosen as the float model
+chooses them). Latent attention's projections have no units yet: such a model is refused.
 """
 
 from __future__ import annotations
@@ -21,10 +26,14 @@ from torch import nn
 from flashx_batch.errors import ConfigError
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.layers import Linear
+from flashx_batch.models.moe import SparseMoE
 from flashx_batch.quant import formats as fm
+from flashx_batch.quant.int8_experts import Int8Experts
 from flashx_batch.quant.linear import build_linear
 
-UNIT_KINDS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+UNIT_KINDS = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate_up", "experts_down", "lm_head")
+EXPERT_KINDS = ("experts_gate_up", "experts_down")  # a stacked weight of a `SparseMoE`, int8 or native only
+EXPERT_FORMATS = ("int8",)  # the formats expert units take besides the model's own
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class Unit:
     stop: int
     in_features: int
     layer: int | None  # None for lm_head (after every layer)
+    weight: str = "weight"  # the module's tensor (a `SparseMoE`'s stacked `experts_gate_up` / `experts_down`)
 
     @property
     def out_features(self) -> int:
@@ -44,7 +54,7 @@ class Unit:
 
     @property
     def tensor(self) -> str:
-        return f"{self.module}.weight"
+        return f"{self.module}.{self.weight}"
 
     @property
     def params(self) -> int:
@@ -58,12 +68,12 @@ class Unit:
 def model_units(model: DecoderModel) -> list[Unit]:
     """Every unit of `model`, in forward order (layer 0 q, k, v, o, gate, up, down, ..., lm_head)."""
     cfg = model.config
-    if cfg.moe is not None:
-        raise ConfigError(f"{cfg.architecture}: precision maps cover dense MLPs; a mixture-of-experts model's stacked "
-                          "experts have no per-tensor formats yet. Run it unquantized.")
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    if cfg.mla is not None:
+        raise ConfigError(f"{cfg.architecture}: precision maps cover grouped-query attention; latent attention's "
+                          "projections have no per-tensor formats yet. Run it unquantized.")
+    hidden = cfg.hidden_size
     units: list[Unit] = []
-    for i in range(cfg.num_layers):
+    for i, layer in enumerate(model.layers):
         attn, mlp = f"layers.{i}.attn", f"layers.{i}.mlp"
         q, kv = cfg.q_size, cfg.kv_size
         units += [
@@ -71,16 +81,29 @@ def model_units(model: DecoderModel) -> list[Unit]:
             Unit(f"{attn}.k", f"{attn}.qkv", q, q + kv, hidden, i),
             Unit(f"{attn}.v", f"{attn}.qkv", q + kv, q + 2 * kv, hidden, i),
             Unit(f"{attn}.o", f"{attn}.o_proj", 0, hidden, q, i),
-            Unit(f"{mlp}.gate", f"{mlp}.gate_up", 0, inter, hidden, i),
-            Unit(f"{mlp}.up", f"{mlp}.gate_up", inter, 2 * inter, hidden, i),
-            Unit(f"{mlp}.down", f"{mlp}.down", 0, hidden, inter, i),
         ]
+        if isinstance(layer.mlp, SparseMoE):
+            experts, inter = layer.mlp.spec.num_experts, layer.mlp.spec.intermediate
+            units += [Unit(f"{mlp}.experts_gate_up", mlp, 0, experts * 2 * inter, hidden, i, "experts_gate_up"),
+                      Unit(f"{mlp}.experts_down", mlp, 0, experts * hidden, inter, i, "experts_down")]
+            if layer.mlp.shared is not None:
+                units += _mlp_units(f"{mlp}.shared", layer.mlp.spec.shared_intermediate, hidden, i)
+        else:
+            units += _mlp_units(mlp, cfg.intermediate_size, hidden, i)
     units.append(Unit("lm_head", "lm_head", 0, cfg.vocab_size, hidden, None))
     return units
 
 
+def _mlp_units(mlp: str, inter: int, hidden: int, layer: int) -> list[Unit]:
+    return [Unit(f"{mlp}.gate", f"{mlp}.gate_up", 0, inter, hidden, layer),
+            Unit(f"{mlp}.up", f"{mlp}.gate_up", inter, 2 * inter, hidden, layer),
+            Unit(f"{mlp}.down", f"{mlp}.down", 0, hidden, inter, layer)]
+
+
 def available_formats(unit: Unit, formats: list[str], group_size: int) -> list[str]:
-    """`formats` minus int4 where the row length admits no group size."""
+    """`formats` minus int4 where the row length admits no group size; for expert units, int8 only."""
+    if unit.kind in EXPERT_KINDS:
+        return [f for f in formats if f in EXPERT_FORMATS]
     return [f for f in formats if f != "int4" or fm.int4_group_size(unit.in_features, group_size) is not None]
 
 
@@ -106,11 +129,14 @@ class FormatSwap:
     def __init__(self, model: DecoderModel, assignment: dict[str, str], group_size: int,
                  units: list[Unit] | None = None, simulate: bool = False) -> None:
         self.model = model
-        self.originals: dict[str, nn.Module] = {}
+        self.originals: dict[str, nn.Module | _ExpertsOriginal] = {}
         dtype = model.embed.dtype
         native = fm.format_of_dtype(dtype)
         by_module: dict[str, list[Unit]] = {}
         for unit in units or model_units(model):
+            if unit.kind in EXPERT_KINDS:
+                self._swap_experts(unit, assignment.get(unit.name, native), native, dtype)
+                continue
             by_module.setdefault(unit.module, []).append(unit)
         for path, members in by_module.items():
             formats = [assignment.get(u.name, native) for u in members]
@@ -134,9 +160,32 @@ class FormatSwap:
             set_module(model, path, replacement)
             self.originals[path] = original
 
+    def _swap_experts(self, unit: Unit, fmt: str, native: str, dtype: torch.dtype) -> None:
+        """A `SparseMoE`'s stacked weight to int8 (`quant.int8_experts`); the float one is kept in `originals`
+        (restored by `restore`, freed when a caller clears them)."""
+        if fmt == native:
+            return
+        if fmt not in EXPERT_FORMATS:
+            raise ConfigError(f"{unit.name}: a mixture-of-experts layer's stacked experts take "
+                              f"{' or '.join(EXPERT_FORMATS)} or the model's own {native}, not {fmt}.")
+        moe, which = get_module(self.model, unit.module), unit.kind.removeprefix("experts_")
+        if which in moe.quantized:
+            raise ValueError(f"{unit.name} is already {moe.quantized[which].fmt}: a precision map is applied once, "
+                             "to a freshly loaded float model")
+        weight, packed = getattr(moe, unit.weight), moe.packed
+        moe.quantized[which] = Int8Experts.from_float(weight, dtype, rotate_input=which == "down")
+        setattr(moe, unit.weight, nn.Parameter(weight.new_empty(0), requires_grad=False))  # the float stack freed
+        if packed is not None:  # the CPU's packed float copies of this projection go too
+            index = 0 if which == "gate_up" else 1
+            moe.packed = [tuple(None if i == index else w for i, w in enumerate(pair)) for pair in packed]
+        self.originals[unit.name] = _ExpertsOriginal(moe, which, unit.weight, weight, packed)
+
     def restore(self) -> None:
-        for path, module in self.originals.items():
-            set_module(self.model, path, module)
+        for path, original in self.originals.items():
+            if isinstance(original, _ExpertsOriginal):
+                original.restore()
+            else:
+                set_module(self.model, path, original)
         self.originals.clear()
 
     def __enter__(self) -> FormatSwap:
@@ -144,6 +193,22 @@ class FormatSwap:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+@dataclass(frozen=True)
+class _ExpertsOriginal:
+    """A stacked float expert weight that `FormatSwap` replaced, and where it goes back."""
+
+    moe: SparseMoE
+    which: str
+    attribute: str
+    weight: nn.Parameter
+    packed: list | None
+
+    def restore(self) -> None:
+        setattr(self.moe, self.attribute, self.weight)
+        del self.moe.quantized[self.which]
+        self.moe.packed = self.packed
 
 
 def unit_bytes(unit: Unit, fmt: str, group_size: int, dtype: torch.dtype) -> int:

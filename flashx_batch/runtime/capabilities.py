@@ -75,13 +75,12 @@ def capabilities(cfg: ModelConfig | None, options: EngineOptions, backend: Backe
     sharded = options.tensor_parallel_size > 1
     family = _attention_family(cfg) if cfg is not None else None
     name = cfg.architecture if cfg is not None else ""
-    moe = ("a mixture-of-experts model runs on a torch backend, with cuda_graphs=auto or off and no "
-           "runtime.precision_map (its expert loop reads each expert's token count back to the host, which "
-           "neither an ONNX graph nor a CUDA graph can hold, and precision maps cover dense MLPs only)")
+    moe = ("a mixture-of-experts model runs on a torch backend, with cuda_graphs=auto or off (its expert loop "
+           "reads each expert's token count back to the host, which neither an ONNX graph nor a CUDA graph can hold)")
     mla = f"{name} ({family}) runs on a torch backend, with cuda_graphs=auto or off and no runtime.precision_map"
     int8_reason = int8_decode.config_why_not(cfg) if cfg is not None else None
 
-    # experts and latent attention run on our torch modules only: the same reason for three rows
+    # experts and latent attention run on our torch modules only: the same reason for two rows
     torch_only = (experts or latent, moe if experts else mla)
     return Capabilities(
         merges_kv=_first(
@@ -105,7 +104,8 @@ def capabilities(cfg: ModelConfig | None, options: EngineOptions, backend: Backe
              f"decode graphs need a backend that captures CUDA graphs (cuda); this engine runs on "
              f"{getattr(backend, 'name', None)}. Use cuda_graphs=auto (graphs where the backend has them) or off")),
         precision_map=_first(
-            torch_only,
+            (latent, f"{name} ({family}): precision maps cover grouped-query attention and (expert) MLPs, not "
+                     "latent attention's projections; drop runtime.precision_map"),
             (sharded, f"a map is planned for whole tensors, and a rank of tensor_parallel_size="
                       f"{options.tensor_parallel_size} holds slices; drop one of the two")),
         tensor_parallel=_first(

@@ -177,7 +177,7 @@ def test_what_the_expert_loop_cannot_run_is_refused(moe_models):
     from flashx_batch.runtime.options import EngineOptions
 
     cfg = ModelConfig.from_dir(moe_models["qwen3_moe"][0])
-    for knobs in ({"backend": "onnx"}, {"cuda_graphs": "on"}, {"precision_map": "map.json"}):
+    for knobs in ({"backend": "onnx"}, {"cuda_graphs": "on"}):
         options = EngineOptions(**{"backend": "cpu", **knobs})
         with pytest.raises(ConfigError, match="mixture-of-experts"):
             check_options(options, cfg, None if knobs.get("backend") == "onnx" else get_backend("cpu"))
