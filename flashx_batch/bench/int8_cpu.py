@@ -1,12 +1,14 @@
 """int8 on CPU: every linear layer in int8 (weights per channel, activations quantized per call,
 the x86 int8 GEMM) against float32 — quality and speed side by side in one process.
 
-    python -m flashx_batch.bench.int8_cpu --out results/int8_cpu [--model PATH] [--threads 1,2] [--keep lm_head]
+    python -m flashx_batch.bench.int8_cpu --out results/int8_cpu [--model PATH | --random-27m | --random-moe SHAPE]
+        [--threads 1,2] [--keep lm_head]
         [--windows 64] [--window-len 256] [--batch 8] [--prompt-len 256] [--new-tokens 64] [--repeats 3]
 
 Quality (teacher-forced on `--windows` held-out windows of `--window-len` tokens): perplexity of
 each model, ΔPPL = ppl_int8 / ppl_fp32 - 1, and top-1 agreement (the share of positions where both
-models' most likely next token is the same). Speed: `--batch` held-out prompts of `--prompt-len`
+models' most likely next token is the same). A mixture-of-experts model's stacked experts are int8
+too (`quant.int8_experts`; routers stay float32). Speed: `--batch` held-out prompts of `--prompt-len`
 tokens, `--new-tokens` greedy tokens each (EOS ignored), both engines interleaved `--repeats` times
 per thread count; prefill and decode tokens/s from `generate`'s own stats, medians, and each ratio
 int8 ÷ float32. Writes OUT/int8_cpu.json.
@@ -24,7 +26,9 @@ from pathlib import Path
 import torch
 
 from flashx_batch import Engine, SamplingParams
+from flashx_batch.bench.models import MOE_SHAPES
 from flashx_batch.quality.heldout import token_windows
+from flashx_batch.quant.int8_experts import Int8Experts
 from flashx_batch.quant.linear import QuantLinear
 from flashx_batch.quant.precision_map import loaded_summary
 from flashx_batch.quant.units import FormatSwap, model_units
@@ -88,7 +92,7 @@ def run(model_dir: Path, threads: list[int], windows: int, window_len: int, batc
         ref = Engine.from_pretrained(model_dir, num_threads=n, **common)
         q = Engine.from_pretrained(model_dir, num_threads=n, **common)
         summary = quantize_all(q, keep)
-        kernels = {m.kernel for m in q.runner.model.modules() if isinstance(m, QuantLinear)}
+        kernels = {m.kernel for m in q.runner.model.modules() if isinstance(m, (QuantLinear, Int8Experts))}
         if "quality" not in result:
             result["kernels"], result["weight_bytes"] = sorted(kernels), {
                 "int8": summary["weight_bytes"], "fp32": loaded_summary(ref.runner.model)["weight_bytes"]}
@@ -107,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-27m", action="store_true",
                         help="a random 27 M Llama (bench.models.LLAMA_27M) with the bundled tokenizer: speed on a "
                              "wider model (its quality figures are those of random weights)")
+    parser.add_argument("--random-moe", default=None, choices=["qwen3-moe", *MOE_SHAPES],
+                        help="a random Qwen3-MoE of this shape (bench.models) with the bundled tokenizer: int8 "
+                             "experts against float32 ones (quality figures of random weights)")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--window-len", type=int, default=256)
@@ -123,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         from flashx_batch.bench.models import LLAMA_27M, random_llama_with_bundled_tokenizer
 
         model = random_llama_with_bundled_tokenizer(LLAMA_27M)
+    if args.random_moe:
+        from flashx_batch.bench.models import QWEN3_MOE_78M, random_qwen3_moe_with_bundled_tokenizer
+
+        model = random_qwen3_moe_with_bundled_tokenizer(MOE_SHAPES.get(args.random_moe, QWEN3_MOE_78M))
     result = run(model, [int(t) for t in args.threads.split(",")], args.windows,
                  args.window_len, args.batch, args.prompt_len, args.new_tokens, args.repeats,
                  tuple(k for k in args.keep.split(",") if k))

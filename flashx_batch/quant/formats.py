@@ -303,8 +303,14 @@ def int8_dynamic_matmul(x: torch.Tensor, q_t: torch.Tensor, scales: torch.Tensor
     comes out bit-identical to `PackedInt8.matmul` on a 127-step grid, whichever of the two a call
     takes. `rotate` as in `quantize_rows`."""
     codes, peak = quantize_rows(x.reshape(-1, x.shape[-1]), rotate=rotate)
-    out = torch.mul(torch._int_mm(codes, q_t), _INV_STEPS).mul_(scales).mul_(peak)  # int32 x float32: float32
+    out = scale_int8_sums(torch._int_mm(codes, q_t), scales, peak)
     return out.reshape(*x.shape[:-1], q_t.shape[1])
+
+
+def scale_int8_sums(sums: torch.Tensor, scales: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """int32 dot products of rows rounded by `quantize_rows` -> float32: (sum x the grid's step) x the weight
+    row's scale x the input row's peak, in that order (every int8 path that must agree scales through here)."""
+    return torch.mul(sums, _INV_STEPS).mul_(scales).mul_(peak)  # int32 x float32: float32
 
 
 PAD_ROWS = 64  # `PackedInt8` rounds calls of more rows up to a multiple of this

@@ -70,18 +70,20 @@ class Int8Experts(nn.Module):
         """rows [P, K] sorted by `experts` [P] (`counts` [E] rows each) -> [P, O] in the rows' dtype."""
         if self.kernel != "int8_dynamic":
             return self._weight_only(rows, counts)
+        codes, peak = fm.quantize_rows(rows, rotate=self.rotated)
+        # every form scales as `formats.int8_dynamic_matmul` scales `_int_mm`'s sums (`scale_int8_sums`): same bits
         if len(rows) <= DECODE_MAX_PAIRS and on_host(rows):
-            codes, peak = fm.quantize_rows(rows, steps=fm.INT_MM_STEPS, rotate=self.rotated)
-            out = cpu_moe.int8_expert_rows(codes, peak, experts, self.q, self.scales, 1.0 / fm.INT_MM_STEPS)
-            if out is not None:
-                return out
-        out, start = rows.new_empty(len(rows), self.q.shape[1]), 0
+            sums = cpu_moe.int8_expert_rows(codes, experts, self.q)
+            if sums is not None:
+                return fm.scale_int8_sums(sums, self.scales[experts], peak)
+        # many rows an expert (a prefill), or no compiled walk: a GEMM per active expert, scaled while in cache
+        out, start = torch.empty(len(rows), self.q.shape[1], dtype=torch.float32, device=rows.device), 0
         for expert, count in enumerate(counts.tolist()):
             if count:
-                part = rows[start : start + count]
-                out[start : start + count] = fm.int8_dynamic_matmul(part, self.q[expert].t(), self.scales[expert],
-                                                                    rotate=self.rotated)
-                start += count
+                end = start + count
+                out[start:end] = fm.scale_int8_sums(torch._int_mm(codes[start:end], self.q[expert].t()),
+                                                    self.scales[expert], peak[start:end])
+                start = end
         return out
 
     def _weight_only(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -152,3 +152,19 @@ def test_a_planned_map_quantizes_experts_through_the_engine(glm_moe, tmp_path):
     model = _load(glm_moe)
     apply_precision_map(model, load_precision_map(path), check_hash=False)
     assert loaded_summary(model)["formats"].get("int8", 0) == sum(f == "int8" for f in assigned.values())
+
+
+def test_latent_attention_models_are_still_refused_a_map(tmp_path):
+    from model_factory import build
+
+    from flashx_batch.backends import get_backend
+    from flashx_batch.models.config import ModelConfig
+    from flashx_batch.runtime.inputs import check_options
+    from flashx_batch.runtime.options import EngineOptions
+
+    build("deepseek_v3", tmp_path / "dsv3", seed=1)
+    cfg = ModelConfig.from_dir(tmp_path / "dsv3")
+    with pytest.raises(ConfigError, match="latent attention's projections"):
+        check_options(EngineOptions(backend="cpu", precision_map="map.json"), cfg, get_backend("cpu"))
+    with pytest.raises(ConfigError, match="latent attention's"):
+        model_units(_load(tmp_path / "dsv3"))
