@@ -1,7 +1,7 @@
 """int8 on CPU: every linear layer in int8 (weights per channel, activations quantized per call,
 the x86 int8 GEMM) against float32 — quality and speed side by side in one process.
 
-    python -m flashx_batch.bench.int8_cpu --out results/int8_cpu [--model PATH | --random-27m | --random-moe SHAPE]
+    python -m flashx_batch.bench.int8_cpu --out results/int8_cpu [--model PATH | --random-27m | --moe MODEL]
         [--threads 1,2] [--keep lm_head]
         [--windows 64] [--window-len 256] [--batch 8] [--prompt-len 256] [--new-tokens 64] [--repeats 3]
 
@@ -111,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-27m", action="store_true",
                         help="a random 27 M Llama (bench.models.LLAMA_27M) with the bundled tokenizer: speed on a "
                              "wider model (its quality figures are those of random weights)")
-    parser.add_argument("--random-moe", default=None, choices=["qwen3-moe", *MOE_SHAPES],
-                        help="a random Qwen3-MoE of this shape (bench.models) with the bundled tokenizer: int8 "
-                             "experts against float32 ones (quality figures of random weights)")
+    parser.add_argument("--moe", default=None, choices=["upcycled", "qwen3-moe", *MOE_SHAPES],
+                        help="int8 experts against float32 ones on a mixture of experts: `upcycled`, the bundled "
+                             "model's trained weights as an 8-expert top-2 Mixtral (bench.models."
+                             "upcycled_bundled_moe); or a random Qwen3-MoE of this shape with the bundled tokenizer "
+                             "(quality figures of random weights)")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--window-len", type=int, default=256)
@@ -130,10 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         from flashx_batch.bench.models import LLAMA_27M, random_llama_with_bundled_tokenizer
 
         model = random_llama_with_bundled_tokenizer(LLAMA_27M)
-    if args.random_moe:
+    if args.moe == "upcycled":
+        from flashx_batch.bench.models import upcycled_bundled_moe
+
+        model = upcycled_bundled_moe()
+    elif args.moe:
         from flashx_batch.bench.models import QWEN3_MOE_78M, random_qwen3_moe_with_bundled_tokenizer
 
-        model = random_qwen3_moe_with_bundled_tokenizer(MOE_SHAPES.get(args.random_moe, QWEN3_MOE_78M))
+        model = random_qwen3_moe_with_bundled_tokenizer(MOE_SHAPES.get(args.moe, QWEN3_MOE_78M))
     result = run(model, [int(t) for t in args.threads.split(",")], args.windows,
                  args.window_len, args.batch, args.prompt_len, args.new_tokens, args.repeats,
                  tuple(k for k in args.keep.split(",") if k))

@@ -129,3 +129,52 @@ def add_bundled_tokenizer(model: Path, vocab_size: int) -> Path:
     (model / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     shutil.copy(bundled_model_dir() / "tokenizer_config.json", model / "tokenizer_config.json")
     return model
+
+
+def upcycled_bundled_moe(out_dir: Path | None = None, experts: int = 8, top_k: int = 2, noise: float = 0.05,
+                         seed: int = 0) -> Path:
+    """A mixture of experts with trained weights: the bundled Llama "sparse upcycled" into a Mixtral
+    (Komatsuzaki et al., 2022) — every expert a copy of its layer's trained MLP with each weight scaled by
+    (1 + `noise` x a standard normal), a random router choosing `top_k` of `experts` per token (Mixtral
+    renormalises their weights to sum to 1). Attention, norms, embeddings and tokenizer are the bundled
+    model's. The experts then hold trained weight distributions (what int8 rounding is measured on) and
+    their outputs differ, so routing matters, while the model stays near the dense one's quality."""
+    import shutil
+
+    import transformers
+
+    from flashx_batch.runtime.options import bundled_model_dir
+
+    source = bundled_model_dir()
+    dense = transformers.LlamaForCausalLM.from_pretrained(source, dtype=torch.float32)
+    c = dense.config
+    config = transformers.MixtralConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=c.rope_parameters, tie_word_embeddings=True,
+        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+        num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=None)
+    gen = torch.Generator().manual_seed(seed)
+    moe = transformers.MixtralForCausalLM(config).float()
+    params = dict(moe.named_parameters())
+    with torch.no_grad():
+        for name, tensor in dense.named_parameters():
+            if ".mlp." not in name and name in params:
+                params[name].copy_(tensor)
+        for i, layer in enumerate(dense.model.layers):
+            mlp, prefix = layer.mlp, f"model.layers.{i}.mlp"
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            for e in range(experts):
+                params[f"{prefix}.experts.gate_up_proj"][e] = gate_up * (1 + noise * torch.randn(gate_up.shape,
+                                                                                               generator=gen))
+                params[f"{prefix}.experts.down_proj"][e] = mlp.down_proj.weight * (
+                    1 + noise * torch.randn(mlp.down_proj.weight.shape, generator=gen))
+            params[f"{prefix}.gate.weight"].copy_(torch.randn(experts, c.hidden_size, generator=gen)
+                                                  * 2 / c.hidden_size**0.5)
+    out = Path(out_dir or tempfile.mkdtemp(prefix="flashx-upcycled-"))
+    moe.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, out / name)
+    return out

@@ -128,3 +128,28 @@ def test_results_files_carry_the_models_and_peak_memory(tmp_path):
     assert "| m | transformers_arrival | 900 | 400 | 800 | 1200 | 500 |" in md
     assert "| m | ours_bucketed | exit status 1: boom |" in md
     assert "| m | Qwen3MoeForCausalLM | 77,757,696 | 8 (top-2) | 35,290,368 | W1 |" in md
+
+
+def test_the_upcycled_moe_keeps_the_bundled_models_predictions(tmp_path):
+    """The trained mixture of experts the int8 benchmark measures on: the bundled model's MLP in 8 perturbed
+    copies, top-2 routing. It loads as a Mixtral, our greedy tokens equal `transformers`', and it predicts
+    the dense model's next token at most positions (trained weights, not noise)."""
+    import transformers
+
+    from flashx_batch import Engine, SamplingParams
+    from flashx_batch.bench.models import upcycled_bundled_moe
+    from flashx_batch.runtime.options import bundled_model_dir
+
+    model_dir = upcycled_bundled_moe(tmp_path / "upcycled")
+    assert moe_shape(model_dir)["experts"] == 8 and moe_shape(model_dir)["top_k"] == 2
+    opts = dict(backend="cpu", dtype="float32", max_batch_size=2, max_input_len=64, max_output_len=8)
+    ours, dense = Engine.from_pretrained(model_dir, **opts), Engine.from_pretrained(bundled_model_dir(), **opts)
+    prompt = ours.tokenizer.encode("Permission is hereby granted, free of charge, to any person obtaining a copy")
+    out = ours.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+    hf = transformers.MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert list(out) == want
+    a, b = ours.score([prompt])[0], dense.score([prompt])[0]
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+    assert not torch.allclose(a, b, atol=1e-3)  # the experts differ from the dense MLP: routing matters

@@ -168,3 +168,23 @@ def test_latent_attention_models_are_still_refused_a_map(tmp_path):
         check_options(EngineOptions(backend="cpu", precision_map="map.json"), cfg, get_backend("cpu"))
     with pytest.raises(ConfigError, match="latent attention's"):
         model_units(_load(tmp_path / "dsv3"))
+
+
+@pytest.mark.parametrize("width", [48, 1024, 2304])
+def test_the_walk_sums_exactly_at_any_width(width):
+    """The compiled walk adds int8 products in float32 spans; at full scale (every code ±127, one sign: the
+    largest sums there are) its sums still equal exact integer arithmetic, past one span's width too."""
+    from flashx_batch.backends import cpu_moe
+
+    if cpu_moe.kernel() is None:
+        pytest.skip("numba is not available: the walk is not used")
+    gen = torch.Generator().manual_seed(width)
+    q = torch.randint(-127, 128, (3, 40, width), generator=gen, dtype=torch.int8)
+    q[1] = 127  # expert 1: every product at its largest
+    codes = torch.randint(-127, 128, (5, width), generator=gen, dtype=torch.int8)
+    codes[2:4] = 127
+    experts = torch.tensor([0, 1, 1, 1, 2])
+    got = cpu_moe.int8_expert_rows(codes, experts, q)
+    want = torch.stack([q[e].long() @ c.long() for c, e in zip(codes, experts.tolist())])
+    assert torch.equal(got.long(), want)
+    assert want.abs().max() == 127 * 127 * width
