@@ -53,16 +53,17 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 from flashx_batch import Engine
+from flashx_batch.quality import kv_families as fam
 from flashx_batch.quality.ablations import choose_groups, plan_score_weighted, plan_streaming
 from flashx_batch.quality.heldout import token_windows
-from flashx_batch.quality.kv_tasks_report import PRESETS, markdown, plot, relative_scores
+from flashx_batch.quality.kv_families import Example, multihop_examples, multikey_examples, needle_examples
+from flashx_batch.quality.kv_tasks_report import PRESETS, markdown, plot, relative_scores, retention
 from flashx_batch.runtime.kv_merge import (
     GROUP,
     MergePlan,
@@ -78,27 +79,14 @@ from flashx_batch.runtime.options import KV_PRESETS, bundled_model_dir
 
 log = logging.getLogger("flashx_batch.quality.kv_tasks")
 
-TASKS = ("copy", "mqar", "ppl", "mc")
+TASKS = ("copy", "mqar", "ppl", "mc", "copy_long", "kv_multikey", "multihop", "needle")
+DEFAULT_TASKS = ("copy", "mqar", "ppl", "mc")  # without --split
 POLICIES = ("static", "segment_sparse", "attention_only", "merge_only", "evict_only", "streaming", "random")
 SAVED = (0.25, 0.5, 0.75)
 MC_DATA = Path(__file__).resolve().parent.parent / "assets" / "data" / "legal_eval.parquet"
 
 
 # ---------------------------------------------------------------- tasks
-
-@dataclass
-class Example:
-    """`context` is compressed; `query` (at least the prompt's last token) and what follows run
-    through the compressed cache. `answer`: tokens to generate (copy), values to recall (mqar),
-    targets (ppl); `choices` / `label` for mc."""
-
-    context: list[int]
-    query: list[int]
-    answer: list[int] = field(default_factory=list)
-    feed: list[int] = field(default_factory=list)  # teacher-forced tokens after the query (mqar, ppl)
-    choices: list[list[int]] = field(default_factory=list)
-    label: int = -1
-
 
 def _random_tokens(rng: random.Random, count: int, vocab: int, avoid: set[int], distinct: bool = False) -> list[int]:
     pool = [t for t in range(vocab) if t not in avoid]
@@ -153,6 +141,10 @@ def mc_examples(engine: Engine, count: int, min_context: int, path: Path = MC_DA
         if len(out) >= count:
             break
     return out
+
+
+GENERATED = {"copy", "copy_long", "multihop", "needle"}  # scored on greedy generation after the prompt
+RECALLED = {"mqar", "kv_multikey"}  # scored on teacher-forced queries after the prompt
 
 
 # ---------------------------------------------------------------- scores (pure)
@@ -236,19 +228,19 @@ def _score(engine: Engine, task: str, ex: Example, used: int, n: int) -> tuple[f
     context; ppl: (summed NLL, tokens, 0); mc's aside: the right choice's log-likelihood, which moves
     before the argmax does."""
     runner = engine.runner
-    if task == "copy":
+    if task in GENERATED:
         logits, _ = runner.passes.extend(ex.query, 0, used, n)
         out = [int(logits[-1].argmax())]
         for i in range(len(ex.answer) - 1):
             logits, _ = runner.passes.extend(out[-1:], 0, used + len(ex.query) + i, n + len(ex.query) + i)
             out.append(int(logits[-1].argmax()))
         return copy_score(out, ex.answer), 1.0, 0.0
-    if task in ("mqar", "ppl"):
+    if task in RECALLED or task == "ppl":
         logits, _ = runner.passes.extend(ex.query + ex.feed, 0, used, n, all_logits=True)
         if task == "ppl":
             nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ex.answer), reduction="sum")
             return float(nll), float(len(ex.answer)), 0.0
-        at = mqar_positions(len(ex.query), len(ex.answer))
+        at = ex.positions or mqar_positions(len(ex.query), len(ex.answer))
         return recall_score(logits[at].argmax(-1).tolist(), ex.answer), 1.0, 0.0
     if task == "mc":
         sums = []
@@ -266,6 +258,7 @@ def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tup
     runner, arena = engine.runner, engine.runner.arena
     rotary = runner.model.rotary
     totals = {cell: [0.0, 0.0, 0, 0, 0.0] for cell in cells}  # score sum, weight, slots used, prompt slots, aside
+    each: dict[tuple[str, float], list[float]] = {cell: [] for cell in cells}  # per example (ppl: mean NLL)
     for index, ex in enumerate(examples):
         n = len(ex.context)
         _, scores = runner.passes.extend(ex.context, 0, 0, 0, observe=window)
@@ -279,11 +272,13 @@ def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tup
             score, weight, aside = _score(engine, task, ex, used, n)
             t = totals[cell]
             t[0], t[1], t[2], t[3], t[4] = t[0] + score, t[1] + weight, t[2] + used, t[3] + n, t[4] + aside
+            each[cell].append(score / weight if task == "ppl" else score)
     out = {}
     for (policy, saved), (score, weight, used, slots, aside) in totals.items():
         value = math.exp(score / weight) if task == "ppl" else score / weight
         out[_cell_name(policy, saved)] = {"policy": policy, "target_saved": saved, "score": value,
-                                          "kv_saved": 1.0 - used / slots, "examples": len(examples)}
+                                          "kv_saved": 1.0 - used / slots, "examples": len(examples),
+                                          "per_example": each[(policy, saved)]}
         if task == "mc":
             out[_cell_name(policy, saved)]["gold_logprob"] = aside / len(examples)
     if task == "ppl":  # report perplexity as a ratio to static
@@ -315,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", type=Path, default=None, help="model dir (default: the bundled model)")
-    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--split", choices=tuple(fam.SPLITS), default=None,
+                        help="the tuning or the held-out families (quality.kv_families); default: --tasks")
+    parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help=f"known: {', '.join(TASKS)}")
     parser.add_argument("--policies", default=",".join(POLICIES + PRESETS))
     parser.add_argument("--saved", default=",".join(str(s) for s in SAVED), help="target fractions of KV freed")
     parser.add_argument("--quick", action="store_true", help="8 examples per task (24 for mc), short prompts")
@@ -333,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     size = {k: getattr(args, k) if getattr(args, k) is not None else (QUICK if args.quick else FULL)[k] for k in FULL}
-    tasks = [t for t in args.tasks.split(",") if t]
+    tasks = list(fam.SPLITS[args.split]) if args.split else [t for t in args.tasks.split(",") if t]
     policies = [p for p in args.policies.split(",") if p]
     for name in tasks:
         if name not in TASKS:
@@ -360,6 +357,15 @@ def main(argv: list[str] | None = None) -> int:
         "ppl": lambda: ppl_examples(token_windows(tok, size["ppl_context"] + size["ppl_cont"], size["samples"]),
                                     size["ppl_context"]),
         "mc": lambda: mc_examples(engine, size["mc_samples"], 2 * (args.sinks + args.window)),
+        "copy_long": lambda: copy_examples(filler, tok.encode("\nCOPY:", False), vocab, avoid, size["samples"],
+                                           2 * size["copy_span"], size["copy_span"], args.seed + 1),
+        "kv_multikey": lambda: multikey_examples(filler, tok.encode("\nRECALL:", False), vocab, avoid,
+                                                 size["samples"], size["mqar_pairs"] // 2, size["mqar_queries"] // 2,
+                                                 args.seed),
+        "multihop": lambda: multihop_examples(filler, tok.encode("\nFOLLOW:", False), vocab, avoid, size["samples"],
+                                              args.seed),
+        "needle": lambda: needle_examples(filler, tok.encode("\nCOPY:", False), vocab, avoid, size["samples"],
+                                          args.seed),
     }
     describe = {
         "copy": f"{size['copy_span']}-token random span, {size['filler']} filler tokens, "
@@ -370,9 +376,18 @@ def main(argv: list[str] | None = None) -> int:
                "score = perplexity ÷ static",
         "mc": f"legal_eval.parquet items with >= {2 * (args.sinks + args.window)} context tokens; "
               "score = accuracy (summed log-probabilities)",
+        "copy_long": f"{2 * size['copy_span']}-token random span, its first half the cue after {size['filler']} "
+                     "filler tokens; score = fraction of the second half generated greedily",
+        "kv_multikey": f"{size['mqar_pairs'] // 2} pairs with {fam.KEY_TOKENS}-token keys, {size['filler']} filler "
+                       f"tokens, {size['mqar_queries'] // 2} keys teacher-forced after; score = values recalled",
+        "multihop": f"{fam.CHAINS} chains a→b→c as separate pairs around {size['filler']} filler tokens, one asked; "
+                    "score = fraction of b, c generated greedily",
+        "needle": f"a {fam.NEEDLE_TOKENS}-token random span at a random depth of {size['filler']} licence tokens, its "
+                  f"first {fam.NEEDLE_CUE} as the cue; score = fraction of the rest generated greedily",
     }
     cells = cells_for(policies, saved)
     result = {"model": str(model), "model_name": Path(model).name, "seed": args.seed, "quick": args.quick,
+              "split": args.split,
               "sizes": size, "sinks": args.sinks, "window": args.window, "saved": saved,
               "command": "python -m flashx_batch.quality.kv_tasks " + " ".join(argv if argv is not None else
                                                                              __import__("sys").argv[1:]),
@@ -388,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                  result["tasks"][task]["seconds"])
     if "static" in policies:
         result["relative"] = relative_scores(result)
+        result["retention"] = retention(result)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_tasks.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flashx_batch.quality.kv_families import paired_bootstrap
 from flashx_batch.runtime.options import KV_PRESETS
 
 PRESETS = tuple(f"preset:{name}" for name in KV_PRESETS)  # the engine's own settings, at what they save
@@ -30,10 +31,45 @@ def relative_scores(result: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def retention(result: dict, resamples: int = 2000) -> dict[str, dict[str, dict[str, float]]]:
+    """{cell: {task: {retention, low, high, kv_saved}}}: each family's score as a fraction of static's on the same
+    examples with a paired 95 % bootstrap interval (`kv_families.paired_bootstrap`); perplexity as static ÷
+    policy. A family whose static score is 0 has none."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for task, t in result["tasks"].items():
+        static = t["cells"]["static"]["per_example"]
+        if task not in LOWER_IS_BETTER and sum(static) <= 0:
+            continue
+        for cell, r in t["cells"].items():
+            kept, low, high = paired_bootstrap(r["per_example"], static, resamples,
+                                               lower_is_better=task in LOWER_IS_BETTER)
+            out.setdefault(cell, {})[task] = {"retention": kept, "low": low, "high": high, "kv_saved": r["kv_saved"]}
+    return out
+
+
+def retention_markdown(result: dict) -> str:
+    """The retention table: a row per cell, each family's retention [95 % interval] and the KV it saved."""
+    kept = result.get("retention") or {}
+    if not kept:
+        return ""
+    tasks = [t for t in result["tasks"] if t in next(iter(kept.values()))]
+    lines = [f"## Retention ({result.get('split') or 'chosen tasks'}): score ÷ static on the same examples, "
+             "[95 % bootstrap interval] (KV saved)", "",
+             "| policy | " + " | ".join(tasks) + " | lowest |", "|---|" + "---|" * (len(tasks) + 1)]
+    for cell, row in kept.items():
+        if cell == "static":
+            continue
+        cells = [f"{row[t]['retention']:.3f} [{row[t]['low']:.3f}, {row[t]['high']:.3f}] ({row[t]['kv_saved']:.0%})"
+                 for t in tasks]
+        lines.append(f"| {cell} | " + " | ".join(cells) + f" | {min(row[t]['retention'] for t in tasks):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: dict) -> str:
     tasks = list(result["tasks"])
     heads = {"copy": "copy (fraction)", "mqar": "MQAR recall", "ppl": "ppl ÷ static (lower better)",
-             "mc": "MC accuracy"}
+             "mc": "MC accuracy", "copy_long": "long-cue copy", "kv_multikey": "3-token-key recall",
+             "multihop": "two-hop recall", "needle": "needle"}
     relative = result.get("relative", {})
     lines = [f"# KV compression on tasks that can fail ({result['model_name']})", "",
              "Each cell: score (KV saved measured). " + result["command"], "",
@@ -51,7 +87,8 @@ def markdown(result: dict) -> str:
     lines.append("")
     for t in tasks:
         lines.append(f"- {t}: {result['tasks'][t]['examples']} examples, {result['tasks'][t]['describe']}")
-    return "\n".join(lines) + "\n"
+    table = retention_markdown(result)
+    return "\n".join(lines) + "\n" + ("\n" + table if table else "")
 
 
 def plot(result: dict, path: Path) -> None:
