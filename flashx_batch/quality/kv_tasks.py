@@ -63,7 +63,7 @@ from flashx_batch.quality import kv_families as fam
 from flashx_batch.quality.ablations import choose_groups, plan_score_weighted, plan_streaming
 from flashx_batch.quality.heldout import token_windows
 from flashx_batch.quality.kv_families import Example, multihop_examples, multikey_examples, needle_examples
-from flashx_batch.quality.kv_tasks_report import PRESETS, markdown, plot, relative_scores, retention
+from flashx_batch.quality.kv_tasks_report import PRESETS, fixed_dials, markdown, plot, relative_scores, retention
 from flashx_batch.runtime.kv_merge import (
     GROUP,
     MergePlan,
@@ -193,8 +193,8 @@ def policy_plan(policy: str, length: int, saved: float, scores: torch.Tensor | N
     slots; `static`: (None, False). Eviction frees GROUP slots per group, a 4:1 merge GROUP - 1."""
     if policy == "static":
         return None, False
-    if policy in PRESETS:  # what the engine runs: the preset's dials whatever they save
-        fraction, share = KV_PRESETS[policy.split(":", 1)[1]]
+    if fixed_dials(policy):  # what the engine runs: a preset's (or a candidate's) dials, whatever they save
+        fraction, share = fixed_dials(policy)
         settings = MergeSettings(fraction, sinks=sinks, window=window, evict_share=share, protect_nats=protect_nats)
         merge, evict = choose_compression(scores, length, settings, surprisal)
         return plan_groups(length, merge, evict=evict), bool(merge)
@@ -289,13 +289,13 @@ def run_task(engine: Engine, task: str, examples: list[Example], cells: list[tup
 
 
 def _cell_name(policy: str, saved: float) -> str:
-    return policy if policy == "static" or policy in PRESETS else f"{policy}@{saved:.2f}"
+    return policy if policy == "static" or fixed_dials(policy) else f"{policy}@{saved:.2f}"
 
 
 def cells_for(policies: list[str], saved: list[float]) -> list[tuple[str, float]]:
     """static once, each preset once (it saves what its dials save), every other policy at each target."""
-    fixed = [(p, 0.0) for p in policies if p == "static" or p in PRESETS]
-    return fixed + [(p, s) for p in policies if p != "static" and p not in PRESETS for s in saved]
+    fixed = [(p, 0.0) for p in policies if p == "static" or fixed_dials(p)]
+    return fixed + [(p, s) for p in policies if p != "static" and not fixed_dials(p) for s in saved]
 
 
 # ---------------------------------------------------------------- entry point
@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in TASKS:
             parser.error(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     for name in policies:
-        if name not in POLICIES + PRESETS:
-            parser.error(f"unknown policy {name!r}; known: {', '.join(POLICIES + PRESETS)}")
+        if name not in POLICIES + PRESETS and not fixed_dials(name):
+            parser.error(f"unknown policy {name!r}; known: {', '.join(POLICIES + PRESETS)}, fraction:F (0 < F <= 1.25)")
     saved = [float(s) for s in args.saved.split(",")]
     model = args.model or bundled_model_dir()
     longest = max(size["copy_span"] + size["filler"] + 16, 2 * size["mqar_pairs"] + size["filler"]
@@ -357,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         "ppl": lambda: ppl_examples(token_windows(tok, size["ppl_context"] + size["ppl_cont"], size["samples"]),
                                     size["ppl_context"]),
         "mc": lambda: mc_examples(engine, size["mc_samples"], 2 * (args.sinks + args.window)),
-        "copy_long": lambda: copy_examples(filler, tok.encode("\nCOPY:", False), vocab, avoid, size["samples"],
-                                           2 * size["copy_span"], size["copy_span"], args.seed + 1),
+        "copy_long": lambda: copy_examples([f[: len(f) // 2] for f in filler], tok.encode("\nCOPY:", False), vocab,
+                                           avoid, size["samples"], 2 * size["copy_span"], size["copy_span"],
+                                           args.seed + 1),
         "kv_multikey": lambda: multikey_examples(filler, tok.encode("\nRECALL:", False), vocab, avoid,
                                                  size["samples"], size["mqar_pairs"] // 2, size["mqar_queries"] // 2,
                                                  args.seed),
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                "score = perplexity ÷ static",
         "mc": f"legal_eval.parquet items with >= {2 * (args.sinks + args.window)} context tokens; "
               "score = accuracy (summed log-probabilities)",
-        "copy_long": f"{2 * size['copy_span']}-token random span, its first half the cue after {size['filler']} "
+        "copy_long": f"{2 * size['copy_span']}-token random span, its first half the cue after {size['filler'] // 2} "
                      "filler tokens; score = fraction of the second half generated greedily",
         "kv_multikey": f"{size['mqar_pairs'] // 2} pairs with {fam.KEY_TOKENS}-token keys, {size['filler']} filler "
                        f"tokens, {size['mqar_queries'] // 2} keys teacher-forced after; score = values recalled",

@@ -11,6 +11,21 @@ from flashx_batch.quality.kv_families import paired_bootstrap
 from flashx_batch.runtime.options import KV_PRESETS
 
 PRESETS = tuple(f"preset:{name}" for name in KV_PRESETS)  # the engine's own settings, at what they save
+
+
+def fixed_dials(policy: str) -> tuple[float, float] | None:
+    """(kv_merge_fraction, kv_evict_share) of a policy that runs fixed dials, whatever they save: a preset
+    (`preset:balanced`), or a candidate fraction for choosing one (`fraction:0.75`, the balanced evict share);
+    None for the policies that aim at a target saving."""
+    if policy in PRESETS:
+        return KV_PRESETS[policy.split(":", 1)[1]]
+    if policy.startswith("fraction:"):
+        try:
+            fraction = float(policy.split(":", 1)[1])
+        except ValueError:
+            return None
+        return (fraction, KV_PRESETS["balanced"][1]) if 0 < fraction <= 1.25 else None
+    return None
 LOWER_IS_BETTER = {"ppl"}
 
 
@@ -80,7 +95,7 @@ def markdown(result: dict) -> str:
     for cell in cells:
         row = [result["tasks"][t]["cells"][cell] for t in tasks]
         gold = f" {result['tasks']['mc']['cells'][cell]['gold_logprob']:.3f} |" if "mc" in tasks else ""
-        target = "(its own)" if row[0]["policy"] in PRESETS else f"{row[0]['target_saved']:.0%}"
+        target = "(its own)" if fixed_dials(row[0]["policy"]) else f"{row[0]['target_saved']:.0%}"
         average = f" {relative[cell]['average']:.3f} |" if cell in relative else " |"
         lines.append(f"| {row[0]['policy']} | {target} | "
                      + " | ".join(f"{r['score']:.3f} ({r['kv_saved']:.0%})" for r in row) + " |" + gold + average)
@@ -106,7 +121,7 @@ def plot(result: dict, path: Path) -> None:
             if policy == "static":
                 ax.axhline(rows[0]["score"], color="black", linestyle="--", label="static")
                 continue
-            if policy in PRESETS:
+            if fixed_dials(policy):
                 ax.plot([100 * rows[0]["kv_saved"]], [rows[0]["score"]], marker="*", markersize=12, linestyle="",
                         label=policy)
                 continue
