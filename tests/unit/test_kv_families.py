@@ -7,7 +7,7 @@ import random
 import pytest
 
 from flashx_batch.quality import kv_families as fam
-from flashx_batch.quality.kv_tasks import main
+from flashx_batch.quality.kv_tasks import main, policy_plan
 from flashx_batch.quality.kv_tasks_report import retention
 
 FILLER = [list(range(100, 164)), list(range(200, 264))]
@@ -90,3 +90,37 @@ def test_held_out_split_on_the_bundled_model(tmp_path):
         assert row["low"] <= row["retention"] <= row["high"] and 0 < row["kv_saved"] < 1
         assert len(result["tasks"][task]["cells"]["static"]["per_example"]) == 2
     assert "## Retention (held_out)" in (tmp_path / "kv_tasks.md").read_text()
+
+
+def test_candidate_fractions_run_fixed_dials_like_presets():
+    import torch
+
+    from flashx_batch.quality.kv_tasks import cells_for
+    from flashx_batch.quality.kv_tasks_report import fixed_dials
+    from flashx_batch.runtime.kv_merge import MergeSettings, compressed_length
+    from flashx_batch.runtime.options import KV_PRESETS
+
+    assert fixed_dials("preset:aggressive") == KV_PRESETS["aggressive"]
+    assert fixed_dials("fraction:0.75") == (0.75, KV_PRESETS["balanced"][1])
+    assert fixed_dials("fraction:lots") is None and fixed_dials("fraction:2") is None
+    assert fixed_dials("segment_sparse") is None
+    assert cells_for(["static", "fraction:0.7", "segment_sparse"], [0.3, 0.5]) == [
+        ("static", 0.0), ("fraction:0.7", 0.0), ("segment_sparse", 0.3), ("segment_sparse", 0.5)]
+    length = 400
+    plan, _ = policy_plan("fraction:0.7", length, 0.0, torch.rand(length), 0, 4, 32, torch.zeros(length), 6.0)
+    assert plan.num_slots == compressed_length(length, MergeSettings(0.7, 4, 32, evict_share=1.0))
+
+
+def test_the_static_cache_does_not_depend_on_the_presets():
+    """Choosing presets changes what segment_sparse keeps, never a static-cache row's tokens."""
+    from flashx_batch import Engine, SamplingParams
+    from flashx_batch.runtime.options import KV_PRESETS, bundled_model_dir
+
+    prompts = [list(range(40, 140)), list(range(300, 360))]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outs = []
+    for preset in KV_PRESETS:
+        engine = Engine.from_pretrained(bundled_model_dir(), backend="cpu", dtype="float32", max_batch_size=2,
+                                        max_input_len=128, max_output_len=12, kv_preset=preset)
+        outs.append([o.token_ids for o in engine.generate(prompts, params)])
+    assert all(out == outs[0] for out in outs)
