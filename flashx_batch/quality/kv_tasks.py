@@ -18,6 +18,11 @@ cache must still hold:
   at least `--mc-min-context` tokens): each choice's log-likelihood through the compressed context;
   score = accuracy (argmax of the summed log-probabilities).
 
+`--split tuning|held_out` runs the families of `quality.kv_families` instead (the tuning split: copy, mqar, ppl;
+held-out: a long-cue copy, 3-token-key recall, two-hop recall, a needle span in licence text, mc), and the
+report adds each cell's retention (score ÷ static on the same examples) with a paired bootstrap interval.
+`fraction:F` cells run candidate dials (kv_merge_fraction F, the balanced evict share) as presets run theirs.
+
 Every task compresses all of its prompt but the last token; that token and everything after it
 run through the compressed cache (`runner.passes.extend` after `kv_merge.apply_plan`), so every scored
 prediction reads the compressed KV.
