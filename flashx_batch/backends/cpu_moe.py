@@ -45,24 +45,39 @@ def kernel():
         return None
     block = OUTPUTS_PER_TASK
 
+    def run_starts(experts):  # pragma: no cover - compiled
+        """Where each expert's run of rows starts in `experts` (non-decreasing), then its length."""
+        starts = np.empty(len(experts) + 1, np.int64)
+        runs = 0
+        for p in range(len(experts)):
+            if p == 0 or experts[p] != experts[p - 1]:
+                starts[runs] = p
+                runs += 1
+        starts[runs] = len(experts)
+        return starts[: runs + 1]
+
+    def task_of(task, blocks, starts, experts):  # pragma: no cover - compiled
+        """Task `task`'s rows [begin, end), their expert and its first output: tasks walk each run's output blocks."""
+        run = task // blocks
+        begin = starts[run]
+        return begin, starts[run + 1], experts[begin], (task - run * blocks) * block
+
+    try:
+        find_runs = compile_kernel(numba, run_starts)
+        task_rows = compile_kernel(numba, task_of)
+    except Exception as exc:
+        log.warning("the decode-step expert kernels failed to compile (%s): grouped GEMMs serve", exc)
+        return None
+
     def expert_rows(x, experts, weights, out):  # pragma: no cover - compiled
         """x [P, H] float32 sorted by expert, experts [P] int64 (non-decreasing), weights [E, O, H] -> out [P, O].
         A task is one expert's run of rows and a block of outputs: each weight row is read once for the run."""
         pairs, width = x.shape
         outputs = weights.shape[1]
-        starts = np.empty(pairs + 1, np.int64)
-        runs = 0
-        for p in range(pairs):
-            if p == 0 or experts[p] != experts[p - 1]:
-                starts[runs] = p
-                runs += 1
-        starts[runs] = pairs
+        starts = find_runs(experts)
         blocks = (outputs + block - 1) // block
-        for task in prange(runs * blocks):
-            run = task // blocks
-            first = (task - run * blocks) * block
-            begin, end = starts[run], starts[run + 1]
-            expert = experts[begin]
+        for task in prange((len(starts) - 1) * blocks):
+            begin, end, expert, first = task_rows(task, blocks, starts, experts)
             for o in range(first, min(outputs, first + block)):
                 w = weights[expert, o]
                 for p in range(begin, end):
@@ -81,19 +96,10 @@ def kernel():
         vectorised float sum runs ~3x faster here than integer multiplies), then carried in int32."""
         pairs, width = codes.shape
         outputs = q.shape[1]
-        starts = np.empty(pairs + 1, np.int64)
-        runs = 0
-        for p in range(pairs):
-            if p == 0 or experts[p] != experts[p - 1]:
-                starts[runs] = p
-                runs += 1
-        starts[runs] = pairs
+        starts = find_runs(experts)
         blocks = (outputs + block - 1) // block
-        for task in prange(runs * blocks):
-            run = task // blocks
-            first = (task - run * blocks) * block
-            begin, end = starts[run], starts[run + 1]
-            expert = experts[begin]
+        for task in prange((len(starts) - 1) * blocks):
+            begin, end, expert, first = task_rows(task, blocks, starts, experts)
             for o in range(first, min(outputs, first + block)):
                 w = q[expert, o]
                 for p in range(begin, end):
