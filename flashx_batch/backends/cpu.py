@@ -46,7 +46,7 @@ class CpuBackend(Backend):
     def prepare_model(self, model: torch.nn.Module) -> int:
         """Pack the weights of every module that opts in (a class attribute `cpu_packable = True`, a
         `pack()` method, a `pack_dtype` naming the dtype of what it would pack — None off the CPU —
-        that `onednn_packs`: `models.layers.Linear`, `models.moe.SparseMoE`'s experts) into oneDNN's
+        that `onednn_packs`: `models.layers.Linear`; not stacked experts, see `models.moe`) into oneDNN's
         layout, through which they then multiply. Quantized linears do not opt in and keep their own
         kernels; torch builds without oneDNN keep plain sgemm. Duck-typed, so this package never
         imports the models above it."""

@@ -7,10 +7,12 @@ by expert, so each expert's tokens are one contiguous run, and the experts run i
 - **grouped** (few rows per expert: other devices and dtypes, small prefills): one grouped GEMM per
   projection over all experts at once (`torch._grouped_mm`, the sorted rows and each expert's end offset),
   no host read-back and no Python loop over experts. Same products as the loop, bit for bit, on the CPU.
-- **loop** (many rows per expert: prefills): one matmul per active expert, through its oneDNN-packed copy
-  on the CPU, after reading the expert counts back to the host once per layer.
+- **loop** (many rows per expert: prefills): one matmul per active expert on its slice of the stacked weight,
+  after reading the expert counts back to the host once per layer. No oneDNN-packed copies of the experts, as
+  the dense linears have: they doubled the experts' memory, and on the many-expert benchmarks (prefill and decode
+  alternating with another model that evicts the cache) the run was no faster with them.
 
-`GROUPED_MAX_ROWS` picks between them by the average rows an expert gets; where this torch has no grouped
+`GROUPED_MAX_MACS` picks between them by the work of an average expert's call; where this torch has no grouped
 GEMM for the device and dtype (probed once), the loop serves every call. No ONNX export for these models yet.
 
 A stacked weight can be replaced by a quantized one (`quantized["gate_up"]` / `quantized["down"]`: the quant
@@ -19,8 +21,8 @@ over the same expert-sorted rows; the two projections then run one at a time, ea
 
 Expert weights live stacked, `[experts, 2 x intermediate, hidden]` (gate and up fused) and
 `[experts, hidden, intermediate]`, filled straight from the checkpoint's per-expert tensors by the
-loader. The router is a plain matmul, never a packed one: near-tied experts must be chosen as the
-reference implementation chooses them.
+loader. The router is a plain matmul: near-tied experts must be chosen as the reference implementation
+chooses them.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashx_batch.backends import cpu_moe, on_host
-from flashx_batch.backends.cpu import onednn_linear, onednn_pack
 from flashx_batch.models.config import MoESpec
 from flashx_batch.models.layers import GatedMLP, Linear
 
-# rows per expert (pairs / experts) up to which the grouped GEMM runs: measured on the CPU at hidden 256, one
-# thread, the grouped form 1.6-1.9x the loop's speed at a decode step (8 tokens, 16-128 experts), equal near
-# 128 rows an expert, and the loop over packed weights ahead past it (docs/benchmarks.md, "Mixture of experts")
-GROUPED_MAX_ROWS = 96
+# multiply-adds of an average expert's gate / up call (pairs / experts x 2 x intermediate x hidden) up to which the
+# grouped GEMM runs, the loop past them. Measured on the CPU, one thread, against the loop over stacked slices:
+# the grouped form 1.7-2.1x faster at 4 rows an expert; even near 20 rows at intermediate 256 and hidden 256
+# (2.6 M) and near 64 rows at intermediate 128 (4.2 M); the loop ~1.5x faster at 160-262 rows
+GROUPED_MAX_MACS = 3 << 20
 # (token, expert) pairs up to which a host call takes the decode kernel (`backends.cpu_moe`): a decode step's
 # batch x top-k; more (prefills) go to the grouped GEMM or the loop
 DECODE_MAX_PAIRS = 256
@@ -62,11 +64,9 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class SparseMoE(nn.Module):
-    cpu_packable = True  # the CPU backend's `prepare_model` calls `pack` where oneDNN takes the experts' dtype
-
     def __init__(self, spec: MoESpec, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.spec = spec
+        self.spec, self.hidden = spec, hidden
         experts, inter = spec.num_experts, spec.intermediate
         # sigmoid routers score in float32 whatever the model's dtype (as the reference keeps them)
         router_dtype = torch.float32 if spec.sigmoid else dtype
@@ -79,30 +79,17 @@ class SparseMoE(nn.Module):
                                          requires_grad=False)
         self.shared = GatedMLP(hidden, spec.shared_intermediate, dtype, device) if spec.shared_intermediate else None
         self.shared_gate = Linear(1, hidden, False, dtype, device) if spec.shared_gate else None
-        self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None  # CPU: per expert, `pack`
         # "gate_up" / "down": a quantized replacement of that stacked weight (module docstring), set by the quant layer
         self.quantized = nn.ModuleDict()
 
-    @property
-    def pack_dtype(self) -> torch.dtype | None:
-        """The dtype `pack` would pack (None off the CPU)."""
-        return self.experts_gate_up.dtype if on_host(self.experts_gate_up) else None
-
-    def pack(self) -> None:
-        """Keep each expert's two weights in oneDNN's layout as well and multiply through oneDNN's linear
-        (`models.layers.Linear.pack`: the same kernels, the same reasons). The router stays a plain
-        matmul (module docstring)."""
-        def packed(name: str, weights: torch.Tensor, e: int) -> torch.Tensor | None:
-            return None if name in self.quantized else onednn_pack(weights[e])
-
-        self.packed = [(packed("gate_up", self.experts_gate_up, e), packed("down", self.experts_down, e))
-                       for e in range(self.spec.num_experts)]
-
     def _expert_linear(self, x: torch.Tensor, expert: int, which: int) -> torch.Tensor:
-        """x through expert's gate / up (`which` 0) or down (1) weight: its packed copy where there is one."""
-        if self.packed is not None and self.packed[expert][which] is not None:
-            return onednn_linear(x, self.packed[expert][which])
+        """x through expert's gate / up (`which` 0) or down (1) weight."""
         return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
+
+    def _grouped_fits(self, pairs: int) -> bool:
+        """Whether `pairs` sorted rows are few enough an expert for the grouped GEMM (`GROUPED_MAX_MACS`)."""
+        spec = self.spec
+        return pairs * 2 * spec.intermediate * self.hidden <= GROUPED_MAX_MACS * spec.num_experts
 
     def _grouped(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Sorted rows [pairs, hidden] through their experts (`ends`: each expert's end offset): [pairs, hidden]."""
@@ -130,7 +117,7 @@ class SparseMoE(nn.Module):
             out = cpu_moe.expert_rows(rows, experts, weights)
             if out is not None:
                 return out
-        if len(rows) <= GROUPED_MAX_ROWS * self.spec.num_experts and grouped_mm_available(rows.device, rows.dtype):
+        if self._grouped_fits(len(rows)) and grouped_mm_available(rows.device, rows.dtype):
             return torch._grouped_mm(rows, weights.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         out, start = rows.new_empty(len(rows), weights.shape[1]), 0
         for expert, count in enumerate(counts.tolist()):
@@ -198,8 +185,7 @@ class SparseMoE(nn.Module):
             h = self._project(1, F.silu(gate) * up, sorted_experts, counts)
         elif pairs <= DECODE_MAX_PAIRS and on_host(flat):  # a decode step: the host kernel, no per-expert dispatch
             h = self._decode_rows(flat[tokens], flat_choice[order])
-        if h is None and pairs <= GROUPED_MAX_ROWS * self.spec.num_experts \
-                and grouped_mm_available(flat.device, flat.dtype):
+        if h is None and self._grouped_fits(pairs) and grouped_mm_available(flat.device, flat.dtype):
             h = self._grouped(flat[tokens], counts.cumsum(0).to(torch.int32))
         if h is not None:
             out.index_add_(0, tokens, (h * slot_weights[:, None]).float())  # expert order: a token's ascending

@@ -172,13 +172,10 @@ class FormatSwap:
         if which in moe.quantized:
             raise ValueError(f"{unit.name} is already {moe.quantized[which].fmt}: a precision map is applied once, "
                              "to a freshly loaded float model")
-        weight, packed = getattr(moe, unit.weight), moe.packed
+        weight = getattr(moe, unit.weight)
         moe.quantized[which] = Int8Experts.from_float(weight, dtype, rotate_input=which == "down")
         setattr(moe, unit.weight, nn.Parameter(weight.new_empty(0), requires_grad=False))  # the float stack freed
-        if packed is not None:  # the CPU's packed float copies of this projection go too
-            index = 0 if which == "gate_up" else 1
-            moe.packed = [tuple(None if i == index else w for i, w in enumerate(pair)) for pair in packed]
-        self.originals[unit.name] = _ExpertsOriginal(moe, which, unit.weight, weight, packed)
+        self.originals[unit.name] = _ExpertsOriginal(moe, which, unit.weight, weight)
 
     def restore(self) -> None:
         for path, original in self.originals.items():
@@ -203,12 +200,10 @@ class _ExpertsOriginal:
     which: str
     attribute: str
     weight: nn.Parameter
-    packed: list | None
 
     def restore(self) -> None:
         setattr(self.moe, self.attribute, self.weight)
         del self.moe.quantized[self.which]
-        self.moe.packed = self.packed
 
 
 def unit_bytes(unit: Unit, fmt: str, group_size: int, dtype: torch.dtype) -> int:

@@ -109,7 +109,6 @@ def test_int8_mlps_run_close_to_float_and_restore(glm_moe):
         assert summary["formats"] == {"int8": len(mlp_units), "fp32": len(model_units(model)) - len(mlp_units)}
         moe = model.layers[1].mlp
         assert set(moe.quantized) == {"gate_up", "down"} and moe.experts_gate_up.numel() == 0
-        assert all(pair == (None, None) for pair in moe.packed or [(None, None)])  # no float copies kept
         quantized = engine.score(prompts)
         for a, b in zip(logits, quantized):
             assert 0 < ((a - b).norm() / a.norm()).item() < 0.05

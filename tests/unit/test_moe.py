@@ -105,7 +105,7 @@ def _random_moe(experts: int, top_k: int, intermediate: int, hidden: int, seed: 
     return moe
 
 
-@pytest.mark.parametrize("tokens, form", [(3, "grouped"), (40, "grouped"), (800, "loop")])
+@pytest.mark.parametrize("tokens, form", [(3, "grouped"), (40, "grouped"), (12000, "loop")])
 def test_grouped_experts_equal_the_loop_and_serve_few_rows_an_expert(tokens, form, monkeypatch):
     """The grouped GEMM form (few rows an expert, empty experts included) gives the loop's output bit for bit
     on the CPU and is the form a decode-sized call takes; many rows an expert (a prefill) take the loop."""
@@ -125,7 +125,7 @@ def test_grouped_experts_equal_the_loop_and_serve_few_rows_an_expert(tokens, for
     monkeypatch.setattr(moe_module, "DECODE_MAX_PAIRS", 0)  # the grouped GEMM, not the host decode kernel
     first = moe.forward(x)
     assert calls == ([tokens * 4] if form == "grouped" else [])
-    monkeypatch.setattr(moe_module, "GROUPED_MAX_ROWS", 0 if form == "grouped" else 10**9)  # the other form
+    monkeypatch.setattr(moe_module, "GROUPED_MAX_MACS", 0 if form == "grouped" else 10**12)  # the other form
     assert torch.equal(first, moe.forward(x))
     if tokens == 3:  # 12 rows over 32 experts: empty experts in the grouped GEMM
         assert int(torch.bincount(moe.route(x)[0].reshape(-1), minlength=32).eq(0).sum()) > 0
@@ -143,7 +143,7 @@ def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loo
     monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
     fast = moe.forward(x)
     monkeypatch.setattr(moe_module, "DECODE_MAX_PAIRS", 0)
-    monkeypatch.setattr(moe_module, "GROUPED_MAX_ROWS", 0)
+    monkeypatch.setattr(moe_module, "GROUPED_MAX_MACS", 0)
     looped = moe.forward(x)
     assert calls == [1] and torch.allclose(fast, looped, rtol=1e-5, atol=1e-4)  # sums reassociated: last bits
 
