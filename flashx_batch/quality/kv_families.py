@@ -85,7 +85,8 @@ def paired_bootstrap(policy: list[float], static: list[float], resamples: int = 
                      lower_is_better: bool = False) -> tuple[float, float, float]:
     """(retention, low, high): sum(policy) / sum(static) over the examples (static ÷ policy where lower is
     better, as for summed NLL of equal token counts: then the per-example values are NLLs and retention is
-    exp(mean static NLL - mean policy NLL)), with its 95 % percentile interval over example resamples."""
+    exp(mean static NLL - mean policy NLL)), with its 95 % percentile interval over example resamples (a
+    resample whose static scores sum to 0 has no ratio and is left out)."""
     p, s = torch.tensor(policy, dtype=torch.float64), torch.tensor(static, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, len(p), (resamples, len(p)), generator=gen)
@@ -93,9 +94,11 @@ def paired_bootstrap(policy: list[float], static: list[float], resamples: int = 
     def ratio(ps: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
         if lower_is_better:
             return torch.exp((ss - ps).sum(-1) / ss.shape[-1])
-        return ps.sum(-1) / ss.sum(-1).clamp(min=1e-12)
+        total = ss.sum(-1)
+        return torch.where(total > 0, ps.sum(-1) / total.clamp(min=1e-300), torch.nan)  # no ratio: left out
 
-    lo, hi = torch.quantile(ratio(p[picks], s[picks]), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    spread = ratio(p[picks], s[picks])
+    lo, hi = torch.nanquantile(spread, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return float(ratio(p, s)), lo, hi
 
 

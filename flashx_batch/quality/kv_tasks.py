@@ -345,8 +345,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown policy {name!r}; known: {', '.join(POLICIES + PRESETS)}, fraction:F (0 < F <= 1.25)")
     saved = [float(s) for s in args.saved.split(",")]
     model = args.model or bundled_model_dir()
+    key = fam.KEY_TOKENS + 1
     longest = max(size["copy_span"] + size["filler"] + 16, 2 * size["mqar_pairs"] + size["filler"]
-                  + 2 * size["mqar_queries"] + 16, size["ppl_context"] + size["ppl_cont"] + 1, 1024)
+                  + 2 * size["mqar_queries"] + 16, size["ppl_context"] + size["ppl_cont"] + 1,
+                  3 * size["copy_span"] + size["filler"] // 2 + 16,  # copy_long: span, filler, cue, answer
+                  key * (size["mqar_pairs"] // 2 + size["mqar_queries"] // 2) + size["filler"] + 16,
+                  4 * fam.CHAINS + size["filler"] + 16, fam.NEEDLE_TOKENS + size["filler"] + 16, 1024)
     engine = Engine.from_pretrained(model, backend="cpu", dtype="float32", max_batch_size=1,
                                     max_input_len=longest, max_output_len=1, kv_observe_window=args.window,
                                     num_threads=args.threads)

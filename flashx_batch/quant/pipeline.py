@@ -27,7 +27,15 @@ from flashx_batch.quant.precision_map import (
     model_identity,
 )
 from flashx_batch.quant.sensitivity import Score, Validation, WindowScorer, kernel_check, scan_units, validate
-from flashx_batch.quant.units import FormatSwap, Unit, available_formats, model_units, resident_unit_bytes, unit_bytes
+from flashx_batch.quant.units import (
+    EXPERT_KINDS,
+    FormatSwap,
+    Unit,
+    available_formats,
+    model_units,
+    resident_unit_bytes,
+    unit_bytes,
+)
 
 log = logging.getLogger(__name__)
 OBJECTIVES = ("resident", "streamed")
@@ -73,7 +81,10 @@ def _unit_kernels(model: DecoderModel, units: list[Unit]) -> dict[str, str]:
     out = {}
     for unit in units:
         module = model.get_submodule(unit.module)
-        if isinstance(module, SplitLinear):
+        if unit.kind in EXPERT_KINDS:  # a `SparseMoE`: its quantized stack's kernel, if that stack is quantized
+            which = unit.kind.removeprefix("experts_")
+            out[unit.name] = module.quantized[which].kernel if which in module.quantized else "native"
+        elif isinstance(module, SplitLinear):
             start = 0
             for part in module.parts:
                 if start <= unit.start < start + part.out_features:

@@ -132,6 +132,15 @@ class FormatSwap:
         self.originals: dict[str, nn.Module | _ExpertsOriginal] = {}
         dtype = model.embed.dtype
         native = fm.format_of_dtype(dtype)
+        try:
+            self._swap(assignment, group_size, units, simulate, dtype, native)
+        except BaseException:
+            self.restore()  # a refused unit leaves no half-swapped model behind
+            raise
+
+    def _swap(self, assignment: dict[str, str], group_size: int, units: list[Unit] | None, simulate: bool,
+              dtype: torch.dtype, native: str) -> None:
+        model = self.model
         by_module: dict[str, list[Unit]] = {}
         for unit in units or model_units(model):
             if unit.kind in EXPERT_KINDS:
@@ -162,7 +171,9 @@ class FormatSwap:
 
     def _swap_experts(self, unit: Unit, fmt: str, native: str, dtype: torch.dtype) -> None:
         """A `SparseMoE`'s stacked weight to int8 (`quant.int8_experts`); the float one is kept in `originals`
-        (restored by `restore`, freed when a caller clears them)."""
+        (restored by `restore`, freed when a caller clears them). Measurements (`simulate`) run the real module:
+        its kernel is the one a dense int8 layer is measured with on the same engine (`int8_dynamic` on a
+        float32 CPU, weight-only elsewhere, as `QuantLinear.from_float` measures them)."""
         if fmt == native:
             return
         if fmt not in EXPERT_FORMATS:

@@ -118,8 +118,11 @@ def test_int8_mlps_run_close_to_float_and_restore(glm_moe):
 
 def test_experts_take_int8_or_their_own_format_only(glm_moe):
     model = _load(glm_moe)
-    with pytest.raises(ConfigError, match="int8 or the model's own fp32, not int4"):
-        FormatSwap(model, {"layers.1.mlp.experts_down": "int4"}, 64)
+    before = model.layers[1].mlp.experts_gate_up.clone()
+    with pytest.raises(ConfigError, match="int8 or the model's own fp32, not int4"):  # after gate / up was swapped
+        FormatSwap(model, {"layers.1.mlp.experts_gate_up": "int8", "layers.1.mlp.experts_down": "int4"}, 64)
+    moe = model.layers[1].mlp
+    assert not len(moe.quantized) and torch.equal(moe.experts_gate_up, before)  # nothing left half swapped
     FormatSwap(model, {"layers.1.mlp.experts_down": "int8"}, 64).originals.clear()
     with pytest.raises(ValueError, match="applied once"):
         FormatSwap(model, {"layers.1.mlp.experts_down": "int8"}, 64)
@@ -140,6 +143,9 @@ def test_a_planned_map_quantizes_experts_through_the_engine(glm_moe, tmp_path):
     assigned = pmap.assignment
     assert {"layers.1.mlp.experts_gate_up", "layers.2.mlp.experts_down"} <= set(assigned)
     assert any(fmt == "int8" for name, fmt in assigned.items() if "experts_" in name)  # a generous budget
+    kernels = {t["unit"]: t.get("kernel") for t in pmap.data["tensors"]}
+    assert all(kernels[name] == Int8Experts.from_float(torch.zeros(1, 16, 16), torch.float32).kernel
+               for name, fmt in assigned.items() if "experts_" in name and fmt == "int8")  # the kernel recorded
     engine = Engine.from_pretrained(glm_moe, backend="cpu", dtype="float32", max_batch_size=2, max_input_len=32,
                                     max_output_len=8, segment_size=8, precision_map=str(path))
     quantized = {name for name, fmt in assigned.items() if "experts_" in name and fmt == "int8"}

@@ -63,6 +63,10 @@ def test_paired_bootstrap_brackets_the_ratio_and_is_exact_when_equal():
     noisy = [s * rng.choice([0.0, 1.0]) for s in static]
     kept, lo, hi = fam.paired_bootstrap(noisy, static)
     assert lo < kept < hi and 0.2 < kept < 0.8
+    # resamples where static scored nothing have no ratio: left out of the interval, not counted as huge
+    sparse_static = [1.0] + [0.0] * 9
+    kept, lo, hi = fam.paired_bootstrap([0.5] + [0.0] * 9, sparse_static, resamples=200)
+    assert kept == lo == hi == 0.5
     # lower is better (per-example mean NLL): retention = static perplexity ÷ the policy's
     kept, _, _ = fam.paired_bootstrap([2.1] * 5, [2.0] * 5, lower_is_better=True)
     assert kept == pytest.approx(math.exp(-0.1))
