@@ -87,12 +87,12 @@ class SparseMoE(nn.Module):
         """x through expert's gate / up (`which` 0) or down (1) weight."""
         return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
 
-    def _grouped_fits(self, pairs: int, device: torch.device) -> bool:
-        """Whether `pairs` sorted rows are few enough an expert for the grouped GEMM: `GROUPED_MAX_MACS` on the
-        CPU, where it was measured; elsewhere up to `GROUPED_MAX_ROWS` rows an expert (a GPU's grouped GEMM
+    def _grouped_fits(self, rows: torch.Tensor) -> bool:
+        """Whether these sorted rows are few enough an expert for the grouped GEMM: `GROUPED_MAX_MACS` on the
+        host, where it was measured; elsewhere up to `GROUPED_MAX_ROWS` rows an expert (a GPU's grouped GEMM
         also spares the loop's read-back of the counts)."""
-        spec = self.spec
-        if device.type != "cpu":
+        spec, pairs = self.spec, len(rows)
+        if not on_host(rows):
             return pairs <= GROUPED_MAX_ROWS * spec.num_experts
         return pairs * 2 * spec.intermediate * self.hidden <= GROUPED_MAX_MACS * spec.num_experts
 
@@ -122,7 +122,7 @@ class SparseMoE(nn.Module):
             out = cpu_moe.expert_rows(rows, experts, weights)
             if out is not None:
                 return out
-        if self._grouped_fits(len(rows), rows.device) and grouped_mm_available(rows.device, rows.dtype):
+        if self._grouped_fits(rows) and grouped_mm_available(rows.device, rows.dtype):
             return torch._grouped_mm(rows, weights.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         out, start = rows.new_empty(len(rows), weights.shape[1]), 0
         for expert, count in enumerate(counts.tolist()):
@@ -190,7 +190,7 @@ class SparseMoE(nn.Module):
             h = self._project(1, F.silu(gate) * up, sorted_experts, counts)
         elif pairs <= DECODE_MAX_PAIRS and on_host(flat):  # a decode step: the host kernel, no per-expert dispatch
             h = self._decode_rows(flat[tokens], flat_choice[order])
-        if h is None and self._grouped_fits(pairs, flat.device) and grouped_mm_available(flat.device, flat.dtype):
+        if h is None and self._grouped_fits(flat_choice) and grouped_mm_available(flat.device, flat.dtype):
             h = self._grouped(flat[tokens], counts.cumsum(0).to(torch.int32))
         if h is not None:
             out.index_add_(0, tokens, (h * slot_weights[:, None]).float())  # expert order: a token's ascending
