@@ -28,6 +28,7 @@ import fcntl
 import functools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -136,6 +137,30 @@ def _kernel():
 
 # Fast-math without `nnan` / `ninf`: masked slots carry -inf, which those flags would make undefined.
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+# numba's parallel regions are entered one thread at a time, package-wide: its `workqueue` threading layer
+# (where OpenMP and TBB are missing) kills the process on concurrent entry, and the other layers would
+# oversubscribe the cores anyway
+_PARALLEL = threading.Lock()
+
+
+def load_numba(without: str):
+    """numba, or None where it cannot be imported (logged with `without`: what serves instead). Never fatal."""
+    try:
+        import numba
+    except Exception as exc:  # an ImportError, or numba refusing this numpy
+        log.info("numba unavailable (%s): %s", exc, without)
+        return None
+    return numba
+
+
+@contextlib.contextmanager
+def parallel_region(numba):
+    """Hold the package's one lock around a numba parallel call, run on torch's thread count."""
+    with _PARALLEL:
+        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        yield
 
 
 def compile_kernel(numba, source, **options):

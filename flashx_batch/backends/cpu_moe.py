@@ -19,30 +19,26 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 
 import numpy as np
 import torch
 
-from flashx_batch.backends.cpu_decode import compile_kernel
+from flashx_batch.backends.cpu_decode import compile_kernel, load_numba, parallel_region
 
 log = logging.getLogger(__name__)
 OUTPUTS_PER_TASK = 32  # outputs of one pair a task computes: enough tasks to share out, few enough per call
 # channels of int8 x int8 products summed in float32 before carrying to int32: 1024 x 127 x 127 < 2^24, so every
 # partial sum is an integer float32 holds exactly, whatever order a vectorised loop adds in
 EXACT_SPAN = 1024
-_calls = threading.Lock()  # numba's parallel regions entered one thread at a time (`quant.dequant_kernels`)
 
 
 @functools.cache
 def kernel():
     """(numba, the compiled `expert_rows(x, experts, weights, out)`, the compiled int8 walk), or None."""
-    try:
-        import numba
-        from numba import prange
-    except Exception as exc:  # never fatal, only slower
-        log.info("numba unavailable (%s): decode-step experts run as grouped GEMMs", exc)
+    numba = load_numba("decode-step experts run as grouped GEMMs")
+    if numba is None:
         return None
+    prange = numba.prange
     block = OUTPUTS_PER_TASK
 
     def run_starts(experts):  # pragma: no cover - compiled
@@ -136,8 +132,7 @@ def expert_rows(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -
         return None
     numba, compiled, _ = ready
     out = torch.empty(x.shape[0], weights.shape[1], dtype=torch.float32)
-    with _calls:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    with parallel_region(numba):
         compiled(x.contiguous().numpy(), experts.to(torch.int64).numpy(), weights.numpy(), out.numpy())
     return out
 
@@ -150,7 +145,6 @@ def int8_expert_rows(codes: torch.Tensor, experts: torch.Tensor, q: torch.Tensor
         return None
     numba, _, compiled_int8 = ready
     out = torch.empty(codes.shape[0], q.shape[1], dtype=torch.int32)
-    with _calls:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    with parallel_region(numba):
         compiled_int8(codes.float().numpy(), experts.to(torch.int64).numpy(), q.numpy(), out.numpy())
     return out

@@ -93,18 +93,13 @@ MC_DATA = Path(__file__).resolve().parent.parent / "assets" / "data" / "legal_ev
 
 # ---------------------------------------------------------------- tasks
 
-def _random_tokens(rng: random.Random, count: int, vocab: int, avoid: set[int], distinct: bool = False) -> list[int]:
-    pool = [t for t in range(vocab) if t not in avoid]
-    return rng.sample(pool, count) if distinct else [rng.choice(pool) for _ in range(count)]
-
-
 def copy_examples(filler: list[list[int]], marker: list[int], vocab: int, avoid: set[int], count: int,
                   span_len: int, prefix_len: int, seed: int) -> list[Example]:
     """span + filler + marker + span[:prefix_len]; the rest of the span is the answer."""
     out = []
     for i in range(count):
         rng = random.Random(f"copy/{seed}/{i}")
-        span = _random_tokens(rng, span_len, vocab, avoid)
+        span = fam.random_tokens(rng, span_len, vocab, avoid)
         prompt = span + filler[i % len(filler)] + marker + span[:prefix_len]
         out.append(Example(prompt[:-1], prompt[-1:], answer=span[prefix_len:]))
     return out
@@ -117,8 +112,8 @@ def mqar_examples(filler: list[list[int]], marker: list[int], vocab: int, avoid:
     out = []
     for i in range(count):
         rng = random.Random(f"mqar/{seed}/{i}")
-        keys = _random_tokens(rng, pairs, vocab, avoid, distinct=True)
-        values = _random_tokens(rng, pairs, vocab, avoid)
+        keys = fam.random_tokens(rng, pairs, vocab, avoid, distinct=True)
+        values = fam.random_tokens(rng, pairs, vocab, avoid)
         asked = rng.sample(range(pairs), min(queries, pairs))
         prompt = [t for kv in zip(keys, values) for t in kv] + filler[i % len(filler)] + marker
         feed = [t for j in asked for t in (keys[j], values[j])]

@@ -20,25 +20,20 @@ import threading
 import numpy as np
 import torch
 
-from flashx_batch.backends.cpu_decode import compile_kernel
+from flashx_batch.backends.cpu_decode import compile_kernel, load_numba, parallel_region
 
 log = logging.getLogger("flashx_batch.quant.dequant_kernels")
 _local = threading.local()  # each thread's reusable float32 buffer (engines in threads never share one)
-# numba's parallel regions are entered one thread at a time (its `workqueue` layer, where OpenMP and TBB are
-# missing, kills the process on concurrent entry; the other layers would oversubscribe the cores anyway)
-_calls = threading.Lock()
 BUFFER_VALUES = 8 << 20  # a buffer's float32 values at most (32 MiB): larger weights dequantize in row blocks
 
 
 @functools.cache
 def kernels():
     """(int4 with contiguous groups, int4 with a group per input channel, FP8) compiled, or None."""
-    try:
-        import numba
-        from numba import prange
-    except Exception as exc:  # never fatal, only slower
-        log.info("numba unavailable (%s): kept checkpoint weights dequantize through torch ops", exc)
+    numba = load_numba("kept checkpoint weights dequantize through torch ops")
+    if numba is None:
         return None
+    prange = numba.prange
 
     # Each row through 1-D views of it: numba vectorizes these loops (indexing the 2-D arrays in the loop
     # body measured 4x slower). No fast-math: the products must round as torch's do.
@@ -124,8 +119,7 @@ def dequantize_into(out: torch.Tensor, fmt: str, parts: dict, contiguous_groups:
     numba, (int4_grouped, int4_indexed, fp8_blocks) = ready
     rows = slice(first, first + out.shape[0])
     target = out.numpy()
-    with _calls:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    with parallel_region(numba):  # the package's one lock for numba's parallel regions
         if fmt == "fp8":
             fp8_blocks(parts["q"][rows].view(torch.uint8).numpy(), FP8_TABLE, parts["scales"][rows].numpy(),
                        parts["block_cols"], target)

@@ -26,11 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashx_batch.backends import cpu_moe, on_host
+from flashx_batch.models import moe
 from flashx_batch.quant import formats as fm
 from flashx_batch.quant.linear import choose_kernel
-
-# (row, expert) pairs up to which the compiled walk serves a call (the float kernel's bound, `models.moe`)
-DECODE_MAX_PAIRS = 256
 
 
 class Int8Experts(nn.Module):
@@ -72,7 +70,7 @@ class Int8Experts(nn.Module):
             return self._weight_only(rows, counts)
         codes, peak = fm.quantize_rows(rows, rotate=self.rotated)
         # every form scales as `formats.int8_dynamic_matmul` scales `_int_mm`'s sums (`scale_int8_sums`): same bits
-        if len(rows) <= DECODE_MAX_PAIRS and on_host(rows):
+        if len(rows) <= moe.DECODE_MAX_PAIRS and on_host(rows):  # the float walk's bound
             sums = cpu_moe.int8_expert_rows(codes, experts, self.q)
             if sums is not None:
                 return fm.scale_int8_sums(sums, self.scales[experts], peak)

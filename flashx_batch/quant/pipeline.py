@@ -28,7 +28,6 @@ from flashx_batch.quant.precision_map import (
 )
 from flashx_batch.quant.sensitivity import Score, Validation, WindowScorer, kernel_check, scan_units, validate
 from flashx_batch.quant.units import (
-    EXPERT_KINDS,
     FormatSwap,
     Unit,
     available_formats,
@@ -81,9 +80,8 @@ def _unit_kernels(model: DecoderModel, units: list[Unit]) -> dict[str, str]:
     out = {}
     for unit in units:
         module = model.get_submodule(unit.module)
-        if unit.kind in EXPERT_KINDS:  # a `SparseMoE`: its quantized stack's kernel, if that stack is quantized
-            which = unit.kind.removeprefix("experts_")
-            out[unit.name] = module.quantized[which].kernel if which in module.quantized else "native"
+        if unit.stack:  # a `SparseMoE`: its quantized stack's kernel, if that stack is quantized
+            out[unit.name] = module.quantized[unit.stack].kernel if unit.stack in module.quantized else "native"
         elif isinstance(module, SplitLinear):
             start = 0
             for part in module.parts:

@@ -33,7 +33,7 @@ from flashx_batch.errors import ConfigError
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.loader import weight_files
 from flashx_batch.quant import formats as fm
-from flashx_batch.quant.units import EXPERT_KINDS, FormatSwap, Unit, model_units
+from flashx_batch.quant.units import FormatSwap, Unit, model_units
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +196,8 @@ def loaded_summary(model: DecoderModel) -> dict:
 
 def _unit_format(model: DecoderModel, unit: Unit, native: str) -> str:
     module, row = model.get_submodule(unit.module), unit.start
-    if unit.kind in EXPERT_KINDS:  # a `SparseMoE`'s stacked weight: its quantized replacement's format, if any
-        which = unit.kind.removeprefix("experts_")
-        return module.quantized[which].fmt if which in module.quantized else native
+    if unit.stack:  # a `SparseMoE`'s stacked weight: its quantized replacement's format, if any
+        return module.quantized[unit.stack].fmt if unit.stack in module.quantized else native
     if hasattr(module, "parts"):
         start = 0
         for part in module.parts:

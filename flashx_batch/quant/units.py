@@ -64,6 +64,11 @@ class Unit:
     def kind(self) -> str:
         return self.name.rsplit(".", 1)[-1]
 
+    @property
+    def stack(self) -> str | None:
+        """For an expert unit, the `SparseMoE.quantized` key of its stacked weight ("gate_up" / "down"); else None."""
+        return self.kind.removeprefix("experts_") if self.kind in EXPERT_KINDS else None
+
 
 def model_units(model: DecoderModel) -> list[Unit]:
     """Every unit of `model`, in forward order (layer 0 q, k, v, o, gate, up, down, ..., lm_head)."""
@@ -102,7 +107,7 @@ def _mlp_units(mlp: str, inter: int, hidden: int, layer: int) -> list[Unit]:
 
 def available_formats(unit: Unit, formats: list[str], group_size: int) -> list[str]:
     """`formats` minus int4 where the row length admits no group size; for expert units, int8 only."""
-    if unit.kind in EXPERT_KINDS:
+    if unit.stack:
         return [f for f in formats if f in EXPERT_FORMATS]
     return [f for f in formats if f != "int4" or fm.int4_group_size(unit.in_features, group_size) is not None]
 
@@ -143,7 +148,7 @@ class FormatSwap:
         model = self.model
         by_module: dict[str, list[Unit]] = {}
         for unit in units or model_units(model):
-            if unit.kind in EXPERT_KINDS:
+            if unit.stack:
                 self._swap_experts(unit, assignment.get(unit.name, native), native, dtype)
                 continue
             by_module.setdefault(unit.module, []).append(unit)
@@ -179,7 +184,7 @@ class FormatSwap:
         if fmt not in EXPERT_FORMATS:
             raise ConfigError(f"{unit.name}: a mixture-of-experts layer's stacked experts take "
                               f"{' or '.join(EXPERT_FORMATS)} or the model's own {native}, not {fmt}.")
-        moe, which = get_module(self.model, unit.module), unit.kind.removeprefix("experts_")
+        moe, which = get_module(self.model, unit.module), unit.stack
         if which in moe.quantized:
             raise ValueError(f"{unit.name} is already {moe.quantized[which].fmt}: a precision map is applied once, "
                              "to a freshly loaded float model")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from flashx_batch.errors import ConfigError
+from flashx_batch.models import moe as moe_module
 from flashx_batch.models.loader import load_model
 from flashx_batch.models.moe import SparseMoE
 from flashx_batch.quant import apply_precision_map, load_precision_map
-from flashx_batch.quant import int8_experts as ie
 from flashx_batch.quant.int8_experts import Int8Experts
 from flashx_batch.quant.precision_map import loaded_summary
 from flashx_batch.quant.units import FormatSwap, available_formats, kept_tensors, model_units
@@ -73,7 +73,7 @@ def test_the_decode_walk_and_the_per_expert_matmuls_give_the_same_bits(monkeypat
                                                       rotate_input=rotate)
     assert moe.quantized["down"].rotated and not moe.quantized["gate_up"].rotated
     walked = moe.forward(x)
-    monkeypatch.setattr(ie, "DECODE_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe_module, "DECODE_MAX_PAIRS", 0)
     looped = moe.forward(x)
     assert torch.equal(walked, looped)
     error = ((walked - want).norm() / want.norm()).item()
