@@ -19,9 +19,9 @@ from collections import deque
 from pathlib import Path
 
 from flashx_batch import Engine, SamplingParams
-from flashx_batch.bench.variants import batch_order
 from flashx_batch.bench.workloads import FULL, mixed_intake
 from flashx_batch.runtime.options import bundled_model_dir
+from flashx_batch.runtime.scheduler import bucket_key
 
 BATCH, MAX_INPUT, MAX_OUTPUT, SEGMENT, GROWTH = 8, 512, 96, 16, 4
 
@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
              for p, q in zip(w1.prompts, params)]
     counts: dict[str, dict[str, int]] = {}
     for order in ("sorted", "arrival"):
-        rows = batch_order(w1, order == "sorted", with_output=True)
+        rows = list(range(w1.rows))  # the extents' order: paged allocation takes rows as extents do
+        if order == "sorted":
+            rows.sort(key=lambda i: bucket_key(needs[i], w1.max_new_tokens[i], extents=True))
         counts[order] = {"paged": paged_decode_steps([needs[i] for i in rows], [w1.max_new_tokens[i] for i in rows],
                                                      BATCH * (MAX_INPUT + MAX_OUTPUT), GROWTH * BATCH)}
         for layout in ("stripes", "extents"):

@@ -180,6 +180,7 @@ def test_extent_batches_take_the_decode_steps_a_paged_cache_would(tiny_models):
     undoes fragmentation): exactly the decode steps of per-row (paged) allocation, counted by
     `schedule_count.paged_decode_steps`, sorted or not."""
     from flashx_batch.bench.schedule_count import paged_decode_steps
+    from flashx_batch.runtime.scheduler import bucket_key
 
     model_dir, _ = tiny_models["llama"]
     g = torch.Generator().manual_seed(4)
@@ -192,7 +193,7 @@ def test_extent_batches_take_the_decode_steps_a_paged_cache_would(tiny_models):
         engine.generate(prompts, params)
         geometry = engine.geometry
         needs = [16 * geometry.segments_for(n + k) for n, k in zip(lengths, new)]
-        order = sorted(range(30), key=lambda i: -(lengths[i] + new[i])) if sort else list(range(30))
+        order = sorted(range(30), key=lambda i: bucket_key(needs[i], new[i], extents=True)) if sort else list(range(30))
         counted = paged_decode_steps([needs[i] for i in order], [new[i] for i in order], geometry.striped_slots,
                                      geometry.base_rows * engine.options.batch_growth)
         assert engine.last_stats.decode_steps == counted, sort

@@ -96,3 +96,57 @@ def test_plans_keep_rows_apart_and_the_allocator_whole(extents, refill, sort):
     if refill and (extents or sort):  # growing batches took more rows than the base layout (stripes in arrival
         assert stats.peak_rows > geometry.base_rows  # order stay cut for the longest row still queued)
     assert (geometry.max_rows, geometry.row_capacity) == (4, 96)  # back in the base layout
+
+
+def _run(rows, extents, sort=True):
+    geometry = ArenaGeometry(segment_size=8, base_rows=4, base_capacity=96)
+    config = SchedulerConfig(max_input_len=64, prompt_slots=64, refill=True, sort_by_length=sort, batch_growth=4,
+                             grows_batches=True, uses_extents=extents, segment_bytes=8, layer_slot_bytes=1,
+                             split_min_bytes=None)
+    scheduler = Scheduler(config, geometry, eos_token_ids=(), decode_text=lambda ids: "")
+    stats, runner, admitted = GenerateStats(), ListRunner(geometry.num_slots), []
+    scheduler.start(rows, stats)
+    while (plan := scheduler.schedule()) is not None:
+        if plan.prefill is not None:
+            admitted += [r.prompt[0] - 1 for r in plan.prefill.rows]
+        scheduler.postprocess(plan, runner.run(plan))
+    assert scheduler.allocator.is_whole()
+    return stats, admitted
+
+
+def _mixed_rows(seed, n=48):
+    rng, rows = random.Random(seed), []
+    for i in range(n):
+        new = rng.randint(4, 40)
+        prompt = [i + 1] + [7] * rng.randint(0, 63)
+        rows.append(Row(i, prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), len(prompt) + new))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_extent_batches_start_the_longest_lived_rows_first_and_take_fewer_steps(seed, monkeypatch):
+    """Sorted extents admit rows by new tokens (then slots), most first: the rows that decode longest start
+    first, so the batch's tail is short. On a mixed intake that takes fewer decode steps than the slot order
+    stripes use, each step reading the same weights."""
+    from flashx_batch.runtime import scheduler as scheduler_module
+
+    rows = _mixed_rows(seed)
+    stats, admitted = _run(rows, extents=True)
+    new = [rows[i].params.max_new_tokens for i in admitted]
+    assert new == sorted(new, reverse=True) and sorted(admitted) == list(range(len(rows)))
+    by_slots = scheduler_module.bucket_key
+    monkeypatch.setattr(scheduler_module, "bucket_key",
+                        lambda need, new_tokens, extents: by_slots(need, new_tokens, False))
+    slot_order, admitted_by_slots = _run(_mixed_rows(seed), extents=True)
+    needs = [rows[i].need for i in admitted_by_slots]
+    assert needs == sorted(needs, reverse=True)
+    assert stats.decode_steps < slot_order.decode_steps
+    assert stats.output_tokens == slot_order.output_tokens
+
+
+def test_stripes_keep_the_slot_order():
+    """Stripes are cut for the longest row: bucketing keeps batch-mates alike by slots held at the end."""
+    rows = _mixed_rows(9)
+    _, admitted = _run(rows, extents=False)
+    needs = [rows[i].need for i in admitted]
+    assert needs == sorted(needs, reverse=True)
