@@ -43,21 +43,11 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def _kernel():
     """The compiled kernel, or None where numba is missing or broken (then SDPA serves every call)."""
-    try:
-        import numba
-        from numba import prange
-        from numba.extending import overload
-    except Exception as exc:  # an ImportError, or numba refusing this numpy: never fatal, only slower
-        log.warning("numba unavailable (%s): CPU decode attention falls back to torch's kernel", exc)
+    numba = load_numba("CPU decode attention falls back to torch's kernel")
+    if numba is None:
         return None
-    # OpenMP first, as torch's CPU kernels: numba's own work queue hands each call to its threads
-    # far more slowly (the benchmark reads it with NUMBA_THREADING_LAYER=workqueue). Set before the
-    # first parallel call, which is when numba picks its layer; an explicit setting is left alone.
-    # Through the environment as well: numba re-reads it (and resets the config) when it recompiles after
-    # another NUMBA_* variable changed.
-    if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
-        os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp tbb workqueue"
-        numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    from numba import prange
+    from numba.extending import overload
 
     def widen(src, buf):  # pragma: no cover - replaced by the overload inside compiled code
         raise NotImplementedError
@@ -141,26 +131,57 @@ _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 # numba's parallel regions are entered one thread at a time, package-wide: its `workqueue` threading layer
 # (where OpenMP and TBB are missing) kills the process on concurrent entry, and the other layers would
-# oversubscribe the cores anyway
-_PARALLEL = threading.Lock()
+# oversubscribe the cores anyway. Reentrant: a kernel's caller may already hold it.
+_PARALLEL = threading.RLock()
+_threads_started = False
 
 
 def load_numba(without: str):
-    """numba, or None where it cannot be imported (logged with `without`: what serves instead). Never fatal."""
+    """numba with its thread pool started, or None where it cannot be imported (logged with `without`: what
+    serves instead). Never fatal.
+
+    numba's OpenMP layer, when it starts its pool (on the first parallel call or thread-count change), sets the
+    process's OpenMP thread count to every core, and torch reads its own count from there: a job asking for one
+    thread ran every later torch op on all cores. The pool starts here, once, and torch gets its count back."""
+    global _threads_started
     try:
         import numba
     except Exception as exc:  # an ImportError, or numba refusing this numpy
         log.info("numba unavailable (%s): %s", exc, without)
         return None
+    with _PARALLEL:
+        if not _threads_started:
+            # OpenMP first, as torch's CPU kernels: numba's own work queue hands each call to its threads far
+            # more slowly (the benchmark reads it with NUMBA_THREADING_LAYER=workqueue). Set before the pool
+            # starts, which is when numba picks its layer; an explicit setting is left alone. Through the
+            # environment as well: numba re-reads it (and resets the config) when it recompiles after another
+            # NUMBA_* variable changed.
+            if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
+                os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp tbb workqueue"
+                numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+            threads = torch.get_num_threads()
+            try:
+                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # starts the pool
+            except Exception as exc:  # no threading layer: the parallel kernels' own probes fail and say so
+                log.info("numba's thread pool did not start (%s)", exc)
+            _threads_started = True
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
     return numba
 
 
 @contextlib.contextmanager
 def parallel_region(numba):
-    """Hold the package's one lock around a numba parallel call, run on torch's thread count."""
+    """Hold the package's one lock around a numba parallel call, run on torch's thread count (which it leaves
+    as it found it)."""
     with _PARALLEL:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        yield
+        threads = torch.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
 
 def compile_kernel(numba, source, **options):
@@ -215,7 +236,7 @@ def _ready(layout: str, dtype: torch.dtype) -> bool:
     compiled = _kernel()
     if compiled is None:
         return False
-    _, kernel = compiled
+    numba, kernel = compiled
     shape, table, lengths = _PROBES[layout]
     np_dtype = np.float32 if dtype == torch.float32 else np.uint16
     stats = getattr(kernel, "stats", None)  # numba's cache counters (a cached dispatcher only)
@@ -225,7 +246,7 @@ def _ready(layout: str, dtype: torch.dtype) -> bool:
         query, cache = np.ones((1, 1, 1, 4), np.float32), np.ones(shape, np_dtype)
         out = np.empty_like(query)
         bias = np.zeros((0, 0) if len(lengths) else (1, 2), np.float32)
-        with _compile_lock(stats.cache_path if stats is not None else None):
+        with _compile_lock(stats.cache_path if stats is not None else None), parallel_region(numba):
             kernel(query, cache, cache, table, 2, lengths, bias, np.float32(0.5), 1, out)
         if not np.allclose(out, 1.0 if np_dtype == np.float32 else 0.0):  # uint16 1 is a subnormal bfloat16
             raise RuntimeError(f"the compiled kernel returned {out.ravel()} on a constant cache")
@@ -391,10 +412,9 @@ def attend_into(query: np.ndarray, keys: np.ndarray, values: np.ndarray, table: 
     them), on torch's thread count, a row's heads shared out when rows are fewer than threads: for a
     caller that keeps its own buffers (`quant.int8_decode`)."""
     numba, kernel = _kernel()
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    numba.set_num_threads(threads)
-    parts = head_parts(query.shape[0], query.shape[1], threads)
-    kernel(query, keys, values, table, slots, lengths, bias, scale, parts, out)
+    with parallel_region(numba):
+        parts = head_parts(query.shape[0], query.shape[1], numba.get_num_threads())
+        kernel(query, keys, values, table, slots, lengths, bias, scale, parts, out)
 
 
 def warm_up() -> bool:

@@ -112,10 +112,11 @@ def kernel():
     try:
         compiled = compile_kernel(numba, expert_rows, parallel=True, fastmath=True)
         compiled_int8 = compile_kernel(numba, int8_rows, parallel=True, fastmath=True)
-        probe = np.zeros((1, 2), np.float32)
-        compiled(np.ones((1, 4), np.float32), np.zeros(1, np.int64), np.ones((1, 2, 4), np.float32), probe)
-        sums = np.zeros((1, 2), np.int32)
-        compiled_int8(np.full((1, 4), -3.0, np.float32), np.zeros(1, np.int64), np.full((1, 2, 4), 127, np.int8), sums)
+        probe, sums = np.zeros((1, 2), np.float32), np.zeros((1, 2), np.int32)
+        with parallel_region(numba):
+            compiled(np.ones((1, 4), np.float32), np.zeros(1, np.int64), np.ones((1, 2, 4), np.float32), probe)
+            compiled_int8(np.full((1, 4), -3.0, np.float32), np.zeros(1, np.int64), np.full((1, 2, 4), 127, np.int8),
+                          sums)
         if not np.allclose(probe, 4.0) or not (sums == -1524).all():
             raise RuntimeError(f"the compiled kernels returned {probe.ravel()}, {sums.ravel()} on constant cases")
     except Exception as exc:

@@ -83,9 +83,10 @@ def kernels():
                          for kernel in (int4_grouped, int4_indexed, fp8_blocks))
         probe = np.zeros((2, 4), np.float32)
         ones = np.ones((2, 1), np.float32)
-        compiled[0](np.zeros((2, 2), np.uint8), np.zeros((2, 1), np.uint8), ones, 4, probe)
-        compiled[1](np.zeros((2, 2), np.uint8), np.zeros((2, 1), np.uint8), ones, np.zeros(4, np.int64), probe)
-        compiled[2](np.zeros((2, 4), np.uint8), np.ones(256, np.float32), ones, 4, probe)
+        with parallel_region(numba):
+            compiled[0](np.zeros((2, 2), np.uint8), np.zeros((2, 1), np.uint8), ones, 4, probe)
+            compiled[1](np.zeros((2, 2), np.uint8), np.zeros((2, 1), np.uint8), ones, np.zeros(4, np.int64), probe)
+            compiled[2](np.zeros((2, 4), np.uint8), np.ones(256, np.float32), ones, 4, probe)
     except Exception as exc:  # a numba that cannot compile here
         log.warning("dequantization kernels failed to compile (%s): torch ops serve every call", exc)
         return None

@@ -219,6 +219,25 @@ def test_warm_up_compiles_both_dtypes_and_a_broken_numba_falls_back(monkeypatch)
     assert cpu_decode.usable(keys, values)
 
 
+def test_the_numba_kernels_leave_torch_s_thread_count_as_the_job_set_it():
+    """numba's OpenMP pool, when it starts, sets the process's OpenMP thread count to every core it may use,
+    and torch reads its own from there: a job (or benchmark) asking for one thread ran every later torch op
+    on all of them. A fresh process asks for one thread, runs each parallel kernel, and still has one."""
+    import os
+
+    probe = ("import torch; torch.set_num_threads(1)\n"
+             "from flashx_batch.backends import cpu_decode, cpu_moe\n"
+             "from flashx_batch.quant import dequant_kernels\n"
+             "assert cpu_decode.warm_up() and cpu_moe.kernel() is not None and dequant_kernels.kernels() is not None\n"
+             "x, w = torch.randn(4, 8), torch.randn(2, 6, 8)\n"
+             "assert cpu_moe.expert_rows(x, torch.tensor([0, 0, 1, 1]), w) is not None\n"
+             "import numba; print(torch.get_num_threads(), numba.get_num_threads())")
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["1", "1"]
+
+
 def test_a_job_compiles_only_the_reads_it_makes():
     """A fresh process that reads one layout of one dtype holds that one signature of the kernel (compiled
     or loaded from the disk cache), not all six: a first run does not pay for reads it never makes."""
