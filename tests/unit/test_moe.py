@@ -141,11 +141,38 @@ def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loo
     x = torch.randn(8, 56)  # a decode step: 64 pairs
     original, calls = SparseMoE._decode_rows, []
     monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
+    monkeypatch.setattr(moe_module, "DECODE_MIN_THREADS", 1)
     fast = moe.forward(x)
     monkeypatch.setattr(moe_module, "DECODE_MAX_PAIRS", 0)
     monkeypatch.setattr(moe_module, "GROUPED_MAX_MACS", 0)
     looped = moe.forward(x)
     assert calls == [1] and torch.allclose(fast, looped, rtol=1e-5, atol=1e-4)  # sums reassociated: last bits
+
+
+def test_on_one_thread_a_decode_step_takes_the_grouped_gemm(monkeypatch):
+    """The decode kernel shares experts out across threads; on one thread MKL's grouped GEMM is faster, and
+    the thread count is read per call, so a job's own setting decides."""
+    from flashx_batch.backends import cpu_moe
+    from flashx_batch.models import moe as moe_module
+
+    if cpu_moe.kernel() is None:
+        pytest.skip("numba unavailable")
+    moe = _random_moe(experts=64, top_k=8, intermediate=40, hidden=56, seed=2)
+    x = torch.randn(8, 56)
+    original, calls = SparseMoE._decode_rows, []
+    monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
+    monkeypatch.setattr(moe_module, "DECODE_MIN_THREADS", 2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = moe.forward(x)
+        assert calls == []
+        torch.set_num_threads(2)
+        two = moe.forward(x)
+        assert calls == [1]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.allclose(one, two, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
