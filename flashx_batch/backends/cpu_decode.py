@@ -161,13 +161,32 @@ def load_numba(without: str):
                 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
             threads = torch.get_num_threads()
             try:
-                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # starts the pool
+                with _passive_waits():
+                    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # starts the pool
             except Exception as exc:  # no threading layer: the parallel kernels' own probes fail and say so
                 log.info("numba's thread pool did not start (%s)", exc)
             _threads_started = True
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
     return numba
+
+
+@contextlib.contextmanager
+def _passive_waits():
+    """numba's OpenMP layer runs on the system's libgomp, a second runtime beside the one torch ships: two thread
+    pools. libgomp's workers spin after each parallel region by default, so on more than one thread one pool's
+    idle workers held the cores the other's needed (W1 on a 64-expert MoE, two threads, two cores: 26-917
+    output tok/s from run to run). The runtime reads OMP_WAIT_POLICY once, as it loads (when the pool starts,
+    torch's long before): passive for numba's alone, where the user has not chosen, and the environment as
+    it was for everything else."""
+    chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+    if not chosen:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        if not chosen:
+            os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 @contextlib.contextmanager

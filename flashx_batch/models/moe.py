@@ -1,9 +1,9 @@
 """Mixture-of-experts MLP: a router picks `top_k` experts per token; the (token, expert) pairs are sorted
 by expert, so each expert's tokens are one contiguous run, and the experts run in one of two ways:
 
-- **decode kernel** (a host call of at most `DECODE_MAX_PAIRS` pairs, float32): `backends.cpu_moe`, every
-  pair's rows in one compiled call, no per-expert dispatch (empty experts cost nothing); decode steps at
-  8 of 128 experts ran 1.9x faster than through the grouped GEMM.
+- **decode kernel** (a host call of at most `DECODE_MAX_PAIRS` pairs spread thin over the experts, float32,
+  two threads or more): `backends.cpu_moe`, every pair's rows in one compiled call, no per-expert dispatch
+  (empty experts cost nothing); see `DECODE_PAIRS_PER_EXPERT` for where it pays.
 - **grouped** (few rows per expert: other devices and dtypes, small prefills): one grouped GEMM per
   projection over all experts at once (`torch._grouped_mm`, the sorted rows and each expert's end offset),
   no host read-back and no Python loop over experts. Same products as the loop, bit for bit, on the CPU.
@@ -44,9 +44,13 @@ GROUPED_MAX_ROWS = 96  # off the CPU: rows an expert up to which the grouped GEM
 # (token, expert) pairs up to which a host call takes the decode kernel (`backends.cpu_moe`): a decode step's
 # batch x top-k; more (prefills) go to the grouped GEMM or the loop
 DECODE_MAX_PAIRS = 256
-# the decode kernel serves on this many threads or more: its tasks share out the experts' weights across cores.
-# On one thread the grouped GEMM (MKL's kernels, prefetching the weights) ran whole W1 jobs 1.04-1.17x faster
+# The decode kernel serves on `DECODE_MIN_THREADS` threads or more, and where a call has fewer pairs than
+# `DECODE_PAIRS_PER_EXPERT` x experts (most experts empty or one row: the grouped GEMM's walk over every expert
+# costs more than its faster reads). Whole W1 jobs, decode kernel against grouped GEMM (2026-12-06, one process,
+# alternating): one thread, the grouped GEMM 1.17x / 1.16x / 1.04x faster at 16x4 / 64x8 / 128x8 (3.9 / 1.9 / 0.9
+# pairs an expert); two threads, 1.04x / 1.09x faster at 16x4 / 64x8 and the kernel 1.22x faster at 128x8
 DECODE_MIN_THREADS = 2
+DECODE_PAIRS_PER_EXPERT = 1.5
 _grouped_ok: dict[tuple[str, torch.dtype], bool] = {}
 
 
@@ -67,10 +71,11 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _grouped_ok[key]
 
 
-def _decode_kernel_serves(pairs: int, x: torch.Tensor) -> bool:
-    """Whether a call of `pairs` (token, expert) pairs on `x`'s device takes the decode kernel: a decode step's
-    few pairs, on the host, with `DECODE_MIN_THREADS` threads."""
-    return pairs <= DECODE_MAX_PAIRS and on_host(x) and torch.get_num_threads() >= DECODE_MIN_THREADS
+def _decode_kernel_serves(pairs: int, experts: int, x: torch.Tensor) -> bool:
+    """Whether a call of `pairs` (token, expert) pairs over `experts` experts on `x`'s device takes the decode
+    kernel: a decode step's few pairs, spread thin, on the host, with `DECODE_MIN_THREADS` threads."""
+    return (pairs <= DECODE_MAX_PAIRS and pairs < DECODE_PAIRS_PER_EXPERT * experts and on_host(x)
+            and torch.get_num_threads() >= DECODE_MIN_THREADS)
 
 
 class SparseMoE(nn.Module):
@@ -127,7 +132,7 @@ class SparseMoE(nn.Module):
         if name in self.quantized:
             return self.quantized[name].sorted_rows(rows, experts, counts)
         weights = (self.experts_gate_up, self.experts_down)[which]
-        if _decode_kernel_serves(len(rows), rows):
+        if _decode_kernel_serves(len(rows), self.spec.num_experts, rows):
             out = cpu_moe.expert_rows(rows, experts, weights)
             if out is not None:
                 return out
@@ -197,7 +202,7 @@ class SparseMoE(nn.Module):
             sorted_experts = flat_choice[order]
             gate, up = self._project(0, flat[tokens], sorted_experts, counts).split(self.spec.intermediate, dim=-1)
             h = self._project(1, F.silu(gate) * up, sorted_experts, counts)
-        elif _decode_kernel_serves(pairs, flat):  # a decode step: the host kernel, no per-expert dispatch
+        elif _decode_kernel_serves(pairs, self.spec.num_experts, flat):  # the host kernel: no per-expert dispatch
             h = self._decode_rows(flat[tokens], flat_choice[order])
         if h is None and self._grouped_fits(flat_choice) and grouped_mm_available(flat.device, flat.dtype):
             h = self._grouped(flat[tokens], counts.cumsum(0).to(torch.int32))

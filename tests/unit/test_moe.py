@@ -142,6 +142,7 @@ def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loo
     original, calls = SparseMoE._decode_rows, []
     monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
     monkeypatch.setattr(moe_module, "DECODE_MIN_THREADS", 1)
+    monkeypatch.setattr(moe_module, "DECODE_PAIRS_PER_EXPERT", 2)
     fast = moe.forward(x)
     monkeypatch.setattr(moe_module, "DECODE_MAX_PAIRS", 0)
     monkeypatch.setattr(moe_module, "GROUPED_MAX_MACS", 0)
@@ -149,9 +150,9 @@ def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loo
     assert calls == [1] and torch.allclose(fast, looped, rtol=1e-5, atol=1e-4)  # sums reassociated: last bits
 
 
-def test_on_one_thread_a_decode_step_takes_the_grouped_gemm(monkeypatch):
-    """The decode kernel shares experts out across threads; on one thread MKL's grouped GEMM is faster, and
-    the thread count is read per call, so a job's own setting decides."""
+def test_on_one_thread_or_dense_a_decode_step_takes_the_grouped_gemm(monkeypatch):
+    """The decode kernel pays on two threads or more and where pairs are spread thin over the experts; else
+    MKL's grouped GEMM serves. The thread count is read per call, so a job's own setting decides."""
     from flashx_batch.backends import cpu_moe
     from flashx_batch.models import moe as moe_module
 
@@ -162,6 +163,7 @@ def test_on_one_thread_a_decode_step_takes_the_grouped_gemm(monkeypatch):
     original, calls = SparseMoE._decode_rows, []
     monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
     monkeypatch.setattr(moe_module, "DECODE_MIN_THREADS", 2)
+    monkeypatch.setattr(moe_module, "DECODE_PAIRS_PER_EXPERT", 2)  # 64 pairs over 64 experts: thin enough
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -173,6 +175,13 @@ def test_on_one_thread_a_decode_step_takes_the_grouped_gemm(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert torch.allclose(one, two, rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(moe_module, "DECODE_PAIRS_PER_EXPERT", 0.5)  # 64 pairs over 64 experts: too many
+    try:
+        torch.set_num_threads(2)
+        moe.forward(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
