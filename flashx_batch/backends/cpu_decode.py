@@ -140,9 +140,10 @@ def load_numba(without: str):
     """numba with its thread pool started, or None where it cannot be imported (logged with `without`: what
     serves instead). Never fatal.
 
-    numba's OpenMP layer, when it starts its pool (on the first parallel call or thread-count change), sets the
-    process's OpenMP thread count to every core, and torch reads its own count from there: a job asking for one
-    thread ran every later torch op on all cores. The pool starts here, once, and torch gets its count back."""
+    numba's OpenMP layer binds to the OpenMP runtime torch loaded (torch loads its libgomp globally), and when
+    it starts its pool (on the first parallel call or thread-count change) it sets that runtime's thread count
+    to every core: a job asking for one thread ran every later torch op on all of them. The pool starts here,
+    once, and torch gets its count back."""
     global _threads_started
     try:
         import numba
@@ -161,32 +162,13 @@ def load_numba(without: str):
                 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
             threads = torch.get_num_threads()
             try:
-                with _passive_waits():
-                    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # starts the pool
+                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # starts the pool
             except Exception as exc:  # no threading layer: the parallel kernels' own probes fail and say so
                 log.info("numba's thread pool did not start (%s)", exc)
             _threads_started = True
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
     return numba
-
-
-@contextlib.contextmanager
-def _passive_waits():
-    """numba's OpenMP layer runs on the system's libgomp, a second runtime beside the one torch ships: two thread
-    pools. libgomp's workers spin after each parallel region by default, so on more than one thread one pool's
-    idle workers held the cores the other's needed (W1 on a 64-expert MoE, two threads, two cores: 26-917
-    output tok/s from run to run). The runtime reads OMP_WAIT_POLICY once, as it loads (when the pool starts,
-    torch's long before): passive for numba's alone, where the user has not chosen, and the environment as
-    it was for everything else."""
-    chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
-    if not chosen:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        if not chosen:
-            os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@ by expert, so each expert's tokens are one contiguous run, and the experts run i
 - **decode kernel** (a host call of at most `DECODE_MAX_PAIRS` pairs spread thin over the experts, float32,
   two threads or more): `backends.cpu_moe`, every pair's rows in one compiled call, no per-expert dispatch
   (empty experts cost nothing); see `DECODE_PAIRS_PER_EXPERT` for where it pays.
-- **grouped** (few rows per expert: other devices and dtypes, small prefills): one grouped GEMM per
+- **grouped** (few rows per expert: other devices and dtypes, small prefills, decode steps on one thread or
+  with pairs dense over the experts): one grouped GEMM per
   projection over all experts at once (`torch._grouped_mm`, the sorted rows and each expert's end offset),
   no host read-back and no Python loop over experts. Same products as the loop, bit for bit, on the CPU.
 - **loop** (many rows per expert: prefills): one matmul per active expert on its slice of the stacked weight,
@@ -71,11 +72,15 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _grouped_ok[key]
 
 
-def _decode_kernel_serves(pairs: int, experts: int, x: torch.Tensor) -> bool:
+def _decode_kernel_serves(pairs: int, experts: int, x: torch.Tensor, grouped_fits: bool) -> bool:
     """Whether a call of `pairs` (token, expert) pairs over `experts` experts on `x`'s device takes the decode
-    kernel: a decode step's few pairs, spread thin, on the host, with `DECODE_MIN_THREADS` threads."""
-    return (pairs <= DECODE_MAX_PAIRS and pairs < DECODE_PAIRS_PER_EXPERT * experts and on_host(x)
-            and torch.get_num_threads() >= DECODE_MIN_THREADS)
+    kernel: a decode step's few pairs on the host; where the grouped GEMM would serve the call instead
+    (`grouped_fits`, and this torch has one), only with the pairs spread thin and `DECODE_MIN_THREADS` threads."""
+    if pairs > DECODE_MAX_PAIRS or not on_host(x):
+        return False
+    if not (grouped_fits and grouped_mm_available(x.device, x.dtype)):
+        return True  # else the loop over experts, with its read-back of the counts
+    return pairs < DECODE_PAIRS_PER_EXPERT * experts and torch.get_num_threads() >= DECODE_MIN_THREADS
 
 
 class SparseMoE(nn.Module):
@@ -132,7 +137,7 @@ class SparseMoE(nn.Module):
         if name in self.quantized:
             return self.quantized[name].sorted_rows(rows, experts, counts)
         weights = (self.experts_gate_up, self.experts_down)[which]
-        if _decode_kernel_serves(len(rows), self.spec.num_experts, rows):
+        if _decode_kernel_serves(len(rows), self.spec.num_experts, rows, self._grouped_fits(rows)):
             out = cpu_moe.expert_rows(rows, experts, weights)
             if out is not None:
                 return out
@@ -202,7 +207,7 @@ class SparseMoE(nn.Module):
             sorted_experts = flat_choice[order]
             gate, up = self._project(0, flat[tokens], sorted_experts, counts).split(self.spec.intermediate, dim=-1)
             h = self._project(1, F.silu(gate) * up, sorted_experts, counts)
-        elif _decode_kernel_serves(pairs, self.spec.num_experts, flat):  # the host kernel: no per-expert dispatch
+        elif _decode_kernel_serves(pairs, self.spec.num_experts, flat, self._grouped_fits(flat_choice)):
             h = self._decode_rows(flat[tokens], flat_choice[order])
         if h is None and self._grouped_fits(flat_choice) and grouped_mm_available(flat.device, flat.dtype):
             h = self._grouped(flat[tokens], counts.cumsum(0).to(torch.int32))

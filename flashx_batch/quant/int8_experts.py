@@ -70,7 +70,8 @@ class Int8Experts(nn.Module):
             return self._weight_only(rows, counts)
         codes, peak = fm.quantize_rows(rows, rotate=self.rotated)
         # every form scales as `formats.int8_dynamic_matmul` scales `_int_mm`'s sums (`scale_int8_sums`): same bits
-        if len(rows) <= moe.DECODE_MAX_PAIRS and on_host(rows):  # the float walk's bound
+        # the float walk's size bound only: the int8 walk was not compared with `_int_mm` per expert by threads
+        if len(rows) <= moe.DECODE_MAX_PAIRS and on_host(rows):
             sums = cpu_moe.int8_expert_rows(codes, experts, self.q)
             if sums is not None:
                 return fm.scale_int8_sums(sums, self.scales[experts], peak)

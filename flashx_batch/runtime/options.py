@@ -67,7 +67,8 @@ class EngineOptions:
                            LONG_INPUT_POLICIES)
     num_threads: int | None = knob(None, "CPU threads per engine (CPU only); None = every core this process may "
                                          "run on")
-    sort_by_length: bool = knob(True, "generate() groups similar lengths into a batch (bucketing)")
+    sort_by_length: bool = knob(True, "generate() orders rows longest first (bucketing): by KV slots with "
+                                                "stripes, by new tokens with extents")
     refill: bool = knob(True, "in-flight refill: a finished row's KV (stripe or extent) takes the next queued row "
                               "mid-batch; false = classic static batches")
     batch_growth: int = knob(4, "static cache: short rows run up to batch_growth x max_batch_size at once in the "

@@ -184,6 +184,28 @@ def test_on_one_thread_or_dense_a_decode_step_takes_the_grouped_gemm(monkeypatch
     assert calls == [1]
 
 
+def test_without_a_grouped_gemm_a_decode_step_takes_the_kernel_on_one_thread(monkeypatch):
+    """Where this torch has no grouped GEMM, the kernel serves decode steps whatever the thread count: the
+    other form is the loop over experts, with its read-back of the counts."""
+    from flashx_batch.backends import cpu_moe
+    from flashx_batch.models import moe as moe_module
+
+    if cpu_moe.kernel() is None:
+        pytest.skip("numba unavailable")
+    moe = _random_moe(experts=64, top_k=8, intermediate=40, hidden=56, seed=2)
+    x = torch.randn(8, 56)
+    original, calls = SparseMoE._decode_rows, []
+    monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
+    monkeypatch.setattr(moe_module, "grouped_mm_available", lambda device, dtype: False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        moe.forward(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_bfloat16_experts_sum_as_the_reference_block_does(arch, moe_models):
     """In bfloat16 the routing weights' dtype and where the expert outputs are summed and rounded decide
