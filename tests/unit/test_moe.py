@@ -131,16 +131,32 @@ def test_grouped_experts_equal_the_loop_and_serve_few_rows_an_expert(tokens, for
         assert int(torch.bincount(moe.route(x)[0].reshape(-1), minlength=32).eq(0).sum()) > 0
 
 
-def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loop(monkeypatch):
+def _decode_step(monkeypatch):
+    """A 64-expert top-8 layer, a decode step's 8 tokens (64 pairs), and the list of its calls into the host
+    decode kernel; skips where numba is unavailable."""
     from flashx_batch.backends import cpu_moe
-    from flashx_batch.models import moe as moe_module
 
     if cpu_moe.kernel() is None:
         pytest.skip("numba unavailable")
     moe = _random_moe(experts=64, top_k=8, intermediate=40, hidden=56, seed=2)
-    x = torch.randn(8, 56)  # a decode step: 64 pairs
     original, calls = SparseMoE._decode_rows, []
     monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
+    return moe, torch.randn(8, 56), calls
+
+
+def _forward_on(threads: int, moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return moe.forward(x)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loop(monkeypatch):
+    from flashx_batch.models import moe as moe_module
+
+    moe, x, calls = _decode_step(monkeypatch)
     monkeypatch.setattr(moe_module, "DECODE_MIN_THREADS", 1)
     monkeypatch.setattr(moe_module, "DECODE_PAIRS_PER_EXPERT", 2)
     fast = moe.forward(x)
@@ -153,56 +169,28 @@ def test_the_host_decode_kernel_takes_decode_sized_calls_and_agrees_with_the_loo
 def test_on_one_thread_or_dense_a_decode_step_takes_the_grouped_gemm(monkeypatch):
     """The decode kernel pays on two threads or more and where pairs are spread thin over the experts; else
     MKL's grouped GEMM serves. The thread count is read per call, so a job's own setting decides."""
-    from flashx_batch.backends import cpu_moe
     from flashx_batch.models import moe as moe_module
 
-    if cpu_moe.kernel() is None:
-        pytest.skip("numba unavailable")
-    moe = _random_moe(experts=64, top_k=8, intermediate=40, hidden=56, seed=2)
-    x = torch.randn(8, 56)
-    original, calls = SparseMoE._decode_rows, []
-    monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
+    moe, x, calls = _decode_step(monkeypatch)
     monkeypatch.setattr(moe_module, "DECODE_MIN_THREADS", 2)
     monkeypatch.setattr(moe_module, "DECODE_PAIRS_PER_EXPERT", 2)  # 64 pairs over 64 experts: thin enough
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = moe.forward(x)
-        assert calls == []
-        torch.set_num_threads(2)
-        two = moe.forward(x)
-        assert calls == [1]
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.allclose(one, two, rtol=1e-5, atol=1e-4)
+    one = _forward_on(1, moe, x)
+    assert calls == []
+    two = _forward_on(2, moe, x)
+    assert calls == [1] and torch.allclose(one, two, rtol=1e-5, atol=1e-4)
     monkeypatch.setattr(moe_module, "DECODE_PAIRS_PER_EXPERT", 0.5)  # 64 pairs over 64 experts: too many
-    try:
-        torch.set_num_threads(2)
-        moe.forward(x)
-    finally:
-        torch.set_num_threads(threads)
+    _forward_on(2, moe, x)
     assert calls == [1]
 
 
 def test_without_a_grouped_gemm_a_decode_step_takes_the_kernel_on_one_thread(monkeypatch):
     """Where this torch has no grouped GEMM, the kernel serves decode steps whatever the thread count: the
     other form is the loop over experts, with its read-back of the counts."""
-    from flashx_batch.backends import cpu_moe
     from flashx_batch.models import moe as moe_module
 
-    if cpu_moe.kernel() is None:
-        pytest.skip("numba unavailable")
-    moe = _random_moe(experts=64, top_k=8, intermediate=40, hidden=56, seed=2)
-    x = torch.randn(8, 56)
-    original, calls = SparseMoE._decode_rows, []
-    monkeypatch.setattr(SparseMoE, "_decode_rows", lambda self, *a: calls.append(1) or original(self, *a))
+    moe, x, calls = _decode_step(monkeypatch)
     monkeypatch.setattr(moe_module, "grouped_mm_available", lambda device, dtype: False)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        moe.forward(x)
-    finally:
-        torch.set_num_threads(threads)
+    _forward_on(1, moe, x)
     assert calls == [1]
 
 
