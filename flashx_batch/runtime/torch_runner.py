@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flashx_batch.backends import Backend
+from flashx_batch.backends import Backend, cpu_decode
 from flashx_batch.kvcache.arena import KVArena
 from flashx_batch.models.decoder import DecoderModel
 from flashx_batch.models.lora import LoraSet, RowAdapters, row_adapters
@@ -288,8 +288,10 @@ class TorchRunner(ModelRunner):
     def _extent_step(self, d: ExtentDecode) -> torch.Tensor:
         positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)
         starts = torch.tensor(d.starts, dtype=torch.long, device=self.device)
+        # each row's first slot and slots read, from the plan (host data): one call per step for every row
+        extents = cpu_decode.row_extents(torch.tensor(d.starts), torch.tensor(d.positions) + 1)
         return self.passes.decode_runs(self.live.tokens, positions, starts, d.runs,
-                                       self.live.adapter_rows(self.model.lora))
+                                       self.live.adapter_rows(self.model.lora), extents)
 
     def _paged_step(self, d: PagedDecode) -> torch.Tensor:
         positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)[:, None]

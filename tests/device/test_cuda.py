@@ -101,3 +101,22 @@ def test_tensor_parallel_over_two_gpus_matches_one(llama):
     with Engine.from_pretrained(llama, backend=name, dtype="float32", tensor_parallel_size=2, **OPTS) as tp:
         two = tp.generate(_prompts(), params)
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_extents_kernel_matches_torch_on_the_device(dtype):
+    """`backends.attention.triton_decode` on the GPU against torch's attention (the CPU suite runs the same
+    kernel through Triton's interpreter)."""
+    td = pytest.importorskip("flashx_batch.backends.attention.triton_decode")
+    if not td.available():
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(4096, 8, 64, generator=g).to("cuda", dtype)
+    values = torch.randn(4096, 8, 64, generator=g).to("cuda", dtype)
+    starts = torch.tensor([0, 100, 1000, 2500, 4095], device="cuda")
+    lengths = torch.tensor([1, 900, 1500, 1595, 1], device="cuda")
+    q = torch.randn(5, 8, 4, 64, generator=g).to("cuda", dtype)
+    got = td.attend_extents(q, keys, values, starts, lengths, 0.125)
+    want = td.reference(q, keys, values, starts, lengths, 0.125)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance)

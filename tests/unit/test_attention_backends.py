@@ -206,7 +206,8 @@ def test_every_layout_reaches_the_reference(tiny_models):
 
 def test_select_picks_the_device_s_own_backend_and_falls_back_to_any():
     cpu, cuda = select("cpu", "dense").names(), select("cuda", "dense").names()
-    assert cpu["Decode"] == "DecodeCpu" and cuda["Decode"] == "DecodeSdpa"
+    assert cpu["Decode"] == "DecodeCpu" and cuda["Decode"] == "DecodeTriton"  # the device's own
+    assert cuda["Packed"] == "PackedSdpa"  # no CUDA backend of its own: the one for every device
     assert select("cpu", "latent").names()["Decode"] == "DecodeLatent"
     with registered(ReferenceDecode, device_type="any"):  # "any" replaces the CPU's own too
         assert select("cpu", "dense").names()["Decode"] == "ReferenceDecode"

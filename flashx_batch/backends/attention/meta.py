@@ -94,8 +94,8 @@ class Decode:
     runs: tuple[tuple[int, int, torch.Tensor, int | None], ...]
     window_mask: torch.Tensor | None = None  # sliding layers: [B, 1, 1, L], each row's last `window` slots
     last_only: bool = False
-    # rows in extents of their own (`cpu_decode.RowExtents`, checked once per step): a CPU attention reads
-    # every row in one call from these instead of one call per run
+    # rows in extents of their own (`cpu_decode.RowExtents`, built on the host and checked once per step): a
+    # backend that can (the CPU kernels, `triton_decode`) reads every row in one call from these, not one per run
     row_extents: RowExtents | None = None
 
 

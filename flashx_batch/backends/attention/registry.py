@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import torch
 
 # the modules that register the shipped backends: a new backend file is added here
-from flashx_batch.backends.attention import cpu, dense, latent
+from flashx_batch.backends.attention import cpu, dense, latent, triton_decode
 from flashx_batch.backends.attention.base import _REGISTRY, KINDS, AttentionBackend, register
 
-SHIPPED = (dense, latent, cpu)
+SHIPPED = (dense, latent, cpu, triton_decode)
 
 
 @contextlib.contextmanager
