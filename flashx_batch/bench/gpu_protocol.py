@@ -118,6 +118,36 @@ def workload_comparison(model_dir: Path, hf, sizes: WorkloadSizes, backend: str,
                                                         "replays": graphs.replays}}
 
 
+def layout_comparison(model_dir: Path, sizes: WorkloadSizes, backend: str, dtype: str, repeats: int,
+                      vocab_size: int) -> dict:
+    """W1 through our engine with rows in stripes (the GPU default) and in extents of their own (the Triton
+    decode kernel, `backends.attention.triton_decode`), alternating: output tok/s each, their ratio, decode
+    steps, and whether the greedy tokens agree."""
+    from flashx_batch import Engine, SamplingParams
+
+    workload = mixed_intake(sizes, vocab_size, 0)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in workload.max_new_tokens]
+    engines = {layout: Engine.from_pretrained(model_dir, backend=backend, dtype=dtype, max_batch_size=W1_BATCH,
+                                              max_input_len=-(-sizes.max_prompt_len // 16) * 16,
+                                              max_output_len=sizes.max_output_len, segment_size=16, kv_layout=layout)
+               for layout in ("stripes", "extents")}
+    tokens = {layout: [o.token_ids for o in engine.generate(workload.prompts, params)]  # untimed: graphs, compiles
+              for layout, engine in engines.items()}
+    rates: dict[str, list[float]] = {layout: [] for layout in engines}
+    steps = {}
+    for turn in range(repeats):
+        for layout in (("stripes", "extents") if turn % 2 == 0 else ("extents", "stripes")):
+            started = time.perf_counter()
+            engines[layout].generate(workload.prompts, params)
+            rates[layout].append(workload.output_tokens / (time.perf_counter() - started))
+            steps[layout] = engines[layout].last_stats.decode_steps
+    ratios = [a / b for a, b in zip(rates["extents"], rates["stripes"])]
+    same = sum(a == b for a, b in zip(tokens["extents"], tokens["stripes"]))
+    return {"rows": workload.rows, "batch_size": W1_BATCH, "output_tok_per_s": {k: spread(v) for k, v in rates.items()},
+            "ratio_extents_over_stripes": spread(ratios), "decode_steps": steps,
+            "uses_extents": engines["extents"].uses_extents, "rows_with_equal_tokens": f"{same}/{workload.rows}"}
+
+
 def step_times(model_dir: Path, hf, backend: str, dtype: str, batches: tuple[int, ...], cost: ModelCost,
                bandwidth: float, budget: Budget) -> dict:
     """Seconds per decode step at each B: ours from CUDA graphs (the default on cuda), ours eager
@@ -217,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         if "W2" in result:
             r = result["W2"]["ratio_ours_bucketed_over_transformers_arrival"]
             log.info("W2: ours / transformers = %.2f (%.2f–%.2f)", r["median"], r["min"], r["max"])
+    if budget.allows("W1 stripes vs extents", 90):  # the Triton extents decode kernel against the striped path
+        phase("W1_layouts", lambda: layout_comparison(model_dir, sizes, backend, dtype, args.repeats,
+                                                      hf.config.vocab_size))
     phase("decode_steps", lambda: step_times(model_dir, hf, backend, dtype, batches, cost,
                                              machine.mem_bandwidth_gb_s * 1e9, budget))
     log.info("wrote %s in %.0fs", args.out / "gpu_protocol.json", result["wall_s"])

@@ -11,7 +11,8 @@
 #    skipped, with that said in DIR/tensor_parallel.txt, on a machine with one GPU.
 # Needs torch with CUDA, transformers, safetensors, tokenizers, pytest (no Ray, Hydra or network: the
 # runtime and these checks do not import them). Writes DIR/device_tests.txt, DIR/gpu_protocol.log,
-# DIR/gpu_protocol.json, DIR/kv_sparse/kv_sparse.json, DIR/kv_sparse.log and DIR/gpu.txt; the exit
+# DIR/gpu_protocol.json, DIR/kv_sparse/kv_sparse.json, DIR/kv_sparse.log, DIR/gpu.txt and DIR/summary.json
+# (the headline figures, `python -m flashx_batch.bench.gpu_summary`; W1 stripes vs extents among them); the exit
 # status is the first failure's (0: all passed). PARTS="tests kv_sparse" runs only those parts (default:
 # tests protocol kv_sparse), for a rerun inside the same few minutes.
 set -u
@@ -50,6 +51,8 @@ else
     echo "tensor parallel: TP = 2 over $gpus GPUs ran in the device tests (see device_tests.txt)" \
         | tee -a "$OUT/tensor_parallel.txt"
 fi
+$PY -m flashx_batch.bench.gpu_summary "$OUT" > /dev/null 2>&1 || echo "summary: failed (see the parts above)"
+[ -f "$OUT/summary.json" ] && cat "$OUT/summary.json"
 echo "device tests: exit $tests; protocol: exit $protocol; kv_sparse: exit $sparse"
 [ "$tests" -ne 0 ] && exit "$tests"
 [ "$protocol" -ne 0 ] && exit "$protocol"
