@@ -120,3 +120,19 @@ def test_the_triton_extents_kernel_matches_torch_on_the_device(dtype):
     want = td.reference(q, keys, values, starts, lengths, 0.125)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_the_triton_kernel_reads_paged_rows_through_their_tables_on_the_device():
+    td = pytest.importorskip("flashx_batch.backends.attention.triton_decode")
+    if not td.available():
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(2048, 8, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    table = torch.stack([torch.randperm(2048, generator=g)[:700] for _ in range(3)]).to("cuda")
+    lengths, starts = torch.tensor([700, 1, 333], device="cuda"), torch.zeros(3, dtype=torch.long, device="cuda")
+    bias = torch.zeros(3, 700, device="cuda")
+    bias[0, :100] = float("-inf")
+    q = torch.randn(3, 8, 4, 64, generator=g).to("cuda", torch.bfloat16)
+    got = td.attend_extents(q, keys, values, starts, lengths, 0.125, table=table, bias=bias).float()
+    want = td.reference(q, keys, values, starts, lengths, 0.125, table=table, bias=bias).float()
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)
