@@ -298,19 +298,26 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _bias(mask: torch.Tensor | None, rows: int, slots: int) -> np.ndarray:
-    """The mask as the kernel's additive float32 [rows, slots] (empty: no mask), read as SDPA reads it:
-    a boolean mask keeps the True slots, any other dtype is added to the scores."""
+def bias_rows(mask: torch.Tensor | None, rows: int, slots: int) -> torch.Tensor | None:
+    """A decode mask [B or 1, 1, 1, L' or 1] as an additive float32 bias [rows, slots] on the mask's device (None:
+    no mask), read as SDPA reads it: a boolean mask keeps the True slots, any other dtype is added to the
+    scores; a longer mask is cut to `slots` (a paged batch's mask spans its widest row). Shared with the
+    Triton decode kernel (`backends.attention.triton_decode`)."""
     if mask is None:
-        return _NO_BIAS
+        return None
     length = mask.shape[-1]
     if length != 1 and length < slots:
         raise ValueError(f"decode attention mask covers {length} slots, the keys {slots}")
-    # a longer mask is cut to the keys' slots (a paged batch's mask spans its widest row)
     mask = mask.expand(rows, 1, 1, slots if length == 1 else length)[:, 0, 0, :slots]
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-    return mask.float().contiguous().numpy()
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.to(torch.float32).contiguous()
+
+
+def _bias(mask: torch.Tensor | None, rows: int, slots: int) -> np.ndarray:
+    """`bias_rows` as the kernel's numpy array (empty: no mask)."""
+    bias = bias_rows(mask, rows, slots)
+    return _NO_BIAS if bias is None else bias.numpy()
 
 
 def head_parts(rows: int, heads: int, threads: int) -> int:

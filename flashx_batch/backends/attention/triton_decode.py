@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from flashx_batch.backends import cpu_decode
 from flashx_batch.backends.attention.base import register
 from flashx_batch.backends.attention.dense import DecodeSdpa, PagedSdpa
 from flashx_batch.backends.attention.meta import Decode
@@ -198,21 +199,6 @@ class DecodeTriton(DecodeSdpa):
         return out.reshape(batch, layer.num_heads, 1, layer.head_dim)
 
 
-def bias_rows(mask: torch.Tensor | None, rows: int, slots: int) -> torch.Tensor | None:
-    """A decode mask [B or 1, 1, 1, L' or 1] as the kernel's float32 bias [B, slots], read as SDPA reads it: a
-    boolean mask keeps the True positions, any other dtype is added to the scores; a longer mask is cut to
-    `slots` (a paged batch's mask spans its widest row)."""
-    if mask is None:
-        return None
-    length = mask.shape[-1]
-    if length != 1 and length < slots:
-        raise ValueError(f"decode attention mask covers {length} positions, the slot table {slots}")
-    mask = mask.expand(rows, 1, 1, slots if length == 1 else length)[:, 0, 0, :slots]
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return mask.to(torch.float32).contiguous()
-
-
 @register("cuda")
 class PagedTriton(PagedSdpa):
     """A paged batch's decode step (rows reading shared prefix segments through slot tables) through the same
@@ -226,5 +212,5 @@ class PagedTriton(PagedSdpa):
         slots = table.shape[1]
         lengths = torch.full((batch,), slots, dtype=torch.int64, device=q.device)
         out = attend_extents(folded, keys, values, lengths, lengths, layer.scale, table=table.contiguous(),
-                             bias=bias_rows(mask, batch, slots))
+                             bias=cpu_decode.bias_rows(mask, batch, slots))
         return out.reshape(batch, layer.num_heads, 1, layer.head_dim)
