@@ -6,9 +6,10 @@ as a dense layer's weight is (`formats.quantize_int8`). It runs the kernel a den
 (`linear.choose_kernel`):
 
 - `int8_dynamic` (float32 on the CPU): each row of activations rounded to int8 with its own scale
-  (`formats.quantize_rows`), products summed in int32, then scaled. A decode step's few (row, expert) pairs go
-  through one compiled walk over all of them (`backends.cpu_moe.int8_expert_rows`); more rows (a prefill) through
-  `torch._int_mm` per active expert. Integer sums are exact and both scale in the same order, so a row's
+  (`formats.quantize_rows`), products summed in int32, then scaled. A decode step's few (row, expert) pairs over
+  many experts (`WALK_MIN_EXPERTS`) go through one compiled walk over all of them
+  (`backends.cpu_moe.int8_expert_rows`); more rows (a prefill), or few experts, through `torch._int_mm` per
+  active expert. Integer sums are exact and both scale in the same order, so a row's
   outputs are the same bits whichever serves it, in any batch. The `down` weight's input is a gated product,
   heavy-tailed as a dense MLP's is: it is rotated as a dense `down` is (`formats.rotate_blocks`), where the block
   divides the width.
@@ -29,6 +30,11 @@ from flashx_batch.backends import cpu_moe, on_host
 from flashx_batch.models import moe
 from flashx_batch.quant import formats as fm
 from flashx_batch.quant.linear import choose_kernel
+
+# experts from which a decode step's pairs take the compiled walk rather than `_int_mm` per active expert. One
+# thread, 2026-12-06, cold weights, walk ÷ loop time: 8 experts (2-4 pairs each) 1.33-2x slower, 16 experts 1.36x
+# and 32 experts 1.09x slower; 64 experts 1.17-1.29x faster (2-3 pairs each), 128 experts 1.95x faster
+WALK_MIN_EXPERTS = 48
 
 
 class Int8Experts(nn.Module):
@@ -70,12 +76,11 @@ class Int8Experts(nn.Module):
             return self._weight_only(rows, counts)
         codes, peak = fm.quantize_rows(rows, rotate=self.rotated)
         # every form scales as `formats.int8_dynamic_matmul` scales `_int_mm`'s sums (`scale_int8_sums`): same bits
-        # the float walk's size bound only: the int8 walk was not compared with `_int_mm` per expert by threads
-        if len(rows) <= moe.DECODE_MAX_PAIRS and on_host(rows):
+        if len(rows) <= moe.DECODE_MAX_PAIRS and len(counts) >= WALK_MIN_EXPERTS and on_host(rows):
             sums = cpu_moe.int8_expert_rows(codes, experts, self.q)
             if sums is not None:
                 return fm.scale_int8_sums(sums, self.scales[experts], peak)
-        # many rows an expert (a prefill), or no compiled walk: a GEMM per active expert, scaled while in cache
+        # a prefill, few experts, or no compiled walk: a GEMM per active expert, scaled while in cache
         out, start = torch.empty(len(rows), self.q.shape[1], dtype=torch.float32, device=rows.device), 0
         for expert, count in enumerate(counts.tolist()):
             if count:

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from flashx_batch.errors import ConfigError
-from flashx_batch.models import moe as moe_module
 from flashx_batch.models.loader import load_model
 from flashx_batch.models.moe import SparseMoE
 from flashx_batch.quant import apply_precision_map, load_precision_map
@@ -72,9 +71,18 @@ def test_the_decode_walk_and_the_per_expert_matmuls_give_the_same_bits(monkeypat
         moe.quantized[which] = Int8Experts.from_float(getattr(moe, f"experts_{which}").data, torch.float32,
                                                       rotate_input=rotate)
     assert moe.quantized["down"].rotated and not moe.quantized["gate_up"].rotated
+    from flashx_batch.backends import cpu_moe
+    from flashx_batch.quant import int8_experts
+
+    walks = []
+    real_walk = cpu_moe.int8_expert_rows
+    monkeypatch.setattr(cpu_moe, "int8_expert_rows", lambda *a: walks.append(1) or real_walk(*a))
+    monkeypatch.setattr(int8_experts, "WALK_MIN_EXPERTS", 1)  # the walk, whatever the expert count
     walked = moe.forward(x)
-    monkeypatch.setattr(moe_module, "DECODE_MAX_PAIRS", 0)
+    assert len(walks) == 2  # both projections asked the walk
+    monkeypatch.setattr(int8_experts, "WALK_MIN_EXPERTS", 10**6)  # few experts: `_int_mm` per active expert
     looped = moe.forward(x)
+    assert len(walks) == 2
     assert torch.equal(walked, looped)
     error = ((walked - want).norm() / want.norm()).item()
     assert 0 < error < 0.05
