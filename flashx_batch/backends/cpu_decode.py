@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -374,6 +374,15 @@ class RowExtents:
     lengths: np.ndarray  # int64 [B], each at least 1
     longest: int
     end: int  # one past the last slot any row reads
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """starts and lengths as int64 tensors on `device` (a GPU kernel's copy), made once per step: every
+        layer reads the same."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = (torch.from_numpy(self.starts).to(device), torch.from_numpy(self.lengths).to(device))
+        return self._on_device[key]
 
 
 def row_extents(starts: torch.Tensor, lengths: torch.Tensor) -> RowExtents:

@@ -1,5 +1,5 @@
 """Mixture-of-experts MLP: a router picks `top_k` experts per token; the (token, expert) pairs are sorted
-by expert, so each expert's tokens are one contiguous run, and the experts run in one of two ways:
+by expert, so each expert's tokens are one contiguous run, and the experts run in one of three ways:
 
 - **decode kernel** (a host call of at most `DECODE_MAX_PAIRS` pairs spread thin over the experts, float32,
   two threads or more): `backends.cpu_moe`, every pair's rows in one compiled call, no per-expert dispatch
@@ -72,13 +72,13 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _grouped_ok[key]
 
 
-def _decode_kernel_serves(pairs: int, experts: int, x: torch.Tensor, grouped_fits: bool) -> bool:
+def _decode_kernel_serves(pairs: int, experts: int, x: torch.Tensor, grouped: bool) -> bool:
     """Whether a call of `pairs` (token, expert) pairs over `experts` experts on `x`'s device takes the decode
     kernel: a decode step's few pairs on the host; where the grouped GEMM would serve the call instead
-    (`grouped_fits`, and this torch has one), only with the pairs spread thin and `DECODE_MIN_THREADS` threads."""
+    (`grouped`), only with the pairs spread thin and `DECODE_MIN_THREADS` threads."""
     if pairs > DECODE_MAX_PAIRS or not on_host(x):
         return False
-    if not (grouped_fits and grouped_mm_available(x.device, x.dtype)):
+    if not grouped:
         return True  # else the loop over experts, with its read-back of the counts
     return pairs < DECODE_PAIRS_PER_EXPERT * experts and torch.get_num_threads() >= DECODE_MIN_THREADS
 
@@ -106,14 +106,17 @@ class SparseMoE(nn.Module):
         """x through expert's gate / up (`which` 0) or down (1) weight."""
         return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
 
-    def _grouped_fits(self, rows: torch.Tensor) -> bool:
-        """Whether these sorted rows are few enough an expert for the grouped GEMM: `GROUPED_MAX_MACS` on the
-        host, where it was measured; elsewhere up to `GROUPED_MAX_ROWS` rows an expert (a GPU's grouped GEMM
-        also spares the loop's read-back of the counts)."""
-        spec, pairs = self.spec, len(rows)
+    def _grouped_serves(self, pairs: int, rows: torch.Tensor) -> bool:
+        """Whether the grouped GEMM serves `pairs` sorted rows like `rows`: this torch has one for their device
+        and dtype, and they are few enough an expert — `GROUPED_MAX_MACS` on the host, where it was measured;
+        elsewhere up to `GROUPED_MAX_ROWS` rows an expert (a GPU's grouped GEMM also spares the loop's read-back
+        of the counts)."""
+        spec = self.spec
         if not on_host(rows):
-            return pairs <= GROUPED_MAX_ROWS * spec.num_experts
-        return pairs * 2 * spec.intermediate * self.hidden <= GROUPED_MAX_MACS * spec.num_experts
+            fits = pairs <= GROUPED_MAX_ROWS * spec.num_experts
+        else:
+            fits = pairs * 2 * spec.intermediate * self.hidden <= GROUPED_MAX_MACS * spec.num_experts
+        return fits and grouped_mm_available(rows.device, rows.dtype)
 
     def _grouped(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Sorted rows [pairs, hidden] through their experts (`ends`: each expert's end offset): [pairs, hidden]."""
@@ -137,11 +140,12 @@ class SparseMoE(nn.Module):
         if name in self.quantized:
             return self.quantized[name].sorted_rows(rows, experts, counts)
         weights = (self.experts_gate_up, self.experts_down)[which]
-        if _decode_kernel_serves(len(rows), self.spec.num_experts, rows, self._grouped_fits(rows)):
+        grouped = self._grouped_serves(len(rows), rows)
+        if _decode_kernel_serves(len(rows), self.spec.num_experts, rows, grouped):
             out = cpu_moe.expert_rows(rows, experts, weights)
             if out is not None:
                 return out
-        if self._grouped_fits(rows) and grouped_mm_available(rows.device, rows.dtype):
+        if grouped:
             return torch._grouped_mm(rows, weights.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
         out, start = rows.new_empty(len(rows), weights.shape[1]), 0
         for expert, count in enumerate(counts.tolist()):
@@ -202,14 +206,14 @@ class SparseMoE(nn.Module):
         tokens, slot_weights = order // self.spec.top_k, weights.reshape(-1)[order]
         counts = torch.bincount(flat_choice, minlength=self.spec.num_experts)
         pairs = len(flat_choice)
-        h = None
+        h, grouped = None, self._grouped_serves(pairs, flat)
         if len(self.quantized):  # a projection in another format: one projection at a time (module docstring)
             sorted_experts = flat_choice[order]
             gate, up = self._project(0, flat[tokens], sorted_experts, counts).split(self.spec.intermediate, dim=-1)
             h = self._project(1, F.silu(gate) * up, sorted_experts, counts)
-        elif _decode_kernel_serves(pairs, self.spec.num_experts, flat, self._grouped_fits(flat_choice)):
+        elif _decode_kernel_serves(pairs, self.spec.num_experts, flat, grouped):
             h = self._decode_rows(flat[tokens], flat_choice[order])
-        if h is None and self._grouped_fits(flat_choice) and grouped_mm_available(flat.device, flat.dtype):
+        if h is None and grouped:
             h = self._grouped(flat[tokens], counts.cumsum(0).to(torch.int32))
         if h is not None:
             out.index_add_(0, tokens, (h * slot_weights[:, None]).float())  # expert order: a token's ascending

@@ -160,8 +160,8 @@ class ForwardPasses:
 
     @torch.inference_mode()
     def decode_runs(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
-                    runs: tuple[tuple[int, int, int, int, int, bool], ...], adapters: RowAdapters | None = None,
-                    extents: cpu_decode.RowExtents | None = None) -> torch.Tensor:
+                    runs: tuple[tuple[int, int, int, int, int, bool], ...], extents: cpu_decode.RowExtents,
+                    adapters: RowAdapters | None = None) -> torch.Tensor:
         """One step for rows in extents of their own: row i's cache begins at flat slot starts[i] and its
         new token goes to slot positions[i] of it; attention reads the `runs`
         (`layouts.extents.extent_runs`), or every row at once from `extents` (the same starts and lengths, built
@@ -169,8 +169,6 @@ class ForwardPasses:
         mask = None
         if not all(run[-1] for run in runs):  # some run holds rows of different lengths
             mask = self.visible(max(run[4] for run in runs), positions)
-        if extents is None and self.backend.host_kernels:
-            extents = cpu_decode.row_extents(starts, positions + 1)
         return self.model.logits(self.step_hidden(tokens, positions, starts + positions, mask, runs, extents, adapters))
 
     def step_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, write_flat: torch.Tensor,

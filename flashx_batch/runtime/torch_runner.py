@@ -290,8 +290,8 @@ class TorchRunner(ModelRunner):
         starts = torch.tensor(d.starts, dtype=torch.long, device=self.device)
         # each row's first slot and slots read, from the plan (host data): one call per step for every row
         extents = cpu_decode.row_extents(torch.tensor(d.starts), torch.tensor(d.positions) + 1)
-        return self.passes.decode_runs(self.live.tokens, positions, starts, d.runs,
-                                       self.live.adapter_rows(self.model.lora), extents)
+        return self.passes.decode_runs(self.live.tokens, positions, starts, d.runs, extents,
+                                       self.live.adapter_rows(self.model.lora))
 
     def _paged_step(self, d: PagedDecode) -> torch.Tensor:
         positions = torch.tensor(d.positions, dtype=torch.long, device=self.device)[:, None]

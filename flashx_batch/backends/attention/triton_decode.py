@@ -193,8 +193,7 @@ class DecodeTriton(DecodeSdpa):
             return super().read(q, layer, meta, cache)
         batch, group = q.shape[0], layer.num_heads // layer.num_kv_heads
         folded = q.reshape(batch, layer.num_kv_heads, group, layer.head_dim)  # head h -> KV head h // group
-        starts = torch.from_numpy(rows.starts).to(q.device, non_blocking=True)
-        lengths = torch.from_numpy(rows.lengths).to(q.device, non_blocking=True)
+        starts, lengths = rows.on(q.device)
         out = attend_extents(folded, k_flat, v_flat, starts, lengths, layer.scale)
         return out.reshape(batch, layer.num_heads, 1, layer.head_dim)
 
